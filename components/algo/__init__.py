@@ -1,0 +1,39 @@
+"""Pure SAO math on tensors (imports torch only). DESIGN section 2 is the specification."""
+
+from components.algo.baselines import (
+    RunningMeanBaseline,
+    broadcast_sequence_advantages,
+    grpo_advantages,
+    normalize_advantages,
+)
+from components.algo.gae import discounted_reverse_cumsum, gae, gae_reference, timestep_mask
+from components.algo.losses import (
+    DIS_PRESETS,
+    clipped_value_loss,
+    dis_policy_loss,
+    dis_window_mask,
+    entropy_from_logits,
+    ppo_policy_loss,
+)
+from components.algo.reductions import explained_variance, masked_mean, masked_sum, masked_var
+
+__all__ = [
+    "DIS_PRESETS",
+    "RunningMeanBaseline",
+    "broadcast_sequence_advantages",
+    "clipped_value_loss",
+    "discounted_reverse_cumsum",
+    "dis_policy_loss",
+    "dis_window_mask",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae",
+    "gae_reference",
+    "grpo_advantages",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "normalize_advantages",
+    "ppo_policy_loss",
+    "timestep_mask",
+]

@@ -1,0 +1,43 @@
+"""Masked reductions over `[B, T]` token tensors.
+
+Every function takes a `mask` of the same shape as its data (1 where a position counts, 0 elsewhere) and
+reduces over all positions of the mini-batch (token-level mean, as DIS and the critic loss require).
+An empty mask gives 0, not NaN: a mini-batch with no action token contributes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    """Sum of `x` where `mask` is set. Shapes: x, mask `(B, T)` (any equal shapes). Returns a scalar."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of `x` over positions where `mask` is set; 0 when the mask is empty."""
+    count = mask.sum().to(x.dtype)
+    return masked_sum(x, mask) / count.clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor) -> Tensor:
+    """Population variance of `x` over the masked positions; 0 when the mask is empty."""
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """`1 - Var(returns - values) / Var(returns)` over the masked positions.
+
+    1 is a perfect critic, 0 one that predicts the mean, negative one worse than the mean.
+    When the returns have no variance the ratio is undefined; we return 0 then (nothing explained).
+
+    Shapes: values, returns, mask `(B, T)`. Returns a detached scalar.
+    """
+    values, returns = values.detach(), returns.detach()
+    var_returns = masked_var(returns, mask)
+    var_residual = masked_var(returns - values, mask)
+    ev = 1.0 - var_residual / var_returns.clamp(min=torch.finfo(returns.dtype).tiny)
+    return torch.where(var_returns > 0, ev, torch.zeros_like(ev))
