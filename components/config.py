@@ -1,0 +1,250 @@
+"""The one typed configuration tree.
+
+Frozen dataclasses, a docstring under every field, invariants checked at construction. Presets are data:
+`components/presets/<name>.toml`, loaded by `load_config`, with optional dotted overrides
+(`sft.steps=100`). Unknown keys and bad values fail with the dotted path of the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names the dotted field path."""
+
+
+def _require(ok: bool, path: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{path}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None
+    """Local Hugging Face model directory to start from; when set, the architecture fields below are ignored.
+    Nothing is ever downloaded from a hub."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 3
+    """Decoder layers."""
+    num_heads: int = 2
+    """Attention query heads."""
+    num_kv_heads: int = 1
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    head_dim: int = 64
+    """Per-head width; >= 64 so that vLLM's CPU attention accepts the model."""
+    num_experts: int = 4
+    """MoE experts per layer."""
+    experts_per_token: int = 2
+    """Experts routed per token (top-k)."""
+    moe_intermediate_size: int = 128
+    """Hidden width of each expert's MLP."""
+    max_position_embeddings: int = 512
+    """Context length in tokens."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts",
+                     "experts_per_token", "moe_intermediate_size", "max_position_embeddings"):
+            _require(getattr(self, name) > 0, f"model.{name}", f"must be > 0, got {getattr(self, name)}")
+        _require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
+                 f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
+        _require(self.experts_per_token <= self.num_experts, "model.experts_per_token",
+                 f"must be <= num_experts={self.num_experts}, got {self.experts_per_token}")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    kinds: tuple[Literal["affine", "two_step"], ...] = ("affine",)
+    """Problem families of the synthetic tool-integrated task: `affine` is a*b+c with one tool call,
+    `two_step` is (a*b+c)*d solved with two tool calls."""
+    operand_max: int = 99
+    """Operands are drawn uniformly from [2, operand_max]."""
+    train_size: int = 20000
+    """Teacher traces generated for SFT."""
+    eval_size: int = 200
+    """Held-out problems (disjoint seed stream from training)."""
+    seed: int = 0
+    """Seed of the problem generator."""
+    max_turns: int = 4
+    """Model turns per episode (each turn ends at a tool call or the final answer)."""
+    max_new_tokens: int = 48
+    """New tokens per model turn."""
+
+    def __post_init__(self) -> None:
+        _require(len(self.kinds) > 0, "task.kinds", "must name at least one problem family")
+        for kind in self.kinds:
+            _require(kind in ("affine", "two_step"), "task.kinds", f"unknown problem family {kind!r}")
+        _require(self.operand_max >= 2, "task.operand_max", f"must be >= 2, got {self.operand_max}")
+        for name in ("train_size", "eval_size", "max_turns", "max_new_tokens"):
+            _require(getattr(self, name) > 0, f"task.{name}", f"must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 1500
+    """Optimizer steps."""
+    batch_size: int = 64
+    """Traces per step."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate (linear warm-up, cosine decay to min_lr)."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 50
+    """Linear warm-up steps (capped at `steps`)."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    seed: int = 0
+    """Seed for model init and batch order."""
+    log_every: int = 100
+    """Steps between progress lines."""
+
+    def __post_init__(self) -> None:
+        _require(self.steps > 0, "sft.steps", f"must be > 0, got {self.steps}")
+        _require(self.batch_size > 0, "sft.batch_size", f"must be > 0, got {self.batch_size}")
+        _require(0 < self.min_lr <= self.lr, "sft.min_lr", f"must be in (0, lr={self.lr}], got {self.min_lr}")
+        _require(self.warmup_steps >= 0, "sft.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(self.grad_clip > 0, "sft.grad_clip", f"must be > 0, got {self.grad_clip}")
+        _require(self.log_every > 0, "sft.log_every", f"must be > 0, got {self.log_every}")
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    gamma: float = 1.0
+    """Discount."""
+    lam_critic: float = 1.0
+    """GAE lambda for the critic's targets (DESIGN: decoupled lambdas)."""
+    lam_policy: float = 0.95
+    """GAE lambda for the policy's advantages."""
+    dis_preset: Literal["reasoning", "coding"] = "reasoning"
+    """DIS window preset: reasoning (0.3, 5.0), coding (0.8, 3.0); eps_low/eps_high override it."""
+    eps_low: float | None = None
+    """DIS lower half-width; None takes the preset's."""
+    eps_high: float | None = None
+    """DIS upper half-width; None takes the preset's."""
+    temperature: float = 1.0
+    """Rollout sampling temperature; log-probs are log_softmax(logits / temperature)."""
+    critic_updates: int = 2
+    """K: critic updates per policy update."""
+    value_clip: float = 0.2
+    """Clip range of the value loss."""
+    normalize_advantages: bool = False
+    """Whiten advantages per mini-batch (off for SAO)."""
+
+    def __post_init__(self) -> None:
+        for name in ("gamma", "lam_critic", "lam_policy"):
+            value = getattr(self, name)
+            _require(0.0 <= value <= 1.0, f"algo.{name}", f"must be in [0, 1], got {value}")
+        _require(self.dis_preset in ("reasoning", "coding"), "algo.dis_preset",
+                 f"must be 'reasoning' or 'coding', got {self.dis_preset!r}")
+        for name in ("eps_low", "eps_high"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"algo.{name}", f"must be > 0, got {value}")
+        _require(self.temperature > 0, "algo.temperature", f"must be > 0, got {self.temperature}")
+        _require(self.critic_updates >= 1, "algo.critic_updates", f"must be >= 1, got {self.critic_updates}")
+        _require(self.value_clip > 0, "algo.value_clip", f"must be > 0, got {self.value_clip}")
+
+    @property
+    def dis_window(self) -> tuple[float, float]:
+        """(eps_low, eps_high) after applying the preset."""
+        from components.algo import DIS_PRESETS
+
+        low, high = DIS_PRESETS[self.dis_preset]
+        return (self.eps_low if self.eps_low is not None else low,
+                self.eps_high if self.eps_high is not None else high)
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "custom"
+    """Preset or run name."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy architecture (the critic shares it)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The synthetic tool-integrated task."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised fine-tuning on teacher traces."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """SAO math settings."""
+
+
+def load_config(preset: str, overrides: list[str] | None = None) -> Config:
+    """Load `presets/<preset>.toml` and apply `key.path=value` overrides (values parsed as TOML)."""
+    path = PRESET_DIR / f"{preset}.toml"
+    if not path.exists():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+        raise ConfigError(f"preset: unknown preset {preset!r}; known presets: {known}")
+    data = tomllib.loads(path.read_text())
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r}: expected key.path=value")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw  # a bare string such as a path
+        node = data
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    data.setdefault("name", preset)
+    return from_dict(Config, data)
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build a (nested) config dataclass from plain data, rejecting unknown keys by their dotted path."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}: unknown field (expected one of {sorted(names)})")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix}{key}: expected a table, got {value!r}")
+            kwargs[key] = from_dict(hint, value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, hint, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain nested dict of a config (for logging and for saving next to checkpoints)."""
+    return dataclasses.asdict(config)
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return tuple(_coerce(v, args[0], path) for v in value)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: must be one of {list(args)}, got {value!r}")
+        return value
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], path)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{path}: expected {hint.__name__}, got {value!r}")
+    return value

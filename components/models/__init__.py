@@ -1,0 +1,21 @@
+"""Policy and critic construction, attention freezing, chunked token log-probs, the character tokenizer."""
+
+from components.models.freeze import freeze_attention, is_attention_module
+from components.models.logprobs import token_logprobs
+from components.models.policy import build_policy, init_model_dir, load_policy, save_model_dir
+from components.models.tokenizer import build_tokenizer, load_tokenizer, stop_token_ids
+from components.models.value import ValueModel
+
+__all__ = [
+    "ValueModel",
+    "build_policy",
+    "build_tokenizer",
+    "freeze_attention",
+    "init_model_dir",
+    "is_attention_module",
+    "load_policy",
+    "load_tokenizer",
+    "save_model_dir",
+    "stop_token_ids",
+    "token_logprobs",
+]

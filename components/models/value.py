@@ -1,0 +1,58 @@
+"""Value model: the policy's backbone with a scalar head (DESIGN section 2, "Critic").
+
+`values[b, t] = V(s_t)` is read from the hidden state at position t-1, the same position whose logits give
+`logprobs[b, t]`; position 0 has no state before it and reads 0.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from transformers import AutoModel, PreTrainedModel
+
+HEAD_FILE = "value_head.safetensors"
+
+
+class ValueModel(nn.Module):
+    """Backbone (a transformers base model) + `value_head: Linear(hidden, 1)`."""
+
+    def __init__(self, backbone: PreTrainedModel, head: nn.Linear | None = None) -> None:
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone.config.hidden_size
+        self.value_head = head if head is not None else nn.Linear(hidden, 1)
+        if head is None:
+            nn.init.normal_(self.value_head.weight, std=1.0 / (hidden + 1))
+            nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_policy(cls, policy: PreTrainedModel) -> "ValueModel":
+        """Initialise from a policy (e.g. the SFT checkpoint): a copy of its decoder and a fresh head."""
+        return cls(copy.deepcopy(policy.get_decoder()))
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """`(B, T)` ids -> `(B, T)` float32 values, `values[:, t] = head(hidden[:, t-1])`, `values[:, 0] = 0`."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        v = self.value_head(hidden).squeeze(-1).float()
+        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.backbone.save_pretrained(str(path), safe_serialization=True)
+        save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()}, str(path / HEAD_FILE))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ValueModel":
+        path = Path(path)
+        if not (path / HEAD_FILE).exists():
+            raise FileNotFoundError(f"value model directory {path} has no {HEAD_FILE}")
+        backbone = AutoModel.from_pretrained(str(path), local_files_only=True)
+        head = nn.Linear(backbone.config.hidden_size, 1)
+        head.load_state_dict(load_file(str(path / HEAD_FILE)))
+        return cls(backbone, head)
