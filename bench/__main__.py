@@ -1,0 +1,23 @@
+"""`python -m bench [name ...]`: run the benchmarks (all by default)."""
+
+import sys
+
+import torch
+
+from bench import gae_bench
+
+BENCHES = {"gae": gae_bench.run}
+
+
+def main(argv: list[str]) -> None:
+    names = argv or list(BENCHES)
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        raise SystemExit(f"unknown benchmark(s) {unknown}; known: {list(BENCHES)}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for name in names:
+        BENCHES[name]()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

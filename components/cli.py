@@ -1,0 +1,63 @@
+"""`sao` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from components.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sao", description="SAO: single-rollout asynchronous RL for LLM agents")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--preset", default="tiny-cpu", help="preset under components/presets (default tiny-cpu)")
+        p.add_argument("--home", type=Path, default=None, help="run home (default ./.sao or $SAO_HOME)")
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="config override, e.g. --set sft.steps=200 (repeatable)")
+
+    p_run = sub.add_parser("run", help="the embedded pipeline: teacher traces -> SFT -> held-out evaluation")
+    common(p_run)
+    p_run.add_argument("--force", action="store_true", help="retrain even if a complete SFT policy exists")
+
+    p_eval = sub.add_parser("eval", help="held-out tool-integrated evaluation of a model directory")
+    common(p_eval)
+    p_eval.add_argument("--model", type=Path, required=True, help="HF model directory")
+
+    p_model = sub.add_parser("model", help="model directories")
+    model_sub = p_model.add_subparsers(dest="model_command", required=True)
+    p_init = model_sub.add_parser("init", help="write a freshly initialised preset model as an HF directory")
+    common(p_init)
+    p_init.add_argument("--out", type=Path, required=True)
+    p_init.add_argument("--seed", type=int, default=0)
+
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.preset, args.overrides)
+    except ConfigError as exc:
+        parser.exit(2, f"sao: config error: {exc}\n")
+
+    from components import jobs  # heavy imports (transformers) only after argument parsing
+
+    home = args.home or jobs.default_home()
+    if args.command == "run":
+        model_dir = jobs.run_sft(cfg, home, force=args.force)
+        report = jobs.run_eval(cfg, model_dir, home, "sft-eval")
+        print(f"held-out accuracy of the SFT policy: {report.accuracy:.1%} ({report.n} problems, "
+              f"{report.tool_calls_mean:.2f} tool calls each, {report.seconds:.0f}s)")
+        print(f"report: {home / 'reports' / 'sft-eval.json'}")
+    elif args.command == "eval":
+        report = jobs.run_eval(cfg, args.model, home, "eval")
+        print(f"held-out accuracy: {report.accuracy:.1%} ({report.n} problems)")
+    elif args.command == "model":
+        from components.models import init_model_dir
+
+        print(init_model_dir(cfg.model, args.out, seed=args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Programmatic teacher: writes the TIR trace a strong model would write for a synthetic problem.
+
+The embedded stand-in for distilling GPT-OSS-120B: one tool call per arithmetic step, the tool's exact
+stdout as the observation, and the answer copied from the last output into `\\boxed{}`. The code it writes
+is our own (never model output), so its output is computed directly rather than in the sandbox; a test
+checks that the sandbox prints the same.
+"""
+
+from __future__ import annotations
+
+from components.data.tasks import Problem
+from components.data.traces import Trace, Turn
+
+
+def teacher_trace(problem: Problem) -> Trace:
+    """The reference TIR trace of a problem."""
+    turns = [Turn("user", problem.question)]
+    if problem.kind == "affine":
+        a, b, c = problem.operands
+        steps = [(f"print({a}*{b}+{c})", a * b + c)]
+    elif problem.kind == "two_step":
+        a, b, c, d = problem.operands
+        first = a * b + c
+        steps = [(f"print({a}*{b}+{c})", first), (f"print({first}*{d})", first * d)]
+    else:
+        raise ValueError(f"problem {problem.problem_id}: the teacher has no solution for kind {problem.kind!r}")
+    for code, value in steps:
+        turns.append(Turn("assistant", "", code))
+        turns.append(Turn("tool", f"{value}\n"))
+    turns.append(Turn("assistant", f"\\boxed{{{problem.answer}}}"))
+    return Trace(problem.problem_id, tuple(turns), problem.answer)

@@ -1,0 +1,186 @@
+"""The tool-integrated reasoning (TIR) trace format, shared by the programmatic teacher and real teachers.
+
+A trace is a conversation: the user's question, assistant turns that may end in a Python tool call, tool
+turns carrying the call's output, and a final assistant turn with a `\\boxed{}` answer. A real teacher
+(GPT-OSS-120B behind an OpenAI-compatible endpoint) returns OpenAI chat messages with `tool_calls`;
+`trace_from_openai_messages` parses those into the same `Trace`, so SFT sees one format.
+
+Rendering to tokens (character tokenizer markers):
+
+    <|user|>{question}<|assistant|>                         prompt         action_mask 0
+    {text}<|python|>{code}<|/python|>                        assistant turn action_mask 1
+    <|output|>{stdout}<|/output|>                            tool turn      action_mask 0 (observation)
+    {text}\\boxed{answer}<|end|>                             final turn     action_mask 1
+
+Each segment is tokenised on its own and the ids concatenated, exactly as the agent loop builds a
+trajectory, so training never sees a retokenised sequence that rollouts did not produce.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from components.models.tokenizer import ASSISTANT, CALL, CALL_END, END, OUTPUT, OUTPUT_END, USER
+
+Role = Literal["user", "assistant", "tool"]
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: Role
+    """`user`, `assistant` or `tool`."""
+    content: str
+    """Text of the turn (for tool turns: the tool's output)."""
+    tool_code: str | None = None
+    """Python code of the tool call an assistant turn ends with; None for a final answer."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    problem_id: str
+    """Id of the problem the trace solves."""
+    turns: tuple[Turn, ...]
+    """user, then alternating assistant/tool turns, ending with an assistant turn without a tool call."""
+    answer: int
+    """The reference answer of the problem (for grading and filtering)."""
+
+    def __post_init__(self) -> None:
+        validate_turns(self.turns, self.problem_id)
+
+
+def validate_turns(turns: tuple[Turn, ...], where: str) -> None:
+    """Structural checks of a trace; the message names the turn index and field."""
+    if not turns or turns[0].role != "user":
+        raise ValueError(f"trace {where}: turns[0].role must be 'user'")
+    for i, turn in enumerate(turns[1:], start=1):
+        expected = "assistant" if i % 2 == 1 else "tool"
+        if turn.role != expected:
+            raise ValueError(f"trace {where}: turns[{i}].role must be {expected!r}, got {turn.role!r}")
+        if turn.role == "tool" and turns[i - 1].tool_code is None:
+            raise ValueError(f"trace {where}: turns[{i}] is a tool turn but turns[{i - 1}] made no tool call")
+    last = turns[-1]
+    if last.role != "assistant" or last.tool_code is not None:
+        raise ValueError(f"trace {where}: the last turn must be an assistant answer without a tool call")
+
+
+def prompt_text(question: str) -> str:
+    """The prompt an episode starts from."""
+    return f"{USER}{question}{ASSISTANT}"
+
+
+def assistant_text(turn: Turn) -> str:
+    """The tokens the policy writes for an assistant turn."""
+    if turn.tool_code is not None:
+        return f"{turn.content}{CALL}{turn.tool_code}{CALL_END}"
+    return f"{turn.content}{END}"
+
+
+def observation_text(output: str) -> str:
+    """The tokens the environment appends after a tool call."""
+    return f"{OUTPUT}{output}{OUTPUT_END}"
+
+
+def render_segments(trace: Trace) -> list[tuple[str, bool]]:
+    """`(text, is_action)` segments of a trace in order."""
+    segments = [(prompt_text(trace.turns[0].content), False)]
+    for turn in trace.turns[1:]:
+        if turn.role == "assistant":
+            segments.append((assistant_text(turn), True))
+        else:
+            segments.append((observation_text(turn.content), False))
+    return segments
+
+
+def render_tokens(trace: Trace, tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids and action mask of a trace, segment by segment."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, is_action in render_segments(trace):
+        seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids.extend(seg)
+        mask.extend([int(is_action)] * len(seg))
+    return ids, mask
+
+
+def trace_from_openai_messages(problem_id: str, messages: list[dict], answer: int) -> Trace:
+    """Parse an OpenAI chat transcript (a real teacher's output) into a `Trace`.
+
+    Assistant messages may carry `tool_calls` with a function named `python` whose JSON arguments hold
+    `code`; tool messages carry the output. System messages are dropped (the prompt format is ours).
+    """
+    turns: list[Turn] = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role == "system":
+            continue
+        content = message.get("content") or ""
+        if role == "assistant" and message.get("tool_calls"):
+            calls = message["tool_calls"]
+            if len(calls) != 1:
+                raise ValueError(f"messages[{i}].tool_calls: expected exactly one call, got {len(calls)}")
+            function = calls[0].get("function", {})
+            if function.get("name") != "python":
+                raise ValueError(f"messages[{i}].tool_calls[0].function.name: expected 'python', "
+                                 f"got {function.get('name')!r}")
+            try:
+                code = json.loads(function.get("arguments", "{}"))["code"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"messages[{i}].tool_calls[0].function.arguments: no JSON 'code' field") from exc
+            turns.append(Turn("assistant", content, code))
+        elif role in ("user", "assistant", "tool"):
+            turns.append(Turn(role, content))
+        else:
+            raise ValueError(f"messages[{i}].role: unknown role {role!r}")
+    return Trace(problem_id, tuple(turns), answer)
+
+
+_SCHEMA = pa.schema([
+    ("problem_id", pa.string()),
+    ("answer", pa.int64()),
+    ("roles", pa.list_(pa.string())),
+    ("contents", pa.list_(pa.string())),
+    ("tool_codes", pa.list_(pa.string())),
+])
+
+
+def write_traces(path: str | Path, traces: list[Trace]) -> Path:
+    """Write traces as Parquet (one row per trace, turns as parallel lists)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table({
+        "problem_id": [t.problem_id for t in traces],
+        "answer": [t.answer for t in traces],
+        "roles": [[turn.role for turn in t.turns] for t in traces],
+        "contents": [[turn.content for turn in t.turns] for t in traces],
+        "tool_codes": [[turn.tool_code for turn in t.turns] for t in traces],
+    }, schema=_SCHEMA)
+    pq.write_table(table, path)
+    return path
+
+
+def read_traces(path: str | Path) -> list[Trace]:
+    """Read and validate traces; a malformed row fails with its row index and field."""
+    table = pq.read_table(path)
+    missing = set(_SCHEMA.names) - set(table.column_names)
+    if missing:
+        raise ValueError(f"{path}: missing columns {sorted(missing)}")
+    traces = []
+    for row, rec in enumerate(table.to_pylist()):
+        n = len(rec["roles"])
+        for name in ("contents", "tool_codes"):
+            if len(rec[name]) != n:
+                raise ValueError(f"{path} row {row}: {name} has {len(rec[name])} entries, roles has {n}")
+        if rec["answer"] is None:
+            raise ValueError(f"{path} row {row}: answer is null")
+        turns = tuple(Turn(r, c, code) for r, c, code in zip(rec["roles"], rec["contents"], rec["tool_codes"]))
+        try:
+            traces.append(Trace(rec["problem_id"], turns, rec["answer"]))
+        except ValueError as exc:
+            raise ValueError(f"{path} row {row}: {exc}") from exc
+    return traces

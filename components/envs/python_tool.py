@@ -1,0 +1,31 @@
+"""The Python tool of tool-integrated reasoning: model-written code runs in the sandbox, and its result
+becomes the observation text the model sees next."""
+
+from __future__ import annotations
+
+from components.envs.sandbox import SandboxResult, run_python
+
+
+def observation_from_result(result: SandboxResult, max_chars: int = 256) -> str:
+    """stdout on success; otherwise a one-line error (the last stderr line, or the limit that was hit)."""
+    if result.timed_out:
+        text = "TimeoutError: the tool call exceeded its time limit\n"
+    elif result.memory_exceeded:
+        text = "MemoryError: the tool call exceeded its memory limit\n"
+    elif result.exit_code != 0:
+        lines = result.stderr.strip().splitlines()
+        text = (lines[-1] if lines else f"exit code {result.exit_code}") + "\n"
+    else:
+        text = result.stdout
+    return text if len(text) <= max_chars else text[:max_chars] + "...\n"
+
+
+class PythonTool:
+    """Callable tool runner: `tool(code) -> observation text`."""
+
+    def __init__(self, timeout_s: float = 5.0, max_chars: int = 256) -> None:
+        self.timeout_s = timeout_s
+        self.max_chars = max_chars
+
+    def __call__(self, code: str) -> str:
+        return observation_from_result(run_python(code, timeout_s=self.timeout_s), self.max_chars)

@@ -1,0 +1,81 @@
+"""End-to-end jobs behind the CLI (and, later, the Prefect flows): each step reads and writes the run home.
+
+Home layout (`--home`, default `./.sao` or `$SAO_HOME`):
+
+    data/tir_train.parquet      teacher traces for SFT
+    models/sft-policy/          HF model directory of the SFT policy (complete once `_COMPLETE` exists)
+    reports/sft-eval.json       held-out evaluation of the SFT policy
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from components.config import Config, to_dict
+from components.data.tasks import generate_problems
+from components.data.teacher import teacher_trace
+from components.data.traces import read_traces, write_traces
+from components.envs.python_tool import PythonTool
+from components.eval.tir_eval import EvalReport, evaluate_tir
+from components.models import build_policy, build_tokenizer, load_policy, load_tokenizer, save_model_dir
+from components.storage import atomic_dir, is_complete, write_json
+from components.training.sft import train_sft
+
+Log = Callable[[str], None]
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("SAO_HOME", ".sao"))
+
+
+def build_sft_data(cfg: Config, home: Path, log: Log = print) -> Path:
+    """Generate the teacher traces of the training split (reused when already there and valid)."""
+    path = home / "data" / "tir_train.parquet"
+    if path.exists() and len(read_traces(path)) == cfg.task.train_size:
+        log(f"data: reusing {path}")
+        return path
+    problems = generate_problems(cfg.task.kinds, cfg.task.train_size, cfg.task.seed, cfg.task.operand_max, "train")
+    write_traces(path, [teacher_trace(p) for p in problems])
+    log(f"data: wrote {len(problems)} teacher traces to {path}")
+    return path
+
+
+def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> Path:
+    """Train the SFT policy from scratch (or from `model.path`) and save it as an HF model directory."""
+    out = home / "models" / "sft-policy"
+    if is_complete(out) and not force:
+        log(f"sft: reusing the complete SFT policy at {out} (--force retrains)")
+        return out
+    traces = read_traces(build_sft_data(cfg, home, log))
+    tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else build_tokenizer()
+    model = build_policy(cfg.model, tokenizer, seed=cfg.sft.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"sft: {type(model).__name__} with {n_params / 1e6:.2f}M parameters, {len(traces)} traces, "
+        f"{cfg.sft.steps} steps x {cfg.sft.batch_size}")
+    result = train_sft(model, tokenizer, traces, cfg.sft, log)
+    with atomic_dir(out) as tmp:
+        save_model_dir(model, tokenizer, tmp)
+        write_json(tmp / "sao_sft.json", {"config": to_dict(cfg), "result": asdict(result)})
+    log(f"sft: saved {out}")
+    return out
+
+
+def run_eval(cfg: Config, model_dir: Path, home: Path, name: str, log: Log = print) -> EvalReport:
+    """Greedy held-out evaluation with real (sandboxed) tool calls; writes `reports/<name>.json`."""
+    model, tokenizer = load_policy(model_dir), load_tokenizer(model_dir)
+    problems = generate_problems(cfg.task.kinds, cfg.task.eval_size, cfg.task.seed, cfg.task.operand_max, "eval")
+    report = evaluate_tir(model, tokenizer, problems, PythonTool(), cfg.task.max_turns, cfg.task.max_new_tokens)
+    write_json(home / "reports" / f"{name}.json", {
+        "model": str(model_dir),
+        "accuracy": report.accuracy,
+        "n": report.n,
+        "tool_calls_mean": report.tool_calls_mean,
+        "finish_reasons": report.finish_reasons,
+        "seconds": report.seconds,
+        "samples": [{"problem": ep.problem.question, "answer": ep.problem.answer, "output": ep.text,
+                     "correct": ep.correct, "finish_reason": ep.finish_reason} for ep in report.episodes[:20]],
+    })
+    return report

@@ -1,0 +1,51 @@
+"""Local artifact helpers: atomic directory writes with a completion marker.
+
+A directory is complete only once its `_COMPLETE` marker exists; the marker is written last, after the
+content was fully written under a temporary name and renamed into place, so a crash never leaves a
+half-written directory that looks whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+MARKER = "_COMPLETE"
+
+
+def is_complete(path: str | Path) -> bool:
+    """True when `path` holds a completed artifact."""
+    return (Path(path) / MARKER).is_file()
+
+
+@contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory to fill; on success it replaces `path` and gets its marker."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    (path / MARKER).write_text(json.dumps({"completed_at": time.time()}))
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    """Write JSON atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
