@@ -75,6 +75,9 @@ class TaskConfig:
     """Held-out problems (disjoint seed stream from training)."""
     seed: int = 0
     """Seed of the problem generator."""
+    teacher_mental_max: int = 700
+    """The teacher answers without a tool call when a*b < this (a strong model's mental arithmetic, which
+    the tiny student cannot imitate; the gap RL closes). 0: always use the tool."""
     max_turns: int = 4
     """Model turns per episode (each turn ends at a tool call or the final answer)."""
     max_new_tokens: int = 48
@@ -85,13 +88,15 @@ class TaskConfig:
         for kind in self.kinds:
             _require(kind in ("affine", "two_step"), "task.kinds", f"unknown problem family {kind!r}")
         _require(self.operand_max >= 2, "task.operand_max", f"must be >= 2, got {self.operand_max}")
+        _require(self.teacher_mental_max >= 0, "task.teacher_mental_max",
+                 f"must be >= 0, got {self.teacher_mental_max}")
         for name in ("train_size", "eval_size", "max_turns", "max_new_tokens"):
             _require(getattr(self, name) > 0, f"task.{name}", f"must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 1500
+    steps: int = 1000
     """Optimizer steps."""
     batch_size: int = 64
     """Traces per step."""

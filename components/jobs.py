@@ -2,13 +2,15 @@
 
 Home layout (`--home`, default `./.sao` or `$SAO_HOME`):
 
-    data/tir_train.parquet      teacher traces for SFT
-    models/sft-policy/          HF model directory of the SFT policy (complete once `_COMPLETE` exists)
-    reports/sft-eval.json       held-out evaluation of the SFT policy
+    data/tir_train-<hash>.parquet   teacher traces for SFT (hash of the task config)
+    models/sft-policy/              HF model directory of the SFT policy (complete once `_COMPLETE` exists)
+    reports/sft-eval.json           held-out evaluation of the SFT policy
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -32,13 +34,13 @@ def default_home() -> Path:
 
 
 def build_sft_data(cfg: Config, home: Path, log: Log = print) -> Path:
-    """Generate the teacher traces of the training split (reused when already there and valid)."""
-    path = home / "data" / "tir_train.parquet"
-    if path.exists() and len(read_traces(path)) == cfg.task.train_size:
+    """Generate the teacher traces of the training split; reused when the task config is unchanged."""
+    path = home / "data" / f"tir_train-{_fingerprint(to_dict(cfg.task))}.parquet"
+    if path.exists():
         log(f"data: reusing {path}")
         return path
     problems = generate_problems(cfg.task.kinds, cfg.task.train_size, cfg.task.seed, cfg.task.operand_max, "train")
-    write_traces(path, [teacher_trace(p) for p in problems])
+    write_traces(path, [teacher_trace(p, cfg.task.teacher_mental_max) for p in problems])
     log(f"data: wrote {len(problems)} teacher traces to {path}")
     return path
 
@@ -46,9 +48,14 @@ def build_sft_data(cfg: Config, home: Path, log: Log = print) -> Path:
 def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> Path:
     """Train the SFT policy from scratch (or from `model.path`) and save it as an HF model directory."""
     out = home / "models" / "sft-policy"
+    # JSON round trip so that it compares equal to the copy saved next to the weights (tuples become lists).
+    recipe = json.loads(json.dumps({"model": to_dict(cfg.model), "task": to_dict(cfg.task), "sft": to_dict(cfg.sft)}))
     if is_complete(out) and not force:
-        log(f"sft: reusing the complete SFT policy at {out} (--force retrains)")
-        return out
+        saved = json.loads((out / "sao_sft.json").read_text())
+        if saved.get("recipe") == recipe:
+            log(f"sft: reusing the complete SFT policy at {out} (--force retrains)")
+            return out
+        log(f"sft: the policy at {out} was trained with another config; retraining")
     traces = read_traces(build_sft_data(cfg, home, log))
     tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else build_tokenizer()
     model = build_policy(cfg.model, tokenizer, seed=cfg.sft.seed)
@@ -58,7 +65,7 @@ def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> P
     result = train_sft(model, tokenizer, traces, cfg.sft, log)
     with atomic_dir(out) as tmp:
         save_model_dir(model, tokenizer, tmp)
-        write_json(tmp / "sao_sft.json", {"config": to_dict(cfg), "result": asdict(result)})
+        write_json(tmp / "sao_sft.json", {"recipe": recipe, "result": asdict(result)})
     log(f"sft: saved {out}")
     return out
 
@@ -79,3 +86,7 @@ def run_eval(cfg: Config, model_dir: Path, home: Path, name: str, log: Log = pri
                      "correct": ep.correct, "finish_reason": ep.finish_reason} for ep in report.episodes[:20]],
     })
     return report
+
+
+def _fingerprint(data: dict) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]

@@ -99,3 +99,20 @@ def test_grading(text, answer, ok):
 def test_extract_boxed_matches_braces():
     assert extract_boxed("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
     assert extract_boxed("\\boxed{unclosed") is None
+
+
+def test_teacher_answers_small_products_without_the_tool():
+    # 7*35 = 245 < 700: a strong teacher does it in its head; 51*99 = 5049 >= 700 goes to the tool.
+    mental = teacher_trace(make_problem("affine", (7, 35, 67), "p0"), mental_max=700)
+    assert [t.role for t in mental.turns] == ["user", "assistant"] and mental.turns[1].content == "\\boxed{312}"
+    tool = teacher_trace(make_problem("affine", (51, 99, 55), "p1"), mental_max=700)
+    assert tool.turns[1].tool_code == "print(51*99+55)"
+
+
+def test_teacher_observations_are_what_the_sandbox_prints():
+    from components.envs.sandbox import run_python
+
+    for problem in generate_problems(("affine", "two_step"), 4, 0, 999, "train"):
+        turns = teacher_trace(problem).turns
+        for call, output in zip(turns[1::2], turns[2::2]):
+            assert run_python(call.tool_code).stdout == output.content

@@ -1,0 +1,60 @@
+"""The `sao` CLI and the jobs behind it, on a small config."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from components.cli import main
+from components.jobs import run_eval, run_sft
+from components.storage import MARKER, atomic_dir, is_complete
+
+
+def test_atomic_dir_is_complete_only_after_success(tmp_path):
+    with pytest.raises(RuntimeError):
+        with atomic_dir(tmp_path / "ckpt") as tmp:
+            (tmp / "half.bin").write_bytes(b"x")
+            raise RuntimeError("crash while writing")
+    assert not (tmp_path / "ckpt").exists() and list(tmp_path.iterdir()) == []
+    with atomic_dir(tmp_path / "ckpt") as tmp:
+        (tmp / "whole.bin").write_bytes(b"x")
+    assert is_complete(tmp_path / "ckpt") and (tmp_path / "ckpt" / MARKER).exists()
+
+
+def test_sft_job_saves_reuses_and_evaluates(tmp_path, tiny_cfg):
+    from dataclasses import replace
+
+    cfg = replace(tiny_cfg, sft=replace(tiny_cfg.sft, steps=5, warmup_steps=1))
+    lines = []
+    model_dir = run_sft(cfg, tmp_path, log=lines.append)
+    assert is_complete(model_dir) and (model_dir / "tokenizer.json").exists()
+    assert json.loads((model_dir / "sao_sft.json").read_text())["result"]["steps"] == 5
+    run_sft(cfg, tmp_path, log=lines.append)
+    assert any("reusing the complete SFT policy" in line for line in lines)
+    report = run_eval(cfg, model_dir, tmp_path, "t")
+    saved = json.loads((tmp_path / "reports" / "t.json").read_text())
+    assert saved["accuracy"] == report.accuracy and saved["n"] == cfg.task.eval_size
+
+
+def test_cli_rejects_bad_config_naming_the_field(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--set", "sft.stepz=3"])
+    assert exc.value.code == 2
+    assert "sft.stepz: unknown field" in capsys.readouterr().err
+
+
+def test_cli_model_init_writes_an_hf_directory(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "components.cli", "model", "init", "--out", str(tmp_path / "m")],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("m")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "m").iterdir()}
+
+
+@pytest.mark.slow
+def test_make_run_reaches_sixty_percent(tmp_path):
+    """The issue-2 acceptance run: `sao run` on the tiny-cpu preset, from scratch (~4 min on 2 cores)."""
+    out = subprocess.run([sys.executable, "-m", "components.cli", "run", "--home", str(tmp_path)],
+                         capture_output=True, text=True, check=True, timeout=1800)
+    report = json.loads((tmp_path / "reports" / "sft-eval.json").read_text())
+    assert report["accuracy"] >= 0.6, out.stdout
