@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         parser.exit(2, f"sao: config error: {exc}\n")
 
+    from transformers.utils import logging as hf_logging
+
     from components import jobs  # heavy imports (transformers) only after argument parsing
+
+    hf_logging.disable_progress_bar()  # one concise line per step is our progress display
 
     home = args.home or jobs.default_home()
     if args.command == "run":
