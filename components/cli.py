@@ -34,6 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     p_init.add_argument("--out", type=Path, required=True)
     p_init.add_argument("--seed", type=int, default=0)
 
+    p_engine = sub.add_parser("engine", help="the embedded rollout engine")
+    engine_sub = p_engine.add_subparsers(dest="engine_command", required=True)
+    p_serve = engine_sub.add_parser("serve", help="serve an HF model directory over the OpenAI-compatible API")
+    common(p_serve)
+    p_serve.add_argument("--model", type=Path, required=True, help="HF model directory")
+    p_serve.add_argument("--host", default="127.0.0.1")
+    p_serve.add_argument("--port", type=int, default=8000)
+    p_serve.add_argument("--max-batch", type=int, default=64, help="sequences decoded together at most")
+
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.preset, args.overrides)
@@ -60,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         from components.models import init_model_dir
 
         print(init_model_dir(cfg.model, args.out, seed=args.seed))
+    elif args.command == "engine":
+        from components.rollout.server import serve
+
+        serve(args.model, args.host, args.port, args.max_batch)
     return 0
 
 

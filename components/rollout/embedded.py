@@ -1,0 +1,338 @@
+"""Embedded rollout engine for CPU: continuous batching over a KV cache, in-flight weight updates.
+
+One background thread runs the engine loop. Each iteration:
+
+1. applies pending weight updates (a new policy version);
+2. admits waiting requests, up to `max_batch` in flight;
+3. runs one decode step for every sequence already in flight and one prefill for the newly admitted ones;
+4. samples one token per sequence, with its log-prob and version;
+5. retires finished sequences.
+
+Sequences join and leave between steps. The running batch is one left-padded KV cache: joining pads and
+concatenates caches, and leaving selects rows and trims leading padding. Thirty-two concurrent clients
+therefore cost about what one batch of 32 costs.
+
+How this departs from vLLM:
+- After a weight update, the KV cache of every in-flight sequence is recomputed with the new weights, as
+  NeMo-RL's `recompute_kv_cache_after_weight_updates` does. vLLM keeps the stale cache. Recomputing
+  keeps the contract exact: a token tagged with version v has exactly the log-prob that v's weights give
+  it, teacher-forced.
+- `temperature = 0` decodes greedily and reports log-probs of the T = 1 distribution.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from components.rollout.protocol import SamplingRequest, SamplingResult
+from components.rollout.weights import read_weights, validate_weights
+
+
+@dataclass
+class _Sequence:
+    request: SamplingRequest
+    future: Future
+    generator: torch.Generator
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+
+    @property
+    def context(self) -> list[int]:
+        return self.request.prompt_ids + self.generated
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    """Engine iterations that ran a forward pass."""
+    generated_tokens: int = 0
+    """Tokens sampled."""
+    weight_updates: int = 0
+    """Weight versions applied."""
+    last_update_s: float = 0.0
+    """Seconds the last weight update took inside the engine loop (load + cache recompute)."""
+
+
+class EmbeddedEngine:
+    """Continuous-batching engine around any transformers causal LM. Thread-safe `submit`, async `generate`."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer=None,
+        max_batch: int = 64,
+        max_model_len: int | None = None,
+        version: int = 0,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        self.vocab_size = model.config.vocab_size
+        self.version = version
+        self.stats = EngineStats()
+        self._cond = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()
+        self._updates: list[tuple[dict[str, torch.Tensor], int, Future]] = []
+        self._active: list[_Sequence] = []
+        self._cache: DynamicCache | None = None
+        self._attention: torch.Tensor | None = None  # (B, L) 1 on real tokens of the cached context
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    # ---- public API -------------------------------------------------------------------------------------
+
+    def start(self) -> "EmbeddedEngine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def submit(self, request: SamplingRequest) -> Future:
+        """Queue a request; the future resolves to a `SamplingResult`. Invalid requests raise ValueError now."""
+        n_prompt = len(request.prompt_ids)
+        if n_prompt + request.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt: {n_prompt} tokens + max_tokens {request.max_tokens} exceed the context "
+                             f"length {self.max_model_len}")
+        bad = [t for t in request.prompt_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary of size {self.vocab_size}")
+        if request.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need an engine with a tokenizer")
+        seed = request.seed if request.seed is not None else random.getrandbits(63)
+        seq = _Sequence(request, Future(), torch.Generator().manual_seed(seed))
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("engine is shut down")
+            self._waiting.append(seq)
+            self._cond.notify()
+        return seq.future
+
+    async def generate(self, request: SamplingRequest) -> SamplingResult:
+        return await asyncio.wrap_future(self.submit(request))
+
+    def load_weights(self, source: str | Path | dict[str, torch.Tensor], version: int) -> Future:
+        """Queue new weights as `version`; they apply between decode steps. The future resolves when applied."""
+        tensors = source if isinstance(source, dict) else read_weights(source)
+        validate_weights(self.model, tensors)
+        future: Future = Future()
+        with self._cond:
+            self._updates.append((tensors, version, future))
+            self._cond.notify()
+        return future
+
+    async def publish_weights(self, path: str, version: int) -> None:
+        await asyncio.wrap_future(self.load_weights(path, version))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active) + len(self._waiting)
+
+    # ---- engine loop ------------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Run one engine iteration in the caller's thread (for driving the engine without `start`).
+
+        Returns False when there was nothing to do.
+        """
+        with self._cond:
+            updates, admitted = self._take_work()
+        if not (updates or admitted or self._active):
+            return False
+        self._run(updates, admitted)
+        return True
+
+    def _take_work(self) -> tuple[list, list[_Sequence]]:
+        updates, self._updates = self._updates, []
+        room = max(0, self.max_batch - len(self._active))
+        admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        return updates, admitted
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopped or self._waiting or self._updates or self._active):
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                updates, admitted = self._take_work()
+            self._run(updates, admitted)
+        with self._cond:
+            leftovers = self._active + list(self._waiting)
+            self._active, self._waiting = [], deque()
+        for seq in leftovers:
+            if not seq.future.done():
+                seq.future.set_result(self._result(seq, "abort"))
+
+    def _run(self, updates: list, admitted: list[_Sequence]) -> None:
+        try:
+            self._step(updates, admitted)
+        except Exception as exc:  # a failed forward must not leave callers waiting forever
+            for seq in self._active + admitted:
+                if not seq.future.done():
+                    seq.future.set_exception(exc)
+            for _, _, future in updates:
+                if not future.done():
+                    future.set_exception(exc)
+            self._active, self._cache, self._attention = [], None, None
+
+    @torch.no_grad()
+    def _step(self, updates: list, admitted: list[_Sequence]) -> None:
+        if self._apply_updates(updates) and self._active:
+            # KV entries computed by the old weights would make later log-probs differ from what the new
+            # weights give teacher-forced: recompute every in-flight sequence's cache with the new weights.
+            admitted = self._active + admitted
+            self._active, self._cache, self._attention = [], None, None
+        parts = []
+        if self._active:
+            parts.append(self._decode())
+        if admitted:
+            parts.append(self._prefill(admitted))
+        if not parts:
+            return
+        self._sample(torch.cat(parts).float())
+        self.stats.steps += 1
+
+    def _apply_updates(self, updates: list) -> bool:
+        applied = False
+        for tensors, version, future in updates:
+            if version <= self.version:
+                future.set_exception(ValueError(f"version: {version} must be greater than the current version "
+                                                f"{self.version}"))
+                continue
+            start = time.perf_counter()
+            self.model.load_state_dict(tensors, strict=False)
+            self.version = version
+            self.stats.weight_updates += 1
+            self.stats.last_update_s = time.perf_counter() - start
+            future.set_result(None)
+            applied = True
+        return applied
+
+    def _forward(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, cache: DynamicCache):
+        kwargs = {self._cache_arg: cache}
+        return self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                          **kwargs).logits[:, -1]
+
+    def _prefill(self, seqs: list[_Sequence]) -> torch.Tensor:
+        """Run the full context of `seqs` (left-padded), merge their cache into the batch; last logits."""
+        contexts = [s.context for s in seqs]
+        length = max(len(c) for c in contexts)
+        ids = torch.zeros(len(seqs), length, dtype=torch.long)
+        attention = torch.zeros(len(seqs), length, dtype=torch.long)
+        for row, ctx in enumerate(contexts):
+            ids[row, length - len(ctx):] = torch.tensor(ctx)
+            attention[row, length - len(ctx):] = 1
+        positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, attention, positions, cache)
+        if self._cache is None:
+            self._cache, self._attention = cache, attention
+        else:
+            self._cache, self._attention = _concat_batches(self._cache, self._attention, cache, attention)
+        self._active.extend(seqs)
+        return logits
+
+    def _decode(self) -> torch.Tensor:
+        """Feed each in-flight sequence's last sampled token; logits for the next one."""
+        ids = torch.tensor([[s.context[-1]] for s in self._active])
+        positions = torch.tensor([[len(s.context) - 1] for s in self._active])
+        attention = torch.cat([self._attention, torch.ones(len(self._active), 1, dtype=torch.long)], dim=1)
+        logits = self._forward(ids, attention, positions, self._cache)
+        self._attention = attention
+        return logits
+
+    def _sample(self, logits: torch.Tensor) -> None:
+        temps = torch.tensor([s.request.temperature or 1.0 for s in self._active])
+        logprobs = F.log_softmax(logits / temps[:, None], dim=-1)
+        probs = logprobs.exp()
+        keep: list[int] = []
+        finished: list[tuple[_Sequence, str]] = []
+        for row, seq in enumerate(self._active):
+            req = seq.request
+            if req.temperature == 0:
+                token = int(torch.argmax(logits[row]))
+            else:
+                token = int(torch.multinomial(probs[row], 1, generator=seq.generator))
+            seq.generated.append(token)
+            seq.logprobs.append(float(logprobs[row, token]))
+            seq.versions.append(self.version)
+            reason = self._finish_reason(seq, token)
+            if reason is None:
+                keep.append(row)
+            else:
+                finished.append((seq, reason))
+        self.stats.generated_tokens += len(self._active)
+        if finished:
+            self._active = [self._active[i] for i in keep]
+            if keep:
+                self._cache, self._attention = _select_rows(self._cache, self._attention, keep)
+            else:
+                self._cache, self._attention = None, None
+            for seq, reason in finished:
+                seq.future.set_result(self._result(seq, reason))
+
+    def _finish_reason(self, seq: _Sequence, token: int) -> str | None:
+        req = seq.request
+        if token in req.stop_token_ids:
+            return "stop"
+        if req.stop:
+            seq.text += self.tokenizer.decode([token])
+            if any(seq.text.endswith(s) for s in req.stop):
+                return "stop"
+        if len(seq.generated) >= req.max_tokens:
+            return "length"
+        return None
+
+    @staticmethod
+    def _result(seq: _Sequence, reason: str) -> SamplingResult:
+        return SamplingResult(seq.generated, seq.logprobs, seq.versions, reason, seq.request.prompt_ids)
+
+
+def _concat_batches(cache_a: DynamicCache, att_a: torch.Tensor, cache_b: DynamicCache, att_b: torch.Tensor):
+    """Left-pad two batches' caches to a common length and stack them along the batch dimension."""
+    length = max(att_a.shape[1], att_b.shape[1])
+    for layer_a, layer_b in zip(cache_a.layers, cache_b.layers):
+        layer_a.keys = torch.cat([_left_pad(layer_a.keys, length), _left_pad(layer_b.keys, length)])
+        layer_a.values = torch.cat([_left_pad(layer_a.values, length), _left_pad(layer_b.values, length)])
+    attention = torch.cat([F.pad(att_a, (length - att_a.shape[1], 0)), F.pad(att_b, (length - att_b.shape[1], 0))])
+    return cache_a, attention
+
+
+def _select_rows(cache: DynamicCache, attention: torch.Tensor, rows: list[int]):
+    """Keep `rows` of the batch and drop leading positions that are padding in every remaining row."""
+    index = torch.tensor(rows)
+    attention = attention.index_select(0, index)
+    start = int((attention.sum(dim=0) > 0).nonzero()[0])
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, index)[:, :, start:]
+        layer.values = layer.values.index_select(0, index)[:, :, start:]
+    return cache, attention[:, start:]
+
+
+def _left_pad(x: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, H, L, D) -> (B, H, length, D) with zeros in front."""
+    return F.pad(x, (0, 0, length - x.shape[2], 0))

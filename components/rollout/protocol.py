@@ -1,0 +1,66 @@
+"""The rollout engine protocol (DESIGN section 3): what the agent runner and the trainer need from an engine.
+
+Every sampled token comes back with the log-prob of the sampling distribution that produced it,
+`log_softmax(logits / T)[x_t]` with no top-k/top-p truncation (DIS divides by it), and the policy version
+whose weights produced it (a rollout may span several versions when weights change mid-generation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    prompt_ids: list[int]
+    """Prompt token ids (already tokenised: the trainer and the engine must see the same ids)."""
+    max_tokens: int = 16
+    """New tokens to generate at most."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy (its log-probs are then those of T = 1)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation stops after emitting any of these (the stop token is part of the output)."""
+    stop: tuple[str, ...] = ()
+    """Generation stops once the decoded output ends with any of these strings (kept in the output)."""
+    seed: int | None = None
+    """Per-request sampling seed; None draws one at random."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("prompt: must contain at least one token id")
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 for t in self.prompt_ids):
+            raise ValueError("prompt: token ids must be non-negative integers")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class SamplingResult:
+    token_ids: list[int]
+    """Generated token ids."""
+    logprobs: list[float]
+    """Log-prob of each generated token under the distribution it was sampled from."""
+    versions: list[int]
+    """Policy version that produced each generated token."""
+    finish_reason: FinishReason
+    """`stop` (stop token or string), `length` (max_tokens reached), `abort` (engine shut down)."""
+    prompt_ids: list[int] = field(default_factory=list)
+    """The prompt the tokens continue."""
+
+    def __post_init__(self) -> None:
+        if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError(f"token_ids ({len(self.token_ids)}), logprobs ({len(self.logprobs)}) and versions "
+                             f"({len(self.versions)}) must have equal lengths")
+
+
+class RolloutEngine(Protocol):
+    """An engine the agent runner samples from and the trainer publishes weights to."""
+
+    async def generate(self, request: SamplingRequest) -> SamplingResult: ...
+
+    async def publish_weights(self, path: str, version: int) -> None: ...

@@ -1,0 +1,190 @@
+"""HTTP server for the embedded engine: the subset of vLLM's OpenAI-compatible API a trainer needs.
+
+- `POST /v1/completions`. The prompt is a list of token ids (or a string, tokenised by the server). The
+  response has vLLM's shape: `choices[0].token_ids`, `choices[0].logprobs.token_logprobs` and
+  `choices[0].finish_reason`, plus a per-token `choices[0].versions` list.
+- `GET /v1/models`.
+- `GET /health`.
+- `POST /v1/weights` with `{"path": <HF model directory or safetensors file>, "version": <int>}`.
+
+Bad requests get HTTP 400 with an OpenAI-style error whose `param` names the field. Sampling options that
+would make the logged log-probs differ from the sampling distribution (top_p < 1, top_k, n > 1) are
+refused rather than ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from components.rollout.embedded import EmbeddedEngine
+from components.rollout.protocol import SamplingRequest
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: list[int] | str
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    logprobs: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    return_token_ids: bool = False
+
+
+class WeightsRequest(BaseModel):
+    path: str
+    version: int
+
+
+class BadRequest(Exception):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _error(status: int, message: str, param: str | None, kind: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse(status_code=status,
+                        content={"error": {"message": message, "type": kind, "param": param, "code": status}})
+
+
+def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
+    """A FastAPI app serving `engine`; the caller starts and stops the engine."""
+    app = FastAPI(title="sao embedded engine")
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
+        return _error(400, f"{param}: {first['msg']}", param)
+
+    @app.exception_handler(BadRequest)
+    async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
+        return _error(400, str(exc), exc.param)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "version": engine.version, "in_flight": engine.in_flight}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "sao",
+                                            "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> dict:
+        if body.model is not None and body.model != model_name:
+            raise BadRequest("model", f"model: {body.model!r} is not served here (serving {model_name!r})")
+        if body.n != 1:
+            raise BadRequest("n", "n: only n=1 is supported (one rollout per prompt)")
+        if body.top_p != 1.0 or body.top_k not in (-1, 0):
+            raise BadRequest("top_p" if body.top_p != 1.0 else "top_k",
+                             "top_p/top_k: truncated sampling is refused during RL (the IS ratio needs the full "
+                             "distribution)")
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            if engine.tokenizer is None:
+                raise BadRequest("prompt", "prompt: this engine has no tokenizer; send token ids")
+            prompt = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        try:
+            request = SamplingRequest(list(prompt), body.max_tokens, body.temperature,
+                                      tuple(body.stop_token_ids or ()), stop, body.seed)
+            result = await engine.generate(request)
+        except ValueError as exc:
+            raise BadRequest(str(exc).split(":", 1)[0], str(exc)) from exc
+        text = engine.tokenizer.decode(result.token_ids) if engine.tokenizer is not None else ""
+        tokens = [f"token_id:{t}" for t in result.token_ids]
+        choice = {
+            "index": 0,
+            "text": text,
+            "finish_reason": result.finish_reason,
+            "stop_reason": None,
+            "versions": result.versions,
+            "logprobs": None if body.logprobs is None else {
+                "tokens": tokens, "token_logprobs": result.logprobs,
+                "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, result.logprobs)],
+                "text_offset": [],
+            },
+        }
+        if body.return_token_ids:
+            choice["token_ids"] = result.token_ids
+            choice["prompt_token_ids"] = result.prompt_ids
+        n_prompt, n_out = len(result.prompt_ids), len(result.token_ids)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model_name, "choices": [choice],
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
+
+    @app.post("/v1/weights")
+    async def weights(body: WeightsRequest) -> dict:
+        start = time.perf_counter()
+        try:
+            await engine.publish_weights(body.path, body.version)
+        except FileNotFoundError as exc:
+            raise BadRequest("path", str(exc)) from exc
+        except ValueError as exc:
+            param = "version" if str(exc).startswith("version") else "path"
+            raise BadRequest(param, str(exc)) from exc
+        return {"version": engine.version, "seconds": time.perf_counter() - start}
+
+    return app
+
+
+def serve(model_path: str | Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 64) -> None:
+    """`sao engine serve`: load an HF model directory and serve it until interrupted."""
+    import uvicorn
+
+    from components.models import load_policy, load_tokenizer
+
+    engine = EmbeddedEngine(load_policy(model_path), load_tokenizer(model_path), max_batch=max_batch).start()
+    try:
+        uvicorn.run(create_app(engine, Path(model_path).name), host=host, port=port, log_level="warning")
+    finally:
+        engine.shutdown()
+
+
+class ServerThread:
+    """Run an app under uvicorn on a loopback port in a background thread (tests, benchmarks, the trainer).
+
+    `with ServerThread(app) as url: ...` binds an ephemeral port first, so the URL is known before start.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.url = f"http://{host}:{self._sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
