@@ -1,7 +1,7 @@
 """Embedded engine throughput (issue 3), every figure measured in the same run on the same model.
 
-- engine: 32 concurrent HTTP clients against the embedded server on loopback, each sending requests back
-  to back (64 new tokens each, temperature 1, no stop).
+- engine: `sao engine serve` in its own process (as deployed: the agent runner is another process) and 32
+  concurrent HTTP clients on loopback, each sending requests back to back (64 new tokens, T=1, no stop).
 - baseline: `model.generate` on a static batch of 32 with the same lengths. Goal: engine >= 0.7x.
 - transformers' continuous-batching manager (`generate_batch`) on a smaller workload.
 - weight publish latency: `POST /v1/weights` with an HF model directory, measured while clients generate.
@@ -10,7 +10,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,10 +28,10 @@ from components.models import build_policy, build_tokenizer, save_model_dir
 from components.rollout.client import EngineClient
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.protocol import SamplingRequest
-from components.rollout.server import ServerThread, create_app
 
 NEW_TOKENS = 64
 CLIENTS = 32
+SERVER_THREADS = 1
 
 
 def _prompts(tokenizer, n):
@@ -73,35 +77,78 @@ def _continuous_batching(model, prompts) -> float:
     return sum(len(o.generated_tokens) for o in out.values()) / elapsed
 
 
+@contextlib.contextmanager
+def _served(model_dir: Path, threads: int):
+    """`sao engine serve` in a subprocess; yields its URL once healthy."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "components.cli", "engine", "serve", "--model", str(model_dir),
+                             "--port", str(port), "--threads", str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("sao engine serve did not start") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _in_process_engine(model, tokenizer, prompts) -> float:
+    engine = EmbeddedEngine(model, tokenizer, max_batch=CLIENTS)
+    futures = [engine.submit(SamplingRequest(p, NEW_TOKENS, 1.0, seed=i)) for i, p in enumerate(prompts * 3)]
+    start = time.perf_counter()
+    while not all(f.done() for f in futures):
+        engine.step()
+    return sum(len(f.result().token_ids) for f in futures) / (time.perf_counter() - start)
+
+
 def run() -> dict[str, float]:
     tokenizer = build_tokenizer()
     model = build_policy(ModelConfig(), tokenizer, seed=0).eval()
     prompts = _prompts(tokenizer, CLIENTS)
     _static_generate(model, tokenizer, prompts[:4])  # warm-up
+    static_all = statistics.median(_static_generate(model, tokenizer, prompts) for _ in range(3))
+    # The served engine shares the machine with its 32 clients, so it gets one core (`--threads 1`); the
+    # baseline and the in-process engine get the same compute budget.
+    all_threads = torch.get_num_threads()
+    torch.set_num_threads(SERVER_THREADS)
     static = statistics.median(_static_generate(model, tokenizer, prompts) for _ in range(3))
 
-    engine = EmbeddedEngine(model, tokenizer, max_batch=64).start()
-    with tempfile.TemporaryDirectory() as tmp, ServerThread(create_app(engine, "bench")) as url:
-        asyncio.run(_clients(url, prompts[:4], 1))  # warm-up
-        tokens, elapsed = asyncio.run(_clients(url, prompts, rounds=3))
-        served = tokens / elapsed
+    with tempfile.TemporaryDirectory() as tmp:
         weights = save_model_dir(model, tokenizer, Path(tmp) / "w")
-        publish = []
-        for version in range(1, 6):
-            start = time.perf_counter()
-            httpx.post(f"{url}/v1/weights", json={"path": str(weights), "version": version}, timeout=60)
-            publish.append(time.perf_counter() - start)
-        in_engine = engine.stats.last_update_s
-    engine.shutdown()
+        with _served(weights, SERVER_THREADS) as url:
+            asyncio.run(_clients(url, prompts[:4], 1))  # warm-up
+            tokens, elapsed = asyncio.run(_clients(url, prompts, rounds=3))
+            served = tokens / elapsed
+            publish = []
+            for version in range(1, 6):
+                start = time.perf_counter()
+                response = httpx.post(f"{url}/v1/weights", json={"path": str(weights), "version": version}, timeout=60)
+                response.raise_for_status()
+                publish.append(time.perf_counter() - start)
+        in_process = _in_process_engine(model, tokenizer, prompts)
     cb = _continuous_batching(model, prompts[:8])
+    torch.set_num_threads(all_threads)
 
     ratio = served / static
     print(f"engine  tiny-cpu model ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M), "
           f"{NEW_TOKENS} new tokens per request, T=1")
-    print(f"  model.generate, static batch of {CLIENTS}:        {static:9,.0f} tok/s")
+    print(f"  model.generate, static batch of {CLIENTS}, {all_threads} threads: {static_all:9,.0f} tok/s  (reference)")
+    print(f"  model.generate, static batch of {CLIENTS}, 1 thread:  {static:9,.0f} tok/s  (baseline)")
     print(f"  embedded engine, {CLIENTS} concurrent HTTP clients: {served:9,.0f} tok/s  "
           f"({ratio:.2f}x static; goal >= 0.7x: {'met' if ratio >= 0.7 else 'NOT met'})")
+    print(f"  embedded engine in-process (no HTTP), 96 requests: {in_process:9,.0f} tok/s  ({in_process / static:.2f}x)")
     print(f"  transformers continuous batching (8 x 16 tok):   {cb:9,.0f} tok/s  ({served / cb:.0f}x slower than ours)")
-    print(f"  weight publish (HF dir, POST /v1/weights):  median {statistics.median(publish) * 1e3:.0f} ms "
-          f"(load + validate + apply; {in_engine * 1e3:.1f} ms inside the engine loop)")
+    print(f"  weight publish (HF dir, POST /v1/weights, idle engine): median {statistics.median(publish) * 1e3:.0f} ms "
+          f"(read + validate + apply)")
+    print(f"  served engine vs the {all_threads}-thread static batch: {served / static_all:.2f}x")
     return {"engine_vs_static": ratio, "engine_tok_s": served, "static_tok_s": static, "cb_tok_s": cb}

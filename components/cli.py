@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--host", default="127.0.0.1")
     p_serve.add_argument("--port", type=int, default=8000)
     p_serve.add_argument("--max-batch", type=int, default=64, help="sequences decoded together at most")
+    p_serve.add_argument("--threads", type=int, default=None,
+                         help="torch CPU threads (default: torch's); leave cores free for clients on the same host")
 
     args = parser.parse_args(argv)
     try:
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "engine":
         from components.rollout.server import serve
 
-        serve(args.model, args.host, args.port, args.max_batch)
+        serve(args.model, args.host, args.port, args.max_batch, args.threads)
     return 0
 
 

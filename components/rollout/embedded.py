@@ -266,19 +266,27 @@ class EmbeddedEngine:
         return logits
 
     def _sample(self, logits: torch.Tensor) -> None:
+        """One token per in-flight sequence, sampled from `softmax(logits / T)` with the sequence's own generator.
+
+        Inverse-CDF sampling: one uniform draw per sequence from its generator (so a seed reproduces a sample
+        whatever else is in the batch), then one vectorised search over the cumulative distribution.
+        """
         temps = torch.tensor([s.request.temperature or 1.0 for s in self._active])
         logprobs = F.log_softmax(logits / temps[:, None], dim=-1)
-        probs = logprobs.exp()
+        cdf = logprobs.exp().cumsum(dim=-1)
+        draws = torch.stack([torch.rand((), generator=s.generator) for s in self._active])
+        # right=True picks i with cdf[i-1] <= u < cdf[i]: probability p_i, never a zero-probability token.
+        tokens = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).squeeze(1)
+        tokens = tokens.clamp(max=logits.shape[-1] - 1)
+        greedy = torch.tensor([s.request.temperature == 0 for s in self._active])
+        if greedy.any():
+            tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         keep: list[int] = []
         finished: list[tuple[_Sequence, str]] = []
-        for row, seq in enumerate(self._active):
-            req = seq.request
-            if req.temperature == 0:
-                token = int(torch.argmax(logits[row]))
-            else:
-                token = int(torch.multinomial(probs[row], 1, generator=seq.generator))
+        for row, (seq, token, logprob) in enumerate(zip(self._active, tokens.tolist(), chosen.tolist())):
             seq.generated.append(token)
-            seq.logprobs.append(float(logprobs[row, token]))
+            seq.logprobs.append(logprob)
             seq.versions.append(self.version)
             reason = self._finish_reason(seq, token)
             if reason is None:

@@ -130,3 +130,18 @@ def test_invalid_requests_and_weights_are_refused(fresh_model, tmp_path):
     engine.step()
     with pytest.raises(ValueError, match="version: 0 must be greater than the current version 0"):
         stale.result()
+
+
+def test_samples_follow_the_tempered_distribution(fresh_model):
+    # 1,536 one-token samples of the same prompt at T = 0.7: the empirical distribution of the first token must
+    # match softmax(logits / 0.7) (total variation < 0.05; sampling noise alone gives about 0.02 here).
+    model, tokenizer = fresh_model
+    prompt = tokenizer("<|user|>Compute")["input_ids"]
+    engine = EmbeddedEngine(model, tokenizer, max_batch=64)
+    futures = [engine.submit(SamplingRequest(prompt, max_tokens=1, temperature=0.7, seed=i)) for i in range(1536)]
+    tokens = torch.tensor([r.token_ids[0] for r in _drive(engine, futures)])
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / 0.7, dim=-1)
+    empirical = torch.bincount(tokens, minlength=probs.numel()).float() / len(tokens)
+    assert 0.5 * (empirical - probs).abs().sum() < 0.05
+    assert probs.max() < 0.9, "the prompt must leave several plausible tokens for the test to mean anything"
