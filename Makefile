@@ -47,8 +47,9 @@ $(VLLM_STAMP):
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	SAO_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/vllm
 
+# make bench [BENCH=gae|engine]
 bench: $(STAMP)
-	$(PY) -m bench
+	$(PY) -m bench $(BENCH)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(SAO_HOME) .pytest_cache
