@@ -34,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     p_init.add_argument("--out", type=Path, required=True)
     p_init.add_argument("--seed", type=int, default=0)
 
+    p_rollout = sub.add_parser("rollout", help="run agent episodes with the SFT policy and write them as Parquet")
+    common(p_rollout)
+    p_rollout.add_argument("--env", default="tir_math", help="tir_math, coding or style")
+    p_rollout.add_argument("--episodes", type=int, default=32)
+    p_rollout.add_argument("--out", type=Path, required=True, help="output .parquet path")
+    p_rollout.add_argument("--model", type=Path, default=None, help="HF model directory (default: the SFT policy)")
+    p_rollout.add_argument("--tasks", default=None, help="problem set (JSONL/Parquet, local or s3://)")
+
     p_engine = sub.add_parser("engine", help="the embedded rollout engine")
     engine_sub = p_engine.add_subparsers(dest="engine_command", required=True)
     p_serve = engine_sub.add_parser("serve", help="serve an HF model directory over the OpenAI-compatible API")
@@ -71,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         from components.models import init_model_dir
 
         print(init_model_dir(cfg.model, args.out, seed=args.seed))
+    elif args.command == "rollout":
+        from components.agent.rollout_job import run_rollout
+
+        if args.episodes < 1:
+            parser.exit(2, f"sao: --episodes must be >= 1, got {args.episodes}\n")
+        model_dir = args.model or jobs.run_sft(cfg, home)
+        run_rollout(cfg, model_dir, args.env, args.episodes, args.out, args.tasks)
     elif args.command == "engine":
         from components.rollout.server import serve
 

@@ -171,6 +171,36 @@ class AlgoConfig:
 
 
 @dataclass(frozen=True)
+class RolloutConfig:
+    concurrency: int = 8
+    """Episodes in flight at once (C)."""
+    max_total_tokens: int = 512
+    """Tokens per episode: prompt + actions + observations."""
+    max_wall_s: float = 120.0
+    """Wall-clock limit per episode."""
+    tool_timeout_s: float = 5.0
+    """Sandbox time limit per tool call."""
+    latency: Literal["none", "fixed", "lognormal"] = "none"
+    """Simulated extra tool latency (benchmarks): none, fixed or lognormal (heavy tail)."""
+    latency_mean_s: float = 0.0
+    """Mean of the simulated tool latency."""
+    latency_sigma: float = 1.5
+    """Lognormal sigma of the simulated tool latency."""
+    max_batch: int = 64
+    """Sequences the embedded engine decodes together at most."""
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "max_total_tokens", "max_batch"):
+            _require(getattr(self, name) >= 1, f"rollout.{name}", f"must be >= 1, got {getattr(self, name)}")
+        for name in ("max_wall_s", "tool_timeout_s"):
+            _require(getattr(self, name) > 0, f"rollout.{name}", f"must be > 0, got {getattr(self, name)}")
+        _require(self.latency in ("none", "fixed", "lognormal"), "rollout.latency",
+                 f"must be none, fixed or lognormal, got {self.latency!r}")
+        _require(self.latency_mean_s >= 0 and self.latency_sigma >= 0, "rollout.latency_mean_s",
+                 "latency_mean_s and latency_sigma must be >= 0")
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "custom"
     """Preset or run name."""
@@ -182,6 +212,8 @@ class Config:
     """Supervised fine-tuning on teacher traces."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """SAO math settings."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Agent runner and embedded engine."""
 
 
 def load_config(preset: str, overrides: list[str] | None = None) -> Config:

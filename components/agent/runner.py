@@ -1,0 +1,154 @@
+"""The asyncio agent runner: prompts in, trajectories out, one at a time, as each episode finishes.
+
+Up to `concurrency` episodes run as asyncio tasks against one engine (embedded or over HTTP). Each episode
+alternates two kinds of step:
+- model turns: generate until a stop token (end of a tool call, end of the answer) or the per-turn limit;
+- environment steps: the tool output is tokenised once and appended as observation tokens.
+
+The episode also has limits on turns, total tokens and wall time. A finished episode is handed over at once
+(callback or queue), and nothing waits for other episodes. That is the single-rollout, no-group-barrier
+half of SAO. Engine errors and timeouts end the episode with a recorded finish reason; they never drop it.
+
+Observation tokens are appended as ids and the engine is always sent ids. The trainer therefore sees
+exactly the tokens the rollout saw, with no retokenisation drift between turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from components.agent.trajectory import Timings, Trajectory
+from components.envs.base import Environment, Task
+from components.rollout.protocol import SamplingRequest
+
+TrajectorySink = Callable[[Trajectory], Awaitable[None] | None]
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 4
+    """Model turns per episode."""
+    max_new_tokens: int = 48
+    """New tokens per model turn."""
+    max_total_tokens: int = 512
+    """Prompt + actions + observations."""
+    max_wall_s: float = 300.0
+    """Wall-clock limit per episode (engine waits and tool calls included)."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer's log-probs use the same)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_new_tokens", "max_total_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"limits.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_wall_s <= 0:
+            raise ValueError(f"limits.max_wall_s: must be > 0, got {self.max_wall_s}")
+
+
+class AgentRunner:
+    """Runs episodes of `env` against `engine` (anything with `async generate(SamplingRequest)`)."""
+
+    def __init__(self, engine, tokenizer, env: Environment, limits: EpisodeLimits = EpisodeLimits(),
+                 concurrency: int = 8, stop_token_ids: tuple[int, ...] = (), seed: int = 0) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
+        self.engine, self.tokenizer, self.env, self.limits = engine, tokenizer, env, limits
+        self.concurrency, self.stop_token_ids, self.seed = concurrency, tuple(stop_token_ids), seed
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def run(self, tasks: list[Task], sink: TrajectorySink | None = None,
+                  admit: Callable[[], Awaitable[None]] | None = None) -> list[Trajectory]:
+        """Run every task; each trajectory goes to `sink` the moment it finishes. Returns them in finish order.
+
+        `admit`, when given, is awaited before each episode starts (the trainer's staleness admission control).
+        """
+        slots = asyncio.Semaphore(self.concurrency)
+        finished: list[Trajectory] = []
+
+        async def one(task: Task, queued: float) -> None:
+            async with slots:
+                if admit is not None:
+                    await admit()
+                trajectory = await self.run_episode(task, queued)
+            finished.append(trajectory)
+            if sink is not None:
+                maybe = sink(trajectory)
+                if asyncio.iscoroutine(maybe):
+                    await maybe
+
+        now = time.time()
+        await asyncio.gather(*(one(task, now) for task in tasks))
+        return finished
+
+    async def run_episode(self, task: Task, queued: float | None = None) -> Trajectory:
+        """One episode; never raises for engine, tool or time-limit failures (they become the finish reason)."""
+        limits = self.limits
+        timings = Timings(queued=queued if queued is not None else time.time(), started=time.time())
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            episode = self.env.start(task)
+            ids = self.tokenizer(episode.prompt_text(), add_special_tokens=False)["input_ids"]
+            prompt_len = len(ids)
+            mask: list[int] = [0] * prompt_len
+            logprobs: list[float | None] = [None] * prompt_len
+            versions: list[int | None] = [None] * prompt_len
+            reward, turns, reason, metadata = 0.0, 0, "", {}
+            deadline = time.monotonic() + limits.max_wall_s
+            while not reason:
+                budget = min(limits.max_new_tokens, limits.max_total_tokens - len(ids))
+                if turns >= limits.max_turns:
+                    reason = "max_turns"
+                    break
+                if budget < 1:
+                    reason = "max_tokens"
+                    break
+                request = SamplingRequest(list(ids), budget, limits.temperature, self.stop_token_ids,
+                                          seed=zlib.crc32(f"{self.seed}:{task.task_id}:{turns}".encode()))
+                try:
+                    result = await asyncio.wait_for(self.engine.generate(request), deadline - time.monotonic())
+                except TimeoutError:
+                    reason = "timeout"
+                    break
+                except Exception as exc:  # any engine failure ends this episode, recorded, never dropped
+                    reason, metadata["error"] = "engine_error", f"{type(exc).__name__}: {exc}"
+                    break
+                if result.finish_reason == "abort":
+                    reason, metadata["error"] = "engine_error", "the engine aborted the request"
+                    break
+                turns += 1
+                if turns == 1:
+                    timings.first_token = time.time()
+                ids += result.token_ids
+                mask += [1] * len(result.token_ids)
+                logprobs += result.logprobs
+                versions += result.versions
+                text = self.tokenizer.decode(result.token_ids)
+                try:
+                    step = await asyncio.wait_for(episode.step(text, result.finish_reason == "length"),
+                                                  deadline - time.monotonic())
+                except TimeoutError:
+                    reason = "timeout"
+                    break
+                if step.done:
+                    reward, reason = step.reward, step.finish_reason or "stop"
+                    metadata.update(step.info)
+                    break
+                observation = self.tokenizer(step.observation, add_special_tokens=False)["input_ids"]
+                if len(ids) + len(observation) >= limits.max_total_tokens:
+                    reason = "max_tokens"
+                    break
+                ids += observation
+                mask += [0] * len(observation)
+                logprobs += [None] * len(observation)
+                versions += [None] * len(observation)
+        finally:
+            self.in_flight -= 1
+        timings.finished = time.time()
+        return Trajectory(task.task_id, self.env.name, ids, mask, logprobs, versions, float(reward), turns, reason,
+                          prompt_len, timings, {**task.metadata, **metadata}).validate()
