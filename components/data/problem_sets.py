@@ -1,0 +1,162 @@
+"""Real problem sets as `Task` lists: JSONL or Parquet, from a local path or an `s3://bucket/key` URI.
+
+One row is one task. The prompt and answer columns are named by the caller; an optional id column gives
+stable ids (default `<file stem>-<row>`, the row counted from 0 among non-blank rows); every other column
+goes to `Task.metadata`. A row with a missing or empty prompt or answer is an error naming the row and the
+field: a bad problem set is never silently shortened.
+
+S3 objects are read with boto3 (imported only for `s3://` URIs; it is not a core dependency). The endpoint
+comes from `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` when set (MinIO, moto, ...), credentials from the
+usual boto3 chain.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from components.envs.base import Task
+
+_JSONL_SUFFIXES = (".jsonl", ".ndjson")
+_PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    """`s3://bucket/some/key` -> `("bucket", "some/key")`; ValueError when either part is missing."""
+    if not uri.startswith("s3://"):
+        raise ValueError(f"not an s3:// URI: {uri!r}")
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    if not bucket or not key:
+        raise ValueError(f"s3 URI must be s3://bucket/key, got {uri!r}")
+    return bucket, key
+
+
+def read_bytes(uri: str) -> bytes:
+    """The raw bytes of a local file or an S3 object; FileNotFoundError names the URI when it does not exist."""
+    if not uri.startswith("s3://"):
+        path = Path(uri)
+        if not path.is_file():
+            raise FileNotFoundError(f"problem set not found: {uri}")
+        return path.read_bytes()
+    bucket, key = split_s3_uri(uri)
+    try:
+        import boto3
+        from botocore.exceptions import ClientError
+    except ImportError as exc:
+        raise ImportError(
+            f"loading {uri} needs boto3, which is not installed in this environment; install it "
+            "with `pip install boto3`"
+        ) from exc
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+    client = boto3.client("s3", endpoint_url=endpoint)
+    try:
+        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code in ("NoSuchKey", "NoSuchBucket", "404"):
+            raise FileNotFoundError(f"problem set not found: {uri} ({code})") from exc
+        raise
+
+
+def _format(name: str) -> str:
+    lower = name.lower()
+    if lower.endswith(_JSONL_SUFFIXES):
+        return "jsonl"
+    if lower.endswith(_PARQUET_SUFFIXES):
+        return "parquet"
+    raise ValueError(f"{name}: unknown problem set format; expected one of "
+                     f"{list(_JSONL_SUFFIXES + _PARQUET_SUFFIXES)}")
+
+
+def read_rows(uri: str) -> list[dict[str, Any]]:
+    """All rows of a JSONL or Parquet problem set (format from the file suffix), as dicts."""
+    fmt = _format(uri)
+    data = read_bytes(uri)
+    if fmt == "parquet":
+        return pq.read_table(io.BytesIO(data)).to_pylist()
+    rows: list[dict[str, Any]] = []
+    for line_no, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{uri}: line {line_no} (row {len(rows)}) is not valid JSON: {exc}") from exc
+        if not isinstance(row, dict):
+            raise ValueError(f"{uri}: line {line_no} (row {len(rows)}) is not a JSON object")
+        rows.append(row)
+    return rows
+
+
+def _is_empty(value: Any) -> bool:
+    # 0 and False are real answers; only absent, blank or empty-container values count as empty.
+    if value is None:
+        return True
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, (list, dict, tuple)):
+        return len(value) == 0
+    return False
+
+
+def load_tasks(
+    uri: str | Path,
+    prompt_field: str = "problem",
+    answer_field: str | None = "answer",
+    id_field: str | None = None,
+    limit: int | None = None,
+) -> list[Task]:
+    """Load a problem set as tasks.
+
+    Args:
+        uri: local path or `s3://bucket/key`; `.jsonl`/`.ndjson` or `.parquet`/`.pq`.
+        prompt_field: column holding the prompt (a non-empty string).
+        answer_field: column holding the reference answer (any non-empty value); None for sets without
+            answers (e.g. style prompts judged by a model).
+        id_field: column holding the task id; None gives `<file stem>-<row>`.
+        limit: keep only the first `limit` rows (only those are validated).
+
+    Raises:
+        ValueError: a row lacks its prompt/answer/id, a prompt is not a string, or two rows share an id;
+            the message names the row index and the field.
+        FileNotFoundError: the file or object does not exist.
+    """
+    uri = str(uri)
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    rows = read_rows(uri)
+    if limit is not None:
+        rows = rows[:limit]
+    stem = PurePosixPath(uri).stem
+    own = {prompt_field, answer_field, id_field} - {None}
+    tasks: list[Task] = []
+    seen: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        prompt = row.get(prompt_field)
+        if _is_empty(prompt):
+            raise ValueError(f"{uri}: row {i}: field {prompt_field!r} is missing or empty")
+        if not isinstance(prompt, str):
+            raise ValueError(f"{uri}: row {i}: field {prompt_field!r} must be a string, "
+                             f"got {type(prompt).__name__}")
+        answer = None
+        if answer_field is not None:
+            answer = row.get(answer_field)
+            if _is_empty(answer):
+                raise ValueError(f"{uri}: row {i}: field {answer_field!r} is missing or empty")
+        if id_field is None:
+            task_id = f"{stem}-{i}"
+        else:
+            if _is_empty(row.get(id_field)):
+                raise ValueError(f"{uri}: row {i}: field {id_field!r} is missing or empty")
+            task_id = str(row[id_field])
+        if task_id in seen:
+            raise ValueError(f"{uri}: row {i}: field {id_field!r}: id {task_id!r} repeats row {seen[task_id]}")
+        seen[task_id] = i
+        metadata = {k: v for k, v in row.items() if k not in own}
+        tasks.append(Task(task_id, prompt, answer, metadata))
+    return tasks

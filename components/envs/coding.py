@@ -1,0 +1,234 @@
+"""`coding`: write a Python function that passes hidden tests.
+
+A task's answer is `{"entry_point": "add", "tests": ["assert add(1, 2) == 3", ...]}`. The model may make
+Python tool calls (run in the sandbox exactly like TIR) as often as it likes; its final turn (ending with
+`<|end|>`) holds the solution: the last ```python (or ```py / bare ```) fenced block of that turn, else the
+whole text of the turn before `<|end|>`.
+
+Grading is one sandbox call running a harness that execs the solution, then each test in its own
+try/except under a per-test alarm, with the solution's stdout/stderr sent to /dev/null. The harness writes
+one result line, `@@SAO-RESULT-<nonce>@@{json}`, on a duplicate of the original stdout taken before the
+solution ran; the nonce is fresh per grading. No such line, or more than one, counts as 0 passed, so a
+solution cannot pass by printing a fake result. (The harness shares a process with the solution, so a
+solution that deliberately introspects the harness, or returns objects whose `__eq__` always holds, can
+still cheat; the sandbox contains the code, it does not make grading adversarially sound.)
+
+Reward: `fraction` = passed / total; `all_pass` = 1.0 when every test passes, else 0.0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from components.data.problem_sets import load_tasks
+from components.data.traces import observation_text, prompt_text
+from components.envs.base import StepResult, Task, ToolLatency
+from components.envs.python_tool import PythonTool
+from components.envs.sandbox import SandboxError, run_python
+from components.models.tokenizer import CALL, CALL_END, END
+
+DEFAULT_PROBLEMS = Path(__file__).resolve().parents[2] / "data" / "coding" / "problems.jsonl"
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_MARKER = "@@SAO-RESULT-{nonce}@@"
+
+# Runs inside the sandbox; `_CONFIG` (a JSON string) is prepended. Everything the harness needs after the
+# solution ran is bound before it runs, so a solution that rebinds os.write or json.dumps changes nothing.
+_HARNESS = r'''
+import json as _json, os as _os, signal as _signal, sys as _sys
+
+
+class _Timeout(BaseException):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout()
+
+
+def _main(cfg, write=_os.write, dumps=_json.dumps, setitimer=_signal.setitimer, exit=_os._exit):
+    out = _os.dup(1)
+    null = _os.open(_os.devnull, _os.O_WRONLY)
+    _os.dup2(null, 1)
+    _os.dup2(null, 2)
+    _sys.stdout = _sys.stderr = open(_os.devnull, "w")
+    _signal.signal(_signal.SIGALRM, _alarm)
+    namespace = {"__name__": "__solution__"}
+
+    def attempt(source, name):
+        try:
+            try:
+                setitimer(_signal.ITIMER_REAL, cfg["limit_s"])
+                exec(compile(source, name, "exec"), namespace)
+                return None
+            finally:
+                setitimer(_signal.ITIMER_REAL, 0)
+        except _Timeout:
+            return "timeout"
+        except BaseException as exc:  # SystemExit too: the solution must not end the harness
+            return (type(exc).__name__ + ": " + str(exc))[:160]
+
+    tests = cfg["tests"]
+    error = attempt(cfg["solution"], "<solution>")
+    if error is None and not callable(namespace.get(cfg["entry_point"])):
+        error = "entry point %r is not defined" % cfg["entry_point"]
+    results = [error] * len(tests) if error else [attempt(t, "<test %d>" % i) for i, t in enumerate(tests)]
+    passed = sum(r is None for r in results)
+    line = cfg["marker"] + dumps({"passed": passed, "total": len(tests), "errors": results}) + "\n"
+    write(out, line.encode())
+    exit(0)  # skip the solution's atexit handlers and threads
+
+
+_main(_json.loads(_CONFIG))
+'''
+
+
+def coding_spec(task: Task) -> tuple[str, list[str]]:
+    """`(entry_point, tests)` of a coding task; ValueError naming the task when the answer is malformed."""
+    answer = task.answer
+    if not isinstance(answer, dict):
+        raise ValueError(f"task {task.task_id}: answer must be a dict with entry_point and tests")
+    entry, tests = answer.get("entry_point"), answer.get("tests")
+    if not isinstance(entry, str) or not entry.isidentifier():
+        raise ValueError(f"task {task.task_id}: answer.entry_point must be an identifier, got {entry!r}")
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.strip() for t in tests):
+        raise ValueError(f"task {task.task_id}: answer.tests must be a non-empty list of strings")
+    return entry, list(tests)
+
+
+def load_coding_tasks(path: str | Path | None = None) -> list[Task]:
+    """Coding tasks from JSONL/Parquet rows `{task_id, prompt, answer: {entry_point, tests}, ...}`.
+
+    The default is the small shipped set `data/coding/problems.jsonl`. Every answer is validated.
+    """
+    tasks = load_tasks(path or DEFAULT_PROBLEMS, prompt_field="prompt", answer_field="answer",
+                       id_field="task_id")
+    for task in tasks:
+        coding_spec(task)
+    return tasks
+
+
+def extract_solution(turn_text: str) -> str:
+    """The code of a final turn: the last fenced block, else the text before `<|end|>`."""
+    text = turn_text[: turn_text.rfind(END)] if END in turn_text else turn_text
+    blocks = _FENCE.findall(text)
+    return blocks[-1] if blocks else text
+
+
+def harness_program(solution: str, entry_point: str, tests: list[str], limit_s: float, nonce: str) -> str:
+    """The sandbox program that grades `solution` against `tests` and prints one marked result line."""
+    config = {"solution": solution, "entry_point": entry_point, "tests": tests, "limit_s": limit_s,
+              "marker": _MARKER.format(nonce=nonce)}
+    return f"_CONFIG = {json.dumps(config)!r}\n{_HARNESS}"
+
+
+@dataclass(frozen=True)
+class Grade:
+    passed: int
+    """Tests that passed (0 when no trustworthy result came back)."""
+    total: int
+    """Tests run."""
+    error: str | None = None
+    """Why nothing could be counted (no or several result lines, timeout), else None."""
+    test_errors: tuple[str | None, ...] = ()
+    """Per test: None when it passed, else a short `Type: message` (or `timeout`)."""
+
+
+def parse_harness_output(stdout: str, nonce: str, total: int) -> Grade:
+    """The grade in the harness's stdout; 0 passed with an error unless there is exactly one valid line."""
+    marker = _MARKER.format(nonce=nonce)
+    lines = [line[len(marker):] for line in stdout.splitlines() if line.startswith(marker)]
+    if len(lines) != 1:
+        return Grade(0, total, f"expected one result line, found {len(lines)}")
+    try:
+        result = json.loads(lines[0])
+        passed, errors = result["passed"], result["errors"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return Grade(0, total, "malformed result line")
+    if isinstance(passed, bool) or not isinstance(passed, int) or not 0 <= passed <= total:
+        return Grade(0, total, f"passed out of range: {passed!r}")
+    return Grade(passed, total, None, tuple(errors) if isinstance(errors, list) else ())
+
+
+def run_tests(solution: str, entry_point: str, tests: list[str], timeout_s: float) -> Grade:
+    """Grade `solution` against `tests` in one blocking sandbox call (`timeout_s` wall limit)."""
+    nonce = secrets.token_hex(16)
+    # Leave ~0.5 s of the wall limit for interpreter start-up; the rest is shared by the load and each test.
+    limit_s = max(0.05, (timeout_s - 0.5) / (len(tests) + 1))
+    result = run_python(harness_program(solution, entry_point, tests, limit_s, nonce), timeout_s=timeout_s)
+    grade = parse_harness_output(result.stdout, nonce, len(tests))
+    if grade.error and result.timed_out:
+        return Grade(0, len(tests), "timed out")
+    return grade
+
+
+class CodingEnvironment:
+    """Function-writing tasks graded by hidden tests (see the module docstring)."""
+
+    name = "coding"
+
+    def __init__(self, tasks: list[Task] | None = None, latency: ToolLatency | None = None,
+                 reward: Literal["fraction", "all_pass"] = "fraction", timeout_s: float = 5.0,
+                 max_output_chars: int = 256) -> None:
+        if reward not in ("fraction", "all_pass"):
+            raise ValueError(f"reward must be 'fraction' or 'all_pass', got {reward!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.tasks = load_coding_tasks() if tasks is None else list(tasks)
+        for task in self.tasks:
+            coding_spec(task)
+        self.latency = latency if latency is not None else ToolLatency()
+        self.reward, self.timeout_s = reward, timeout_s
+        self.tool = PythonTool(timeout_s=timeout_s, max_chars=max_output_chars)
+
+    def start(self, task: Task) -> CodingEpisode:
+        """A fresh episode; ValueError when the task's answer is not a coding spec."""
+        return CodingEpisode(self, task)
+
+
+class CodingEpisode:
+    """One coding episode: tool calls until a final turn, which is graded."""
+
+    def __init__(self, env: CodingEnvironment, task: Task) -> None:
+        self.env, self.task = env, task
+        self.entry_point, self.tests = coding_spec(task)
+        self.tool_calls = 0
+
+    def prompt_text(self) -> str:
+        """`<|user|>{prompt}<|assistant|>`."""
+        return prompt_text(self.task.prompt)
+
+    async def step(self, turn_text: str, truncated: bool) -> StepResult:
+        """Run a tool call, or grade the final turn; a truncated turn ends the episode unrewarded."""
+        info: dict = {"tool_calls": self.tool_calls}
+        if truncated:
+            return StepResult(None, True, 0.0, "length", info)
+        if turn_text.endswith(CALL_END):
+            begin = turn_text.rfind(CALL)
+            code = turn_text[begin + len(CALL): -len(CALL_END)] if begin >= 0 else ""
+            await self.env.latency.wait(self.env.latency.sampler(f"{self.task.task_id}:{self.tool_calls}"))
+            self.tool_calls += 1
+            try:
+                output = await asyncio.to_thread(self.env.tool, code)
+            except SandboxError as exc:
+                return StepResult(None, True, 0.0, "tool_error", {"tool_calls": self.tool_calls,
+                                                                   "error": str(exc)})
+            return StepResult(observation_text(output), False)
+        try:
+            grade = await asyncio.to_thread(run_tests, extract_solution(turn_text), self.entry_point,
+                                            self.tests, self.env.timeout_s)
+        except SandboxError as exc:
+            return StepResult(None, True, 0.0, "tool_error", {**info, "error": str(exc)})
+        if self.env.reward == "fraction":
+            reward = grade.passed / grade.total
+        else:
+            reward = float(grade.passed == grade.total)
+        info.update(passed=grade.passed, total=grade.total, test_errors=list(grade.test_errors))
+        if grade.error:
+            info["grading_error"] = grade.error
+        return StepResult(None, True, reward, "stop", info)

@@ -1,0 +1,193 @@
+"""`style`: the online-learning environment. The model answers a short prompt in one turn; a judge scores how
+well the answer matches the currently preferred style. A schedule flips the preference at run time
+(`set_preference`), so the policy has to notice from rewards alone that the target moved.
+
+Styles: `cute`, `chuunibyou` (the dramatic "hidden dark powers" persona), `classical` (archaic English).
+Judges implement `async score(prompt, response, style) -> float in [0, 1]`:
+
+- `LexicalJudge` (embedded default, deterministic, no model): marker lexicon hits, see its docstring.
+- `LLMJudge`: asks any OpenAI-compatible chat endpoint for a 0-10 rating.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+
+from components.data.problem_sets import load_tasks
+from components.data.traces import prompt_text
+from components.envs.base import StepResult, Task
+from components.models.tokenizer import END
+
+STYLES = ("cute", "chuunibyou", "classical")
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "style" / "prompts.jsonl"
+
+LEXICON: dict[str, tuple[str, ...]] = {
+    "cute": ("~", "nya", "uwu", "owo", "(^_^)", "<3", "kawaii", "yay", "!!", "hehe", "teehee", "fluffy",
+             "sparkly"),
+    "chuunibyou": ("dark flame", "my right eye", "sealed", "the organization", "fufufu", "kukuku", "destiny",
+                   "abyss", "forbidden", "awaken", "awakened", "cursed", "mortal", "mortals"),
+    "classical": ("thee", "thou", "thy", "thine", "hath", "verily", "forsooth", "doth", "whence", "hither",
+                  "prithee", "'tis", "alas", "methinks", "ere"),
+}
+"""Style markers. Word markers match whole words only (`awaken` does not hit `awakened`), so one piece of
+text is never counted twice."""
+
+DESCRIPTIONS = {
+    "cute": "cute and playful: kaomoji like (^_^), 'nya', 'uwu', tildes, '<3', excited exclamations",
+    "chuunibyou": "chuunibyou: the grandiose delusions of a teenager who believes they wield sealed dark "
+                  "powers (my right eye, the dark flame, the organization, destiny, fufufu)",
+    "classical": "classical, archaic English: thee, thou, hath, verily, forsooth, Shakespearean diction",
+}
+
+
+def check_style(style: str) -> str:
+    """`style` itself when it is a known style, else ValueError listing the known ones."""
+    if style not in STYLES:
+        raise ValueError(f"style: unknown style {style!r}; known: {list(STYLES)}")
+    return style
+
+
+def _marker_pattern(markers: tuple[str, ...]) -> re.Pattern[str]:
+    # Word-like ends need word boundaries, so "thou" does not hit "thousand" nor "ere" hit "here".
+    parts = []
+    for marker in sorted(markers, key=len, reverse=True):
+        left = r"(?<!\w)" if re.match(r"\w", marker) else ""
+        right = r"(?!\w)" if re.search(r"\w$", marker) else ""
+        parts.append(left + re.escape(marker) + right)
+    return re.compile("|".join(parts), re.IGNORECASE)
+
+
+_PATTERNS = {style: _marker_pattern(markers) for style, markers in LEXICON.items()}
+
+
+class StyleJudge(Protocol):
+    async def score(self, prompt: str, response: str, style: str) -> float:
+        """How well `response` (to `prompt`) matches `style`, in [0, 1]."""
+
+
+class LexicalJudge:
+    """Deterministic lexicon judge.
+
+    hits(s) counts case-insensitive, non-overlapping occurrences of style s's markers (word markers only
+    as whole words); words = number of whitespace-separated tokens.
+
+        margin = 10 * (hits(preferred) - sum of hits(other styles)) / max(words, 10)
+        score  = 1 / (1 + exp(-margin))
+
+    i.e. net marker hits per 10 words (texts under 10 words count as 10, so a single marker in a tiny reply
+    does not saturate), squashed by a logistic: a neutral text scores 0.5, the preferred style > 0.5, the
+    other styles < 0.5.
+    """
+
+    def hits(self, text: str) -> dict[str, int]:
+        """Marker hits per style."""
+        return {style: len(pattern.findall(text)) for style, pattern in _PATTERNS.items()}
+
+    def score_text(self, response: str, style: str) -> float:
+        """The score of `response` for `style` (synchronous; see the class docstring)."""
+        hits = self.hits(response)
+        net = hits[check_style(style)] - sum(n for s, n in hits.items() if s != style)
+        margin = 10.0 * net / max(len(response.split()), 10)
+        return 1.0 / (1.0 + math.exp(-margin))
+
+    async def score(self, prompt: str, response: str, style: str) -> float:
+        """`score_text(response, style)`; the prompt is not used."""
+        return self.score_text(response, style)
+
+
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+_SYSTEM = ("You grade writing style. Reply with a single number from 0 to 10 rating how strongly the "
+           "response is written in the requested style (0: not at all, 10: perfectly). Judge the style only, "
+           "not the content.")
+
+
+class LLMJudge:
+    """Scores with an OpenAI-compatible chat endpoint: the first number of the reply, divided by 10.
+
+    One `httpx.AsyncClient` per call, so the judge works from any event loop (episodes may run under
+    different loops in tests and tools).
+    """
+
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout_s: float = 30.0) -> None:
+        self.url = base_url.rstrip("/") + "/v1/chat/completions"
+        self.model, self.api_key, self.timeout_s = model, api_key, timeout_s
+
+    def request(self, prompt: str, response: str, style: str) -> dict:
+        """The chat-completions request body for one rating."""
+        user = (f"Requested style: {DESCRIPTIONS[check_style(style)]}\n\nPrompt: {prompt}\n\n"
+                f"Response: {response}\n\nScore:")
+        return {"model": self.model, "temperature": 0.0, "max_tokens": 16,
+                "messages": [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": user}]}
+
+    @staticmethod
+    def parse(reply: str) -> float:
+        """First number of `reply` / 10, clamped to [0, 1]; ValueError quoting the reply when it has none."""
+        match = _NUMBER.search(reply)
+        if match is None:
+            raise ValueError(f"LLM judge reply has no score: {reply!r}")
+        return min(1.0, max(0.0, float(match.group()) / 10.0))
+
+    async def score(self, prompt: str, response: str, style: str) -> float:
+        """POST one rating request; httpx errors for transport/HTTP failures, ValueError for a bad reply."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+            reply = await client.post(self.url, json=self.request(prompt, response, style), headers=headers)
+        reply.raise_for_status()
+        try:
+            content = reply.json()["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise ValueError(f"LLM judge: no choices[0].message.content in {reply.text[:200]!r}") from exc
+        return self.parse(content or "")
+
+
+def load_style_tasks(path: str | Path | None = None) -> list[Task]:
+    """Style prompts from JSONL/Parquet rows `{task_id, prompt}`; default: `data/style/prompts.jsonl`."""
+    return load_tasks(path or DEFAULT_PROMPTS, prompt_field="prompt", answer_field=None, id_field="task_id")
+
+
+class StyleEnvironment:
+    """Single-turn style matching; reward = judge score for the preference in force when the episode began."""
+
+    name = "style"
+
+    def __init__(self, tasks: list[Task] | None = None, judge: StyleJudge | None = None,
+                 preferred: str = "cute") -> None:
+        self.tasks = load_style_tasks() if tasks is None else list(tasks)
+        self.judge = judge if judge is not None else LexicalJudge()
+        self.preferred = check_style(preferred)
+
+    def set_preference(self, style: str) -> None:
+        """Change the preferred style for episodes started from now on; ValueError for unknown styles."""
+        self.preferred = check_style(style)
+
+    def start(self, task: Task) -> StyleEpisode:
+        """A fresh episode; it keeps the preference in force now, even if it flips while the episode runs."""
+        return StyleEpisode(self, task, self.preferred)
+
+
+class StyleEpisode:
+    """One style episode: a single model turn, scored by the judge."""
+
+    def __init__(self, env: StyleEnvironment, task: Task, preferred: str) -> None:
+        self.env, self.task, self.preferred = env, task, preferred
+
+    def prompt_text(self) -> str:
+        """`<|user|>{prompt}<|assistant|>`."""
+        return prompt_text(self.task.prompt)
+
+    async def step(self, turn_text: str, truncated: bool) -> StepResult:
+        """Score the turn (a cut-off turn too, with finish_reason `length`); a failing judge gives `tool_error`."""
+        response = turn_text[: turn_text.rfind(END)] if END in turn_text else turn_text
+        info: dict = {"preferred": self.preferred}
+        try:
+            score = float(await self.env.judge.score(self.task.prompt, response, self.preferred))
+        except (httpx.HTTPError, ValueError) as exc:
+            return StepResult(None, True, 0.0, "tool_error", {**info, "error": f"{type(exc).__name__}: {exc}"})
+        if not 0.0 <= score <= 1.0:  # also rejects NaN
+            return StepResult(None, True, 0.0, "tool_error", {**info, "error": f"judge score {score} not in [0, 1]"})
+        return StepResult(None, True, score, "length" if truncated else "stop", {**info, "score": score})
