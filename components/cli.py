@@ -42,6 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     p_rollout.add_argument("--model", type=Path, default=None, help="HF model directory (default: the SFT policy)")
     p_rollout.add_argument("--tasks", default=None, help="problem set (JSONL/Parquet, local or s3://)")
 
+    p_train = sub.add_parser("train", help="asynchronous RL from the SFT policy (SAO or a baseline)")
+    common(p_train)
+    p_train.add_argument("--algo", default=None, help="sao, sao-k1, sao-full-critic, sao-running-mean, grpo, "
+                                                      "grpo-dis, ppo (default: the preset's)")
+    p_train.add_argument("--max-steps", type=int, default=None, help="policy updates (default: the preset's)")
+    p_train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+
     p_engine = sub.add_parser("engine", help="the embedded rollout engine")
     engine_sub = p_engine.add_subparsers(dest="engine_command", required=True)
     p_serve = engine_sub.add_parser("serve", help="serve an HF model directory over the OpenAI-compatible API")
@@ -54,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                          help="torch CPU threads (default: torch's); leave cores free for clients on the same host")
 
     args = parser.parse_args(argv)
+    if args.command == "train":
+        args.overrides += [f'train.algo="{args.algo}"'] if args.algo else []
+        args.overrides += [f"train.max_steps={args.max_steps}"] if args.max_steps is not None else []
     try:
         cfg = load_config(args.preset, args.overrides)
     except ConfigError as exc:
@@ -79,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         from components.models import init_model_dir
 
         print(init_model_dir(cfg.model, args.out, seed=args.seed))
+    elif args.command == "train":
+        jobs.run_train(cfg, home, resume=args.resume)
     elif args.command == "rollout":
         from components.agent.rollout_job import run_rollout
 

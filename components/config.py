@@ -201,6 +201,49 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class TrainConfig:
+    algo: Literal["sao", "sao-k1", "sao-full-critic", "sao-running-mean", "grpo", "grpo-dis", "ppo"] = "sao"
+    """Algorithm (one loop for all; see components/training/algorithms.py)."""
+    batch_size: int = 16
+    """Trajectories per policy update (whole groups for GRPO)."""
+    max_steps: int = 100
+    """Policy updates."""
+    max_staleness: int = 2
+    """Admission control: new episodes start only while trainer version - oldest in-flight start <= this."""
+    sync: bool = False
+    """Synchronous mode: generate a batch, wait for all of it, train (same code, for async-vs-sync)."""
+    group_size: int = 8
+    """GRPO group size N (grpo, grpo-dis)."""
+    policy_lr: float = 1e-4
+    """Policy AdamW learning rate."""
+    critic_lr: float = 1e-3
+    """Critic AdamW learning rate (larger than the policy's, DESIGN)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay for both models."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip for both models."""
+    backend: Literal["torch", "deepspeed"] = "deepspeed"
+    """Training engine: DeepSpeed (ZeRO, CPU fp32 / GPU bf16) or plain torch AdamW."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage (0-2)."""
+    checkpoint_every: int = 10
+    """Steps between checkpoints (0: only at the end)."""
+    task_seed: int = 1
+    """Seed of the RL prompt stream (disjoint from SFT's and from the held-out set)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_steps", "group_size"):
+            _require(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
+        _require(self.max_staleness >= 0, "train.max_staleness", f"must be >= 0, got {self.max_staleness}")
+        _require(self.policy_lr > 0 and self.critic_lr > 0, "train.policy_lr", "learning rates must be > 0")
+        _require(self.zero_stage in (0, 1, 2), "train.zero_stage", f"must be 0, 1 or 2, got {self.zero_stage}")
+        _require(self.checkpoint_every >= 0, "train.checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
+        if self.algo in ("grpo", "grpo-dis"):
+            _require(self.batch_size % self.group_size == 0, "train.batch_size",
+                     f"must be a multiple of group_size={self.group_size} for {self.algo}, got {self.batch_size}")
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "custom"
     """Preset or run name."""
@@ -214,6 +257,8 @@ class Config:
     """SAO math settings."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Agent runner and embedded engine."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The asynchronous RL trainer."""
 
 
 def load_config(preset: str, overrides: list[str] | None = None) -> Config:

@@ -90,3 +90,24 @@ def run_eval(cfg: Config, model_dir: Path, home: Path, name: str, log: Log = pri
 
 def _fingerprint(data: dict) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print) -> dict:
+    """`sao train`: bootstrap the SFT policy if needed, train with `cfg.train.algo`, evaluate before and after."""
+    from components.tracking import DiskTracker
+    from components.training.trainer import train
+
+    sft_dir = run_sft(cfg, home, log=log)
+    before = run_eval(cfg, sft_dir, home, "sft-eval", log)
+    log(f"train: {cfg.train.algo}, {cfg.train.max_steps} steps x {cfg.train.batch_size} trajectories, "
+        f"{'sync' if cfg.train.sync else 'async'}, backend {cfg.train.backend}; SFT held-out accuracy "
+        f"{before.accuracy:.1%}")
+    tracker = DiskTracker(home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl")
+    try:
+        result = train(cfg, sft_dir, home, tracker, resume=resume, log=log)
+    finally:
+        tracker.close()
+    after = run_eval(cfg, result.policy_dir, home, f"{cfg.train.algo}-eval", log)
+    log(f"train: held-out accuracy {before.accuracy:.1%} -> {after.accuracy:.1%} after {result.version} policy "
+        f"versions ({result.policy_dir})")
+    return {"before": before.accuracy, "after": after.accuracy, "version": result.version}

@@ -19,7 +19,7 @@ import asyncio
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterable
 
 from components.agent.trajectory import Timings, Trajectory
 from components.envs.base import Environment, Task
@@ -61,28 +61,46 @@ class AgentRunner:
         self.in_flight = 0
         self.max_in_flight = 0
 
-    async def run(self, tasks: list[Task], sink: TrajectorySink | None = None,
-                  admit: Callable[[], Awaitable[None]] | None = None) -> list[Trajectory]:
-        """Run every task; each trajectory goes to `sink` the moment it finishes. Returns them in finish order.
+    async def run(self, tasks: Iterable[Task], sink: TrajectorySink | None = None,
+                  admit: Callable[[Task], Awaitable[None]] | None = None,
+                  stop: asyncio.Event | None = None) -> list[Trajectory]:
+        """Run tasks (a list or an endless iterator) with at most `concurrency` in flight; each trajectory goes
+        to `sink` the moment it finishes. Returns them in finish order.
 
-        `admit`, when given, is awaited before each episode starts (the trainer's staleness admission control).
+        `admit(task)`, when given, is awaited before each episode starts (the trainer's staleness admission
+        control). Setting `stop` starts no new episode; those in flight finish and are handed over.
         """
         slots = asyncio.Semaphore(self.concurrency)
         finished: list[Trajectory] = []
+        running: set[asyncio.Task] = set()
 
         async def one(task: Task, queued: float) -> None:
-            async with slots:
-                if admit is not None:
-                    await admit()
+            try:
                 trajectory = await self.run_episode(task, queued)
-            finished.append(trajectory)
-            if sink is not None:
-                maybe = sink(trajectory)
-                if asyncio.iscoroutine(maybe):
-                    await maybe
+                finished.append(trajectory)
+                if sink is not None:
+                    maybe = sink(trajectory)
+                    if asyncio.iscoroutine(maybe):
+                        await maybe
+            finally:
+                slots.release()
 
-        now = time.time()
-        await asyncio.gather(*(one(task, now) for task in tasks))
+        for task in tasks:
+            queued = time.time()
+            await slots.acquire()
+            if stop is not None and stop.is_set():
+                slots.release()
+                break
+            if admit is not None:
+                await admit(task)
+                if stop is not None and stop.is_set():
+                    slots.release()
+                    break
+            job = asyncio.create_task(one(task, queued))
+            running.add(job)
+            job.add_done_callback(running.discard)
+        if running:
+            await asyncio.gather(*running)
         return finished
 
     async def run_episode(self, task: Task, queued: float | None = None) -> Trajectory:

@@ -1,0 +1,88 @@
+"""Trajectory buffer with staleness admission control (DESIGN section 3).
+
+Staleness is bounded by admission, never by dropping finished work: a new episode starts only while the
+trainer is at most `max_staleness` versions ahead of the oldest in-flight episode's start version. Finished
+trajectories are always kept (dropping stale ones biases training toward short, fast rollouts).
+In grouped mode (GRPO) trajectories are released only as whole groups of `group_size`: the barrier that
+SAO removes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from components.agent.trajectory import Trajectory
+from components.envs.base import Task
+
+
+class TrajectoryBuffer:
+    def __init__(self, max_staleness: int, group_size: int = 1) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
+        self.max_staleness = max_staleness
+        self.group_size = group_size
+        self.version = 0
+        self._start_versions: dict[str, int] = {}
+        self._ready: list[Trajectory] = []
+        self._groups: dict[str, list[Trajectory]] = {}
+        self._cond = asyncio.Condition()
+        self.admission_waits = 0
+        self.closed = False
+
+    def _oldest_start(self) -> int | None:
+        return min(self._start_versions.values()) if self._start_versions else None
+
+    def admissible(self) -> bool:
+        oldest = self._oldest_start()
+        return self.closed or oldest is None or self.version - oldest <= self.max_staleness
+
+    async def admit(self, task: Task) -> None:
+        """Wait until a new episode may start, then record its start version."""
+        async with self._cond:
+            if not self.admissible():
+                self.admission_waits += 1
+                await self._cond.wait_for(self.admissible)
+            self._start_versions[task.task_id] = self.version
+
+    async def put(self, trajectory: Trajectory) -> None:
+        async with self._cond:
+            self._start_versions.pop(trajectory.prompt_id, None)
+            if self.group_size == 1:
+                self._ready.append(trajectory)
+            else:
+                group = self._groups.setdefault(group_key(trajectory.prompt_id), [])
+                group.append(trajectory)
+                if len(group) == self.group_size:
+                    self._ready.extend(self._groups.pop(group_key(trajectory.prompt_id)))
+            self._cond.notify_all()
+
+    async def take(self, n: int) -> list[Trajectory]:
+        """The next `n` finished trajectories in arrival order (whole groups in grouped mode)."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: len(self._ready) >= n)
+            batch, self._ready = self._ready[:n], self._ready[n:]
+            return batch
+
+    async def set_version(self, version: int) -> None:
+        async with self._cond:
+            self.version = version
+            self._cond.notify_all()
+
+    async def close(self) -> None:
+        """Release anyone waiting for admission (the run is ending; the runner's stop flag stops it)."""
+        async with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._start_versions)
+
+    def start_version_counts(self) -> Counter:
+        return Counter(self._start_versions.values())
+
+
+def group_key(task_id: str) -> str:
+    """Episodes of one GRPO group share the id before `#g`."""
+    return task_id.split("#g", 1)[0]

@@ -1,0 +1,205 @@
+"""The asynchronous RL loop: trajectories stream from the agent runner into the trainer, one algorithm step per
+batch, weights published to the engine after every step (DESIGN section 3).
+
+    runner (asyncio, C episodes) --finished trajectory--> buffer --B in arrival order--> step --> publish v+1
+
+In async mode nothing waits for a group. The buffer's admission control bounds staleness. In sync mode
+(`train.sync`), a batch is generated, all of it is awaited, and then the trainer trains on it. Both modes
+run the same code, so async and sync are measured on equal terms.
+
+Departures (this issue's first slice):
+- the trainer and the embedded engine share one process;
+- weights move in memory, never through a file;
+- the task stream is the synthetic `tir_math` set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from components.agent.runner import AgentRunner, EpisodeLimits
+from components.agent.trajectory import Trajectory, to_tensors
+from components.config import Config, to_dict
+from components.data.tasks import generate_problems
+from components.envs.base import Task, ToolLatency
+from components.envs.tir_math import TIRMathEnvironment
+from components.models import ValueModel, freeze_attention, load_policy, load_tokenizer, stop_token_ids
+from components.rollout.embedded import EmbeddedEngine
+from components.tracking import Tracker
+from components.training.algorithms import ALGORITHMS, AlgoSettings
+from components.training.buffer import TrajectoryBuffer
+from components.training.checkpoint import LocalCheckpointStore
+from components.training.engines import ENGINES
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    """Policy updates done in this run (a resumed run counts from its checkpoint)."""
+    version: int
+    """Final policy version."""
+    policy_dir: Path
+    """HF directory of the final policy."""
+    history: list[dict]
+    """Per-step metrics."""
+
+
+def task_stream(cfg: Config, start: int, group_size: int) -> Iterator[Task]:
+    """Endless training prompts from `start` on (the cursor a checkpoint stores), each `group_size` times."""
+    chunk = 4096
+    for offset in itertools.count(start - start % chunk, chunk):
+        problems = generate_problems(cfg.task.kinds, offset + chunk, cfg.train.task_seed, cfg.task.operand_max,
+                                     "train")[offset:]
+        for index, p in enumerate(problems, start=offset):
+            if index < start:
+                continue
+            for g in range(group_size):
+                suffix = f"#g{g}" if group_size > 1 else ""
+                yield Task(f"rl-{index}{suffix}", p.question, p.answer, {"kind": p.kind, "cursor": index})
+
+
+def settings_from(cfg: Config) -> AlgoSettings:
+    algorithm = ALGORITHMS[cfg.train.algo]
+    eps_low, eps_high = cfg.algo.dis_window
+    return AlgoSettings(cfg.algo.gamma, cfg.algo.lam_critic, cfg.algo.lam_policy, eps_low, eps_high,
+                        cfg.algo.temperature, algorithm.critic_updates or cfg.algo.critic_updates,
+                        cfg.algo.value_clip, cfg.algo.normalize_advantages,
+                        group_size=cfg.train.group_size if algorithm.grouped else 1)
+
+
+def train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resume: bool = False,
+          log: Callable[[str], None] = print) -> TrainResult:
+    return asyncio.run(_train(cfg, sft_dir, home, tracker, resume, log))
+
+
+async def _train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resume: bool, log) -> TrainResult:
+    tc, algorithm, settings = cfg.train, ALGORITHMS[cfg.train.algo], settings_from(cfg)
+    torch.manual_seed(cfg.sft.seed)
+    tokenizer = load_tokenizer(sft_dir)
+    policy_model = load_policy(sft_dir)
+    make_engine = ENGINES[tc.backend]
+    engine_kwargs = {"weight_decay": tc.weight_decay, "grad_clip": tc.grad_clip}
+    if tc.backend == "deepspeed":
+        engine_kwargs["zero_stage"] = tc.zero_stage
+    critic = None
+    if algorithm.uses_critic:
+        critic_model = ValueModel.from_policy(policy_model)
+        if algorithm.freeze_critic_attention:
+            freeze_attention(critic_model)
+        critic = make_engine(critic_model, tc.critic_lr, **engine_kwargs)
+    policy = make_engine(policy_model, tc.policy_lr, **engine_kwargs)
+
+    store = LocalCheckpointStore(home / "checkpoints" / cfg.name)
+    step, cursor, algo_state = 0, 0, {}
+    if resume and (latest := store.latest_step()) is not None:
+        saved = store.load(latest)
+        policy.load_state_dict(saved["policy"])
+        if critic is not None:
+            critic.load_state_dict(saved["critic"])
+        step, cursor, algo_state = saved["state"]["step"], saved["state"]["cursor"], saved["state"]["algo_state"]
+        torch.set_rng_state(saved["state"]["torch_rng"])
+        random.setstate(saved["state"]["py_rng"])
+        log(f"train: resumed from {store.root}/step-{latest:08d} (version {step})")
+
+    engine = EmbeddedEngine(copy.deepcopy(policy.module), tokenizer, max_batch=cfg.rollout.max_batch,
+                            version=step).start()
+    group = settings.group_size
+    buffer = TrajectoryBuffer(tc.max_staleness, group)
+    latency = ToolLatency(cfg.rollout.latency, cfg.rollout.latency_mean_s, cfg.rollout.latency_sigma, cfg.task.seed)
+    runner = AgentRunner(engine, tokenizer, TIRMathEnvironment(cfg.rollout.tool_timeout_s, latency),
+                         EpisodeLimits(cfg.task.max_turns, cfg.task.max_new_tokens, cfg.rollout.max_total_tokens,
+                                       cfg.rollout.max_wall_s, cfg.algo.temperature),
+                         cfg.rollout.concurrency, tuple(stop_token_ids(tokenizer)), seed=cfg.task.seed + step)
+    tasks = task_stream(cfg, cursor, group)
+    stop = asyncio.Event()
+    producer = None if tc.sync else asyncio.create_task(runner.run(tasks, buffer.put, buffer.admit, stop))
+    tracker.log_params({"config": to_dict(cfg), "resumed_at": step})
+    history: list[dict] = []
+    run_start, idle = time.perf_counter(), 0.0
+    try:
+        while step < tc.max_steps:
+            wait_start = time.perf_counter()
+            if tc.sync:  # generate exactly one batch, wait for all of it
+                await runner.run(itertools.islice(tasks, tc.batch_size), buffer.put)
+            batch = await _take(buffer, tc.batch_size, producer)
+            waited = time.perf_counter() - wait_start
+            idle += waited
+            step_start = time.perf_counter()
+            tensors = to_tensors(batch, tokenizer.pad_token_id)
+            metrics = await asyncio.to_thread(algorithm.step, policy, critic, tensors, settings, algo_state)
+            step += 1
+            await asyncio.wrap_future(engine.load_weights(
+                {k: v.detach().clone() for k, v in policy.module.state_dict().items()}, step))
+            await buffer.set_version(step)
+            cursor = max(t.metadata.get("cursor", 0) for t in batch) + 1
+            row = _row(metrics, batch, step, waited, time.perf_counter() - step_start, idle,
+                       time.perf_counter() - run_start)
+            history.append(row)
+            tracker.log_metrics(row, step)
+            log(f"step {step:>4}/{tc.max_steps}  reward {row['reward/mean']:.3f}  stale {row['rollout/staleness_mean']:.2f}"
+                f"/{row['rollout/staleness_max']:.0f}  masked {row.get('dis/masked_frac_low', 0):.3f}/"
+                f"{row.get('dis/masked_frac_high', 0):.3f}  EV {row.get('critic/explained_variance', float('nan')):.2f}"
+                f"  {row['rollout/trajectories_per_s']:.1f} traj/s  idle {row['trainer/idle_frac']:.0%}")
+            if tc.checkpoint_every and (step % tc.checkpoint_every == 0 or step == tc.max_steps):
+                store.save(step, {
+                    "policy": policy.state_dict(),
+                    **({"critic": critic.state_dict()} if critic is not None else {}),
+                    "state": {"step": step, "cursor": cursor, "algo_state": algo_state,
+                              "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()},
+                })
+    finally:
+        stop.set()
+        await buffer.close()
+        if producer is not None:
+            await producer
+        engine.shutdown()
+    out = home / "models" / f"{cfg.name}-{tc.algo}-policy"
+    from components.models import save_model_dir
+    from components.storage import atomic_dir
+
+    with atomic_dir(out) as tmp:
+        save_model_dir(policy.module, tokenizer, tmp)
+    return TrainResult(len(history), step, out, history)
+
+
+async def _take(buffer: TrajectoryBuffer, n: int, producer: asyncio.Task | None) -> list[Trajectory]:
+    """The next batch; re-raises the runner's error instead of waiting forever if the runner died."""
+    take = asyncio.create_task(buffer.take(n))
+    if producer is None:
+        return await take
+    done, _ = await asyncio.wait({take, producer}, return_when=asyncio.FIRST_COMPLETED)
+    if take in done:
+        return take.result()
+    take.cancel()
+    producer.result()  # raises the runner's exception
+    raise RuntimeError("the agent runner stopped before the trainer had its batch")
+
+
+def _row(metrics: dict, batch: list[Trajectory], version: int, waited: float, step_s: float, idle: float,
+         elapsed: float) -> dict:
+    row = {k: float(v) for k, v in metrics.items()}
+    stale = [version - 1 - v for t in batch for v, m in zip(t.versions, t.action_mask) if m]
+    span = max(t.timings.finished for t in batch) - min(t.timings.started for t in batch)
+    tokens = sum(t.num_actions for t in batch)
+    row.update({
+        "reward/mean": sum(t.reward for t in batch) / len(batch),
+        "rollout/staleness_mean": sum(stale) / max(len(stale), 1),
+        "rollout/staleness_max": float(max(stale, default=0)),
+        "rollout/turns_mean": sum(t.turns for t in batch) / len(batch),
+        "rollout/length_mean": sum(len(t.token_ids) for t in batch) / len(batch),
+        "rollout/trajectories_per_s": len(batch) / max(waited + step_s, 1e-9),
+        "rollout/tokens_per_s": tokens / max(span, 1e-9),
+        "trainer/step_s": step_s,
+        "trainer/idle_frac": idle / max(elapsed, 1e-9),
+        "trainer/wait_s": waited,
+    })
+    return row

@@ -1,0 +1,66 @@
+"""Trajectory buffer admission control and grouping; checkpoint store integrity."""
+
+import asyncio
+
+import pytest
+import torch
+
+from components.agent.trajectory import Timings, Trajectory
+from components.envs.base import Task
+from components.training.buffer import TrajectoryBuffer
+from components.training.checkpoint import LocalCheckpointStore
+
+
+def _traj(pid):
+    return Trajectory(pid, "tir_math", [1, 2, 3], [0, 1, 1], [None, -0.1, -0.2], [None, 0, 0], 1.0, 1, "stop", 1,
+                      Timings(queued=0.0))
+
+
+def test_admission_waits_for_the_oldest_in_flight_episode():
+    async def scenario():
+        buffer = TrajectoryBuffer(max_staleness=1)
+        await buffer.admit(Task("old", "q"))          # starts at version 0
+        await buffer.set_version(1)
+        await buffer.admit(Task("fresh", "q"))        # 1 - 0 <= 1: admitted
+        await buffer.set_version(2)                   # now 2 - 0 > 1: the next start must wait for "old"
+        waiting = asyncio.create_task(buffer.admit(Task("next", "q")))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and buffer.admission_waits == 1
+        await buffer.put(_traj("old"))                # oldest in flight is now "fresh" (version 1): 2 - 1 <= 1
+        await asyncio.wait_for(waiting, 1)
+        assert buffer.in_flight == 2
+        # Finished work is never dropped for staleness, however stale.
+        await buffer.set_version(50)
+        await buffer.put(_traj("fresh"))
+        assert [t.prompt_id for t in await buffer.take(2)] == ["old", "fresh"]
+
+    asyncio.run(scenario())
+
+
+def test_grouped_buffer_releases_whole_groups_only():
+    async def scenario():
+        buffer = TrajectoryBuffer(max_staleness=0, group_size=2)
+        await buffer.put(_traj("a#g0"))
+        await buffer.put(_traj("b#g0"))
+        take = asyncio.create_task(buffer.take(2))
+        await asyncio.sleep(0.05)
+        assert not take.done()  # two trajectories are finished, but no group is complete: the GRPO barrier
+        await buffer.put(_traj("b#g1"))
+        assert [t.prompt_id for t in await asyncio.wait_for(take, 1)] == ["b#g0", "b#g1"]
+
+    asyncio.run(scenario())
+
+
+def test_checkpoints_are_verified_and_incomplete_ones_ignored(tmp_path):
+    store = LocalCheckpointStore(tmp_path)
+    store.save(1, {"policy": {"w": torch.ones(3)}, "state": {"step": 1}})
+    store.save(2, {"policy": {"w": torch.full((3,), 2.0)}, "state": {"step": 2}})
+    (tmp_path / "step-00000003").mkdir()  # a crash mid-write: no marker
+    (tmp_path / "step-00000003" / "policy.pt").write_bytes(b"partial")
+    assert store.steps() == [1, 2] and store.latest_step() == 2
+    assert torch.equal(store.load(2)["policy"]["w"], torch.full((3,), 2.0))
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        store.load(3)
+    (tmp_path / "step-00000002" / "policy.pt").write_bytes(b"corrupted")
+    with pytest.raises(ValueError, match="policy.pt does not match its manifest sha256"):
+        store.load(2)
