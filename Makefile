@@ -9,6 +9,9 @@ PRESET ?= tiny-cpu
 SAO_HOME ?= .sao
 export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
+# DeepSpeed on the CPU path (gloo, fp32); GPU machines set DS_ACCELERATOR=cuda in their environment.
+DS_ACCELERATOR ?= cpu
+export DS_ACCELERATOR
 
 .PHONY: setup run test test-slow test-vllm bench clean
 

@@ -32,12 +32,14 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """`1 - Var(returns - values) / Var(returns)` over the masked positions.
 
     1 is a perfect critic, 0 one that predicts the mean, negative one worse than the mean.
-    When the returns have no variance the ratio is undefined; we return 0 then (nothing explained).
+    When the returns have (numerically) no variance the ratio is undefined; we return 0 then (nothing
+    explained) instead of dividing by a rounding error.
 
     Shapes: values, returns, mask `(B, T)`. Returns a detached scalar.
     """
     values, returns = values.detach(), returns.detach()
     var_returns = masked_var(returns, mask)
     var_residual = masked_var(returns - values, mask)
-    ev = 1.0 - var_residual / var_returns.clamp(min=torch.finfo(returns.dtype).tiny)
-    return torch.where(var_returns > 0, ev, torch.zeros_like(ev))
+    defined = var_returns > 1e-8
+    ev = 1.0 - var_residual / torch.where(defined, var_returns, torch.ones_like(var_returns))
+    return torch.where(defined, ev, torch.zeros_like(ev))

@@ -56,3 +56,8 @@ def test_explained_variance():
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
     assert explained_variance(values, returns, mask).item() == pytest.approx(0.85)
     assert explained_variance(values, returns, mask * 0).item() == 0.0
+
+
+def test_explained_variance_of_constant_returns_is_zero_not_huge():
+    returns = torch.full((1, 4), 0.8125) + torch.tensor([[0.0, 1e-7, 0.0, -1e-7]])  # rounding-level variance
+    assert explained_variance(torch.zeros(1, 4), returns, torch.ones(1, 4)).item() == 0.0
