@@ -10,11 +10,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +24,7 @@ from components.models import build_policy, build_tokenizer, save_model_dir
 from components.rollout.client import EngineClient
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.protocol import SamplingRequest
+from components.rollout.server import serve_subprocess
 
 NEW_TOKENS = 64
 CLIENTS = 32
@@ -77,31 +74,6 @@ def _continuous_batching(model, prompts) -> float:
     return sum(len(o.generated_tokens) for o in out.values()) / elapsed
 
 
-@contextlib.contextmanager
-def _served(model_dir: Path, threads: int):
-    """`sao engine serve` in a subprocess; yields its URL once healthy."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "components.cli", "engine", "serve", "--model", str(model_dir),
-                             "--port", str(port), "--threads", str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("sao engine serve did not start") from None
-                time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
 def _in_process_engine(model, tokenizer, prompts) -> float:
     engine = EmbeddedEngine(model, tokenizer, max_batch=CLIENTS)
     futures = [engine.submit(SamplingRequest(p, NEW_TOKENS, 1.0, seed=i)) for i, p in enumerate(prompts * 3)]
@@ -125,7 +97,7 @@ def run() -> dict[str, float]:
 
     with tempfile.TemporaryDirectory() as tmp:
         weights = save_model_dir(model, tokenizer, Path(tmp) / "w")
-        with _served(weights, SERVER_THREADS) as url:
+        with serve_subprocess(weights, SERVER_THREADS) as url:
             asyncio.run(_clients(url, prompts[:4], 1))  # warm-up
             tokens, elapsed = asyncio.run(_clients(url, prompts, rounds=3))
             served = tokens / elapsed

@@ -21,7 +21,20 @@ import torch
 from torch import Tensor, nn
 
 
-class TorchEngine:
+class _Checkpointable:
+    """Module + optimizer state for checkpoints (both engines keep `module`, `optimizer`, `skipped_steps`)."""
+
+    def state_dict(self) -> dict:
+        return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.skipped_steps = state["skipped_steps"]
+
+
+class TorchEngine(_Checkpointable):
     """AdamW on the trainable parameters, global-norm clipping, non-finite guard."""
 
     def __init__(self, module: nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0) -> None:
@@ -48,17 +61,8 @@ class TorchEngine:
         self.optimizer.step()
         return norm.detach()
 
-    def state_dict(self) -> dict:
-        return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "skipped_steps": self.skipped_steps}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["module"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.skipped_steps = state["skipped_steps"]
-
-
-class DeepSpeedEngine:
+class DeepSpeedEngine(_Checkpointable):
     """`deepspeed.initialize` around one model (fp32 on CPU, bf16 on GPU when `bf16` is set)."""
 
     def __init__(self, module: nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0,
@@ -92,15 +96,6 @@ class DeepSpeedEngine:
         self.engine.step()
         norm = self.engine.get_global_grad_norm()  # of the step just taken (read after step, never before)
         return torch.tensor(float(norm) if norm is not None else math.nan)
-
-    def state_dict(self) -> dict:
-        return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "skipped_steps": self.skipped_steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["module"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.skipped_steps = state["skipped_steps"]
 
 
 def init_single_process_group() -> None:

@@ -109,34 +109,14 @@ def test_client_retries_then_raises_on_connection_errors():
         asyncio.run(run())
 
 
-def test_sao_engine_serve_cli(tmp_path, two_versions):
-    """`sao engine serve` as a user runs it: a subprocess on a loopback port, real requests, then SIGTERM."""
-    import socket
-    import subprocess
-    import sys
-    import time
+def test_sao_engine_serve_cli(two_versions):
+    """`sao engine serve` as a user runs it: a child process on a loopback port, real requests, then SIGTERM."""
+    from components.rollout.server import serve_subprocess
 
-    _, _, tokenizer, v1_path = two_versions
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "components.cli", "engine", "serve", "--model", str(v1_path),
-                             "--port", str(port), "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
-                time.sleep(0.2)
+    _, _, _, v1_path = two_versions
+    with serve_subprocess(v1_path, threads=1) as url:
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "policy"
         body = {"prompt": "<|user|>Compute 2*3+4.<|assistant|>", "max_tokens": 8, "temperature": 0,
                 "logprobs": 1, "return_token_ids": True}
         choice = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
         assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) > 0
-    finally:
-        proc.terminate()
-        assert proc.wait(timeout=30) is not None
