@@ -32,8 +32,9 @@ from components.config import Config, to_dict
 from components.data.tasks import generate_problems
 from components.envs.base import Task, ToolLatency
 from components.envs.tir_math import TIRMathEnvironment
-from components.models import ValueModel, freeze_attention, load_policy, load_tokenizer, stop_token_ids
+from components.models import ValueModel, freeze_attention, load_policy, load_tokenizer, save_model_dir, stop_token_ids
 from components.rollout.embedded import EmbeddedEngine
+from components.storage import atomic_dir
 from components.tracking import Tracker
 from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.buffer import TrajectoryBuffer
@@ -145,10 +146,7 @@ async def _train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resum
                        time.perf_counter() - run_start)
             history.append(row)
             tracker.log_metrics(row, step)
-            log(f"step {step:>4}/{tc.max_steps}  reward {row['reward/mean']:.3f}  stale {row['rollout/staleness_mean']:.2f}"
-                f"/{row['rollout/staleness_max']:.0f}  masked {row.get('dis/masked_frac_low', 0):.3f}/"
-                f"{row.get('dis/masked_frac_high', 0):.3f}  EV {row.get('critic/explained_variance', float('nan')):.2f}"
-                f"  {row['rollout/trajectories_per_s']:.1f} traj/s  idle {row['trainer/idle_frac']:.0%}")
+            log(_progress_line(step, tc.max_steps, row))
             if tc.checkpoint_every and (step % tc.checkpoint_every == 0 or step == tc.max_steps):
                 store.save(step, {
                     "policy": policy.state_dict(),
@@ -163,9 +161,6 @@ async def _train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resum
             await producer
         engine.shutdown()
     out = home / "models" / f"{cfg.name}-{tc.algo}-policy"
-    from components.models import save_model_dir
-    from components.storage import atomic_dir
-
     with atomic_dir(out) as tmp:
         save_model_dir(policy.module, tokenizer, tmp)
     return TrainResult(len(history), step, out, history)
@@ -203,3 +198,11 @@ def _row(metrics: dict, batch: list[Trajectory], version: int, waited: float, st
         "trainer/wait_s": waited,
     })
     return row
+
+
+def _progress_line(step: int, max_steps: int, row: dict) -> str:
+    return (f"step {step:>4}/{max_steps}  reward {row['reward/mean']:.3f}  "
+            f"stale {row['rollout/staleness_mean']:.2f}/{row['rollout/staleness_max']:.0f}  "
+            f"masked {row.get('dis/masked_frac_low', 0):.3f}/{row.get('dis/masked_frac_high', 0):.3f}  "
+            f"EV {row.get('critic/explained_variance', float('nan')):.2f}  "
+            f"{row['rollout/trajectories_per_s']:.1f} traj/s  idle {row['trainer/idle_frac']:.0%}")
