@@ -27,6 +27,7 @@ from components.storage import atomic_dir, is_complete, write_json
 from components.training.sft import train_sft
 
 Log = Callable[[str], None]
+_SFT_TASK_FIELDS = ("kinds", "operand_max", "train_size", "seed", "teacher_mental_max")
 
 
 def default_home() -> Path:
@@ -35,7 +36,7 @@ def default_home() -> Path:
 
 def build_sft_data(cfg: Config, home: Path, log: Log = print) -> Path:
     """Generate the teacher traces of the training split; reused when the task config is unchanged."""
-    path = home / "data" / f"tir_train-{_fingerprint(to_dict(cfg.task))}.parquet"
+    path = home / "data" / f"tir_train-{_fingerprint(sft_recipe(cfg)['task'])}.parquet"
     if path.exists():
         log(f"data: reusing {path}")
         return path
@@ -48,8 +49,7 @@ def build_sft_data(cfg: Config, home: Path, log: Log = print) -> Path:
 def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> Path:
     """Train the SFT policy from scratch (or from `model.path`) and save it as an HF model directory."""
     out = home / "models" / "sft-policy"
-    # JSON round trip so that it compares equal to the copy saved next to the weights (tuples become lists).
-    recipe = json.loads(json.dumps({"model": to_dict(cfg.model), "task": to_dict(cfg.task), "sft": to_dict(cfg.sft)}))
+    recipe = sft_recipe(cfg)
     if is_complete(out) and not force:
         saved = json.loads((out / "sao_sft.json").read_text())
         if saved.get("recipe") == recipe:
@@ -68,6 +68,14 @@ def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> P
         write_json(tmp / "sao_sft.json", {"recipe": recipe, "result": asdict(result)})
     log(f"sft: saved {out}")
     return out
+
+
+def sft_recipe(cfg: Config) -> dict:
+    """What an SFT policy depends on; a saved policy is reused only when its recipe equals this."""
+    # Only the task fields that shape the teacher traces: the eval set size or turn limits do not change SFT.
+    task = {k: v for k, v in to_dict(cfg.task).items() if k in _SFT_TASK_FIELDS}
+    # JSON round trip so that it compares equal to the copy saved next to the weights (tuples become lists).
+    return json.loads(json.dumps({"model": to_dict(cfg.model), "task": task, "sft": to_dict(cfg.sft)}))
 
 
 def run_eval(cfg: Config, model_dir: Path, home: Path, name: str, log: Log = print) -> EvalReport:

@@ -4,6 +4,7 @@ batches, one call per step with every metric of that step, never one call per po
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Protocol
@@ -14,6 +15,9 @@ class Tracker(Protocol):
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
 
+    def rewind(self, step: int) -> None:
+        """A run resumed from the checkpoint at `step`: forget metrics logged after it by the crashed run."""
+
     def close(self) -> None: ...
 
 
@@ -22,6 +26,9 @@ class NullTracker:
         pass
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def rewind(self, step: int) -> None:
         pass
 
     def close(self) -> None:
@@ -41,6 +48,15 @@ class DiskTracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._write({"step": step, "time": time.time(), "metrics": metrics})
+
+    def rewind(self, step: int) -> None:
+        """Rewrite the file without the records of steps after `step` (atomically: temp file + rename)."""
+        self._file.close()
+        kept = [r for r in self.read(self.path) if r.get("step", 0) <= step]
+        tmp = self.path.with_suffix(".rewind")
+        tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in kept))
+        os.replace(tmp, self.path)
+        self._file = self.path.open("a")
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record, default=str) + "\n")

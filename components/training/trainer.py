@@ -109,6 +109,7 @@ async def _train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resum
         step, cursor, algo_state = saved["state"]["step"], saved["state"]["cursor"], saved["state"]["algo_state"]
         torch.set_rng_state(saved["state"]["torch_rng"])
         random.setstate(saved["state"]["py_rng"])
+        tracker.rewind(step)
         log(f"train: resumed from {store.root}/step-{latest:08d} (version {step})")
 
     engine = EmbeddedEngine(copy.deepcopy(policy.module), tokenizer, max_batch=cfg.rollout.max_batch,

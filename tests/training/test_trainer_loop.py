@@ -51,3 +51,37 @@ def test_deepspeed_backend_single_process(tmp_path, tiny_cfg, sft_dir):
     result = train(cfg, sft_dir, tmp_path, NullTracker(), log=lambda _: None)
     assert result.version == 2
     assert all(row["critic/grad_norm"] > 0 and row["policy/grad_norm"] > 0 for row in result.history)
+
+
+def test_kill_9_then_resume_gives_a_contiguous_version_sequence(tmp_path, tiny_cfg, sft_dir):
+    """`sao train` is SIGKILLed after its second checkpoint; `--resume` finishes with versions 1..N, none twice."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import shutil
+
+    from components.config import load_config
+    from components.jobs import sft_recipe
+    from components.storage import atomic_dir, is_complete, write_json
+
+    home = tmp_path / "home"
+    with atomic_dir(home / "models" / "sft-policy") as tmp:  # the SFT step reuses a policy with a matching recipe
+        shutil.copytree(sft_dir, tmp, dirs_exist_ok=True)
+        write_json(tmp / "sao_sft.json", {"recipe": sft_recipe(load_config("tiny-cpu"))})
+    args = [sys.executable, "-m", "components.cli", "train", "--home", str(home), "--max-steps", "6",
+            "--set", 'train.backend="torch"', "--set", "train.batch_size=4", "--set", "train.checkpoint_every=1",
+            "--set", "rollout.concurrency=4", "--set", "task.eval_size=16"]
+    child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = home / "checkpoints" / "tiny-cpu"
+    deadline = time.monotonic() + 240
+    while not is_complete(checkpoints / "step-00000002"):
+        assert child.poll() is None and time.monotonic() < deadline, "no second checkpoint"
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    done = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [r["step"] for r in DiskTracker.read(home / "runs" / "tiny-cpu" / "sao.jsonl") if "step" in r]
+    assert steps == list(range(1, 7))
