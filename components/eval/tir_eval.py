@@ -18,8 +18,9 @@ from transformers import PreTrainedModel
 
 from components.data.tasks import Problem
 from components.data.traces import observation_text, prompt_text
+from components.envs.tir_math import last_tool_code
 from components.eval.grading import grade_answer
-from components.models.tokenizer import CALL, CALL_END, END
+from components.models.tokenizer import CALL_END, END
 
 ToolRunner = Callable[[str], str]
 """Runs one tool call's code and returns the observation text (stdout, or the error)."""
@@ -101,7 +102,7 @@ def evaluate_tir(
                     ep.finish_reason = "max_turns"
                 else:
                     calls.append(ep)
-            outputs = pool.map(run_tool, [_tool_code(ep.text) for ep in calls])
+            outputs = pool.map(run_tool, [last_tool_code(ep.text) for ep in calls])
             for ep, output in zip(calls, outputs):
                 obs = observation_text(output)
                 ep.token_ids.extend(tokenizer(obs, add_special_tokens=False)["input_ids"])
@@ -123,12 +124,6 @@ def evaluate_tir(
         finish_reasons=reasons,
         episodes=episodes,
     )
-
-
-def _tool_code(text: str) -> str:
-    """Code of the last tool call in `text` (between the last `<|python|>` and `<|/python|>`)."""
-    begin = text.rfind(CALL)
-    return text[begin + len(CALL): text.rfind(CALL_END)] if begin >= 0 else ""
 
 
 def _generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:
