@@ -244,6 +244,21 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class TrackingConfig:
+    backend: Literal["mlflow", "disk"] = "mlflow"
+    """Where metrics go besides the JSON lines under the home: MLflow, or the JSON lines only."""
+    uri: str = ""
+    """MLflow tracking URI. Empty: `$MLFLOW_TRACKING_URI` if set, else `sqlite:///<home>/mlflow.db`."""
+    experiment: str = "sao"
+    """MLflow experiment name."""
+
+    def __post_init__(self) -> None:
+        _require(self.backend in ("mlflow", "disk"), "tracking.backend",
+                 f"must be mlflow or disk, got {self.backend!r}")
+        _require(bool(self.experiment.strip()), "tracking.experiment", "must not be empty")
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "custom"
     """Preset or run name."""
@@ -259,6 +274,8 @@ class Config:
     """Agent runner and embedded engine."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The asynchronous RL trainer."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Metric tracking (MLflow)."""
 
 
 def load_config(preset: str, overrides: list[str] | None = None) -> Config:

@@ -5,6 +5,9 @@ Home layout (`--home`, default `./.sao` or `$SAO_HOME`):
     data/tir_train-<hash>.parquet   teacher traces for SFT (hash of the task config)
     models/sft-policy/              HF model directory of the SFT policy (complete once `_COMPLETE` exists)
     reports/sft-eval.json           held-out evaluation of the SFT policy
+    checkpoints/<preset>/step-N/    verified training checkpoints (`sao train --resume` continues the newest)
+    runs/<preset>/<algo>.jsonl      metrics of `sao train`, one JSON line per step
+    mlflow.db, mlartifacts/         the MLflow store when no tracking URI is configured
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from components.storage import atomic_dir, is_complete, write_json
 from components.training.sft import train_sft
 
 Log = Callable[[str], None]
+_BENCHMARK = "tir_math"  # the held-out set's name in `eval/<benchmark>/accuracy`
 _SFT_TASK_FIELDS = ("kinds", "operand_max", "train_size", "seed", "teacher_mental_max")
 
 
@@ -101,8 +105,9 @@ def _fingerprint(data: dict) -> str:
 
 
 def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print) -> dict:
-    """`sao train`: bootstrap the SFT policy if needed, train with `cfg.train.algo`, evaluate before and after."""
-    from components.tracking import DiskTracker
+    """`sao train`: bootstrap the SFT policy if needed, train with `cfg.train.algo`, evaluate before and after.
+    Metrics go to `runs/<preset>/<algo>.jsonl` and to MLflow (`tracking.*`)."""
+    from components.tracking import open_tracker
     from components.training.trainer import train
 
     sft_dir = run_sft(cfg, home, log=log)
@@ -110,12 +115,19 @@ def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print) -
     log(f"train: {cfg.train.algo}, {cfg.train.max_steps} steps x {cfg.train.batch_size} trajectories, "
         f"{'sync' if cfg.train.sync else 'async'}, backend {cfg.train.backend}; SFT held-out accuracy "
         f"{before.accuracy:.1%}")
-    tracker = DiskTracker(home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl")
+    run_name = f"{cfg.name}/{cfg.train.algo}"
+    tracker = open_tracker(cfg.tracking, home, run_name, home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl")
+    accuracy_key = f"eval/{_BENCHMARK}/accuracy"
+    failed = True
     try:
         result = train(cfg, sft_dir, home, tracker, resume=resume, log=log)
+        after = run_eval(cfg, result.policy_dir, home, f"{cfg.train.algo}-eval", log)
+        # Logged after training: a resumed run rewinds its tracker first, so nothing it logged is duplicated.
+        tracker.log_metrics({accuracy_key: before.accuracy}, 0)
+        tracker.log_metrics({accuracy_key: after.accuracy}, result.version)
+        failed = False
     finally:
-        tracker.close()
-    after = run_eval(cfg, result.policy_dir, home, f"{cfg.train.algo}-eval", log)
+        tracker.close(failed)
     log(f"train: held-out accuracy {before.accuracy:.1%} -> {after.accuracy:.1%} after {result.version} policy "
         f"versions ({result.policy_dir})")
     return {"before": before.accuracy, "after": after.accuracy, "version": result.version}

@@ -1,13 +1,21 @@
 """Metric trackers behind one protocol (torchtune's MetricLoggerInterface pattern). Metrics are logged in
-batches, one call per step with every metric of that step, never one call per point (DESIGN section 6)."""
+batches, one call per step with every metric of that step, never one call per point (DESIGN section 6).
+
+`DiskTracker` writes JSON lines under the run home (the local record every run keeps); `MlflowTracker` logs
+to any MLflow tracking URI (sqlite under the home by default); `FanOut` sends each call to several.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from components.config import TrackingConfig
 
 
 class Tracker(Protocol):
@@ -18,7 +26,7 @@ class Tracker(Protocol):
     def rewind(self, step: int) -> None:
         """A run resumed from the checkpoint at `step`: forget metrics logged after it by the crashed run."""
 
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None: ...
 
 
 class NullTracker:
@@ -31,8 +39,31 @@ class NullTracker:
     def rewind(self, step: int) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         pass
+
+
+class FanOut:
+    """Every call goes to each tracker in order."""
+
+    def __init__(self, *trackers: Tracker) -> None:
+        self.trackers = trackers
+
+    def log_params(self, params: dict) -> None:
+        for t in self.trackers:
+            t.log_params(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for t in self.trackers:
+            t.log_metrics(metrics, step)
+
+    def rewind(self, step: int) -> None:
+        for t in self.trackers:
+            t.rewind(step)
+
+    def close(self, failed: bool = False) -> None:
+        for t in self.trackers:
+            t.close(failed)
 
 
 class DiskTracker:
@@ -62,9 +93,109 @@ class DiskTracker:
         self._file.write(json.dumps(record, default=str) + "\n")
         self._file.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self._file.close()
 
     @staticmethod
     def read(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class MlflowTracker:
+    """One MLflow run per process. Each run carries a lineage tag (home, preset, algorithm), so a resumed
+    process finds the run it continues: `rewind(step)` copies that run's history up to `step` into this run,
+    tags both, and marks the crashed one KILLED. The resumed run then holds one contiguous curve, on any
+    tracking server: MLflow has no API to delete metric points."""
+
+    LINEAGE_TAG = "sao.lineage"
+
+    def __init__(self, uri: str, experiment: str, run_name: str, lineage: str,
+                 artifact_root: str | None = None) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(uri)
+        self.lineage = lineage
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(
+            experiment, artifact_location=artifact_root)
+        run = self.client.create_run(experiment_id, run_name=run_name, tags={self.LINEAGE_TAG: lineage})
+        self.experiment_id, self.run_id = experiment_id, run.info.run_id
+        self._logged: set[tuple[str, int]] = set()
+
+    def log_params(self, params: dict) -> None:
+        from mlflow.entities import Param
+
+        flat = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
+        for chunk in _chunks(flat, 100):
+            self.client.log_batch(self.run_id, params=chunk)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        points = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        for chunk in _chunks(points, 1000):
+            self.client.log_batch(self.run_id, metrics=chunk)
+        self._logged.update((k, step) for k in metrics)
+
+    def rewind(self, step: int) -> None:
+        from mlflow.entities import Metric
+
+        previous = self.previous_run()
+        if previous is None:
+            return
+        prev_id = previous.info.run_id
+        points = [Metric(m.key, m.value, m.timestamp, m.step)
+                  for key in previous.data.metrics
+                  for m in self.client.get_metric_history(prev_id, key)
+                  if m.step <= step and (m.key, m.step) not in self._logged]
+        for chunk in _chunks(points, 1000):
+            self.client.log_batch(self.run_id, metrics=chunk)
+        self.client.set_tag(self.run_id, "sao.resumed_from_run", prev_id)
+        self.client.set_tag(self.run_id, "sao.resumed_at_step", str(step))
+        self.client.set_tag(prev_id, "sao.superseded_by_run", self.run_id)
+        if previous.info.status == "RUNNING":  # killed without a chance to say so
+            self.client.set_terminated(prev_id, "KILLED")
+
+    def previous_run(self) -> Any:
+        """The newest other run of this lineage, or None."""
+        runs = self.client.search_runs([self.experiment_id],
+                                       filter_string=f"tags.`{self.LINEAGE_TAG}` = '{self.lineage}'",
+                                       order_by=["attributes.start_time DESC"], max_results=10)
+        return next((r for r in runs if r.info.run_id != self.run_id), None)
+
+    def close(self, failed: bool = False) -> None:
+        self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    """MLflow's log_batch takes at most 1000 metrics and 100 params per call."""
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def flatten(params: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts to dotted keys: {"a": {"b": 1}} -> {"a.b": 1}."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def mlflow_uri(config: TrackingConfig, home: Path) -> str:
+    """The configured URI, else `$MLFLOW_TRACKING_URI`, else sqlite under the home."""
+    return config.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(home).resolve()}/mlflow.db"
+
+
+def open_tracker(config: TrackingConfig, home: Path, run_name: str, jsonl: Path) -> Tracker:
+    """The JSON lines under the home, plus MLflow unless `tracking.backend = "disk"`."""
+    disk = DiskTracker(jsonl)
+    if config.backend == "disk":
+        return disk
+    home = Path(home).resolve()
+    lineage = hashlib.sha256(f"{home}|{run_name}".encode()).hexdigest()[:16]
+    mlflow = MlflowTracker(mlflow_uri(config, home), config.experiment, run_name, lineage,
+                           artifact_root=(home / "mlartifacts").as_uri())
+    return FanOut(disk, mlflow)

@@ -83,5 +83,16 @@ def test_kill_9_then_resume_gives_a_contiguous_version_sequence(tmp_path, tiny_c
     child.wait()
     done = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    steps = [r["step"] for r in DiskTracker.read(home / "runs" / "tiny-cpu" / "sao.jsonl") if "step" in r]
-    assert steps == list(range(1, 7))
+    records = DiskTracker.read(home / "runs" / "tiny-cpu" / "sao.jsonl")
+    assert [r["step"] for r in records if "policy/loss" in r.get("metrics", {})] == list(range(1, 7))
+    evals = [(r["step"], sorted(r["metrics"])) for r in records if "eval/tir_math/accuracy" in r.get("metrics", {})]
+    assert [step for step, _ in evals] == [0, 6]
+    # MLflow (sqlite under the home): the resumed run holds one contiguous curve; the killed run says so.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home.resolve()}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("sao").experiment_id],
+                              order_by=["attributes.start_time ASC"])
+    assert [r.info.status for r in runs] == ["KILLED", "FINISHED"]
+    assert [m.step for m in client.get_metric_history(runs[1].info.run_id, "policy/loss")] == list(range(1, 7))
+    assert runs[0].data.tags["sao.superseded_by_run"] == runs[1].info.run_id
