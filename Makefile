@@ -50,7 +50,7 @@ $(VLLM_STAMP):
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	SAO_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/vllm
 
-# make bench [BENCH=gae|engine]
+# make bench [BENCH=gae|engine|async]
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH)
 

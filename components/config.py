@@ -188,8 +188,12 @@ class RolloutConfig:
     """Lognormal sigma of the simulated tool latency."""
     max_batch: int = 64
     """Sequences the embedded engine decodes together at most."""
+    engine_threads: int = 0
+    """torch CPU threads of the embedded engine. 0: half the cores in async mode (the trainer gets the rest;
+    sharing cores between OpenMP teams stalls both), all of them in sync mode."""
 
     def __post_init__(self) -> None:
+        _require(self.engine_threads >= 0, "rollout.engine_threads", f"must be >= 0, got {self.engine_threads}")
         for name in ("concurrency", "max_total_tokens", "max_batch"):
             _require(getattr(self, name) >= 1, f"rollout.{name}", f"must be >= 1, got {getattr(self, name)}")
         for name in ("max_wall_s", "tool_timeout_s"):
@@ -209,7 +213,11 @@ class TrainConfig:
     max_steps: int = 200
     """Policy updates."""
     max_staleness: int = 2
-    """Admission control: new episodes start only while trainer version - oldest in-flight start <= this."""
+    """Admission control bound, in policy versions (see `admission`)."""
+    admission: Literal["capacity", "oldest"] = "capacity"
+    """capacity: at most (version + max_staleness + 1) x batch_size episodes ever started (AReaL); oldest: no
+    new episode while the oldest in-flight one started more than max_staleness versions ago (one straggler
+    stalls every start). See components/training/buffer.py."""
     sync: bool = False
     """Synchronous mode: generate a batch, wait for all of it, train (same code, for async-vs-sync)."""
     group_size: int = 8
@@ -230,10 +238,15 @@ class TrainConfig:
     """Steps between checkpoints (0: only at the end)."""
     task_seed: int = 1
     """Seed of the RL prompt stream (disjoint from SFT's and from the held-out set)."""
+    threads: int = 0
+    """torch CPU threads of the trainer. 0: the cores the engine does not use in async mode, all in sync mode."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_steps", "group_size"):
             _require(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
+        _require(self.admission in ("capacity", "oldest"), "train.admission",
+                 f"must be capacity or oldest, got {self.admission!r}")
+        _require(self.threads >= 0, "train.threads", f"must be >= 0, got {self.threads}")
         _require(self.max_staleness >= 0, "train.max_staleness", f"must be >= 0, got {self.max_staleness}")
         _require(self.policy_lr > 0 and self.critic_lr > 0, "train.policy_lr", "learning rates must be > 0")
         _require(self.zero_stage in (0, 1, 2), "train.zero_stage", f"must be 0, 1 or 2, got {self.zero_stage}")

@@ -77,8 +77,10 @@ class EmbeddedEngine:
         max_batch: int = 64,
         max_model_len: int | None = None,
         version: int = 0,
+        threads: int | None = None,
     ) -> None:
         self.model = model.eval()
+        self.threads = threads  # torch CPU threads of the engine thread (None: torch's); the caller keeps its own
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.max_model_len = max_model_len or model.config.max_position_embeddings
@@ -172,6 +174,8 @@ class EmbeddedEngine:
         return updates, admitted
 
     def _loop(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)  # applies to this thread only
         while True:
             with self._cond:
                 while not (self._stopped or self._waiting or self._updates or self._active):

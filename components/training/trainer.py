@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -52,6 +53,28 @@ class TrainResult:
     """HF directory of the final policy."""
     history: list[dict]
     """Per-step metrics."""
+    seconds: float = 0.0
+    """Wall time of the training loop (from the first wait for a batch to the last step)."""
+    idle_seconds: float = 0.0
+    """Of which the trainer waited for trajectories."""
+    trajectories: int = 0
+    """Trajectories trained on."""
+
+
+def thread_budget(cfg: Config, cores: int | None = None) -> tuple[int, int]:
+    """(engine, trainer) torch CPU threads. torch's thread count is per thread, so the engine thread and the
+    trainer thread each get their own share of the cores in async mode; in sync mode they take turns, so
+    each may use every core. Explicit `rollout.engine_threads` / `train.threads` win."""
+    cores = cores or len(os.sched_getaffinity(0))
+    if cfg.train.sync:
+        return cfg.rollout.engine_threads or cores, cfg.train.threads or cores
+    engine = cfg.rollout.engine_threads or max(1, cores // 2)
+    return engine, cfg.train.threads or max(1, cores - engine)
+
+
+def _with_threads(threads: int, fn: Callable, *args):
+    torch.set_num_threads(threads)
+    return fn(*args)
 
 
 def task_stream(cfg: Config, start: int, group_size: int) -> Iterator[Task]:
@@ -112,10 +135,11 @@ async def _train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resum
         tracker.rewind(step)
         log(f"train: resumed from {store.root}/step-{latest:08d} (version {step})")
 
+    engine_threads, trainer_threads = thread_budget(cfg)
     engine = EmbeddedEngine(copy.deepcopy(policy.module), tokenizer, max_batch=cfg.rollout.max_batch,
-                            version=step).start()
+                            version=step, threads=engine_threads).start()
     group = settings.group_size
-    buffer = TrajectoryBuffer(tc.max_staleness, group)
+    buffer = TrajectoryBuffer(tc.max_staleness, tc.batch_size, group, tc.admission, version=step)
     latency = ToolLatency(cfg.rollout.latency, cfg.rollout.latency_mean_s, cfg.rollout.latency_sigma, cfg.task.seed)
     runner = AgentRunner(engine, tokenizer, TIRMathEnvironment(cfg.rollout.tool_timeout_s, latency),
                          EpisodeLimits(cfg.task.max_turns, cfg.task.max_new_tokens, cfg.rollout.max_total_tokens,
@@ -126,7 +150,7 @@ async def _train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resum
     producer = None if tc.sync else asyncio.create_task(runner.run(tasks, buffer.put, buffer.admit, stop))
     tracker.log_params({"config": to_dict(cfg), "resumed_at": step})
     history: list[dict] = []
-    run_start, idle = time.perf_counter(), 0.0
+    run_start, idle, loop_s, trajectories = time.perf_counter(), 0.0, 0.0, 0
     try:
         while step < tc.max_steps:
             wait_start = time.perf_counter()
@@ -137,7 +161,8 @@ async def _train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resum
             idle += waited
             step_start = time.perf_counter()
             tensors = to_tensors(batch, tokenizer.pad_token_id)
-            metrics = await asyncio.to_thread(algorithm.step, policy, critic, tensors, settings, algo_state)
+            metrics = await asyncio.to_thread(_with_threads, trainer_threads, algorithm.step, policy, critic,
+                                              tensors, settings, algo_state)
             step += 1
             await asyncio.wrap_future(engine.load_weights(
                 {k: v.detach().clone() for k, v in policy.module.state_dict().items()}, step))
@@ -146,9 +171,11 @@ async def _train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resum
             row = _row(metrics, batch, step, waited, time.perf_counter() - step_start, idle,
                        time.perf_counter() - run_start)
             history.append(row)
+            trajectories += len(batch)
+            loop_s = time.perf_counter() - run_start
             tracker.log_metrics(row, step)
             log(_progress_line(step, tc.max_steps, row))
-            if tc.checkpoint_every and (step % tc.checkpoint_every == 0 or step == tc.max_steps):
+            if step == tc.max_steps or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
                 store.save(step, {
                     "policy": policy.state_dict(),
                     **({"critic": critic.state_dict()} if critic is not None else {}),
@@ -164,7 +191,8 @@ async def _train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resum
     out = home / "models" / f"{cfg.name}-{tc.algo}-policy"
     with atomic_dir(out) as tmp:
         save_model_dir(policy.module, tokenizer, tmp)
-    return TrainResult(len(history), step, out, history)
+    return TrainResult(len(history), step, out, history, seconds=loop_s, idle_seconds=idle,
+                       trajectories=trajectories)
 
 
 async def _take(buffer: TrajectoryBuffer, n: int, producer: asyncio.Task | None) -> list[Trajectory]:

@@ -16,9 +16,41 @@ def _traj(pid):
                       Timings(queued=0.0))
 
 
-def test_admission_waits_for_the_oldest_in_flight_episode():
+def test_capacity_admission_bounds_episodes_started_per_version():
     async def scenario():
-        buffer = TrajectoryBuffer(max_staleness=1)
+        buffer = TrajectoryBuffer(max_staleness=1, batch_size=2)  # (v + 1 + 1) * 2 starts allowed at version v
+        for i in range(4):
+            await buffer.admit(Task(f"e{i}", "q"))    # 4 starts at version 0
+        waiting = asyncio.create_task(buffer.admit(Task("e4", "q")))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and buffer.admission_waits == 1
+        await buffer.put(_traj("e1"))                 # finishing does not free capacity: training does
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await buffer.set_version(1)                   # (1 + 2) * 2 = 6 > 4 started
+        await asyncio.wait_for(waiting, 1)
+        await buffer.admit(Task("e5", "q"))
+        assert buffer.started == 6 and not buffer.admissible()
+        # A straggler does not stall new starts: e0 (version 0) is still in flight at version 3.
+        await buffer.set_version(3)
+        assert buffer.admissible() and buffer.start_version_counts()[0] == 3
+        # Resumed at version 5: it has trained on 10 episodes, so 10 more may start at once.
+        resumed = TrajectoryBuffer(max_staleness=0, batch_size=10, version=5)
+        assert resumed.started == 50 and resumed.admissible()
+
+    asyncio.run(scenario())
+
+
+def test_buffer_rejects_bad_settings():
+    with pytest.raises(ValueError, match="rule"):
+        TrajectoryBuffer(1, rule="fifo")
+    with pytest.raises(ValueError, match="batch_size"):
+        TrajectoryBuffer(1, batch_size=0)
+
+
+def test_oldest_admission_waits_for_the_oldest_in_flight_episode():
+    async def scenario():
+        buffer = TrajectoryBuffer(max_staleness=1, rule="oldest")
         await buffer.admit(Task("old", "q"))          # starts at version 0
         await buffer.set_version(1)
         await buffer.admit(Task("fresh", "q"))        # 1 - 0 <= 1: admitted
@@ -39,7 +71,7 @@ def test_admission_waits_for_the_oldest_in_flight_episode():
 
 def test_grouped_buffer_releases_whole_groups_only():
     async def scenario():
-        buffer = TrajectoryBuffer(max_staleness=0, group_size=2)
+        buffer = TrajectoryBuffer(max_staleness=0, batch_size=2, group_size=2)
         await buffer.put(_traj("a#g0"))
         await buffer.put(_traj("b#g0"))
         take = asyncio.create_task(buffer.take(2))
