@@ -5,6 +5,7 @@ plus optional advantage normalisation as its own step (off by default for SAO, D
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -66,13 +67,18 @@ class RunningMeanBaseline:
         self._rewards = deque((float(r) for r in state["rewards"]), maxlen=self.window)
 
 
-def normalize_advantages(advantages: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+def normalize_advantages(advantages: Tensor, mask: Tensor, eps: float = 1e-8,
+                         moments: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None) -> Tensor:
     """Whiten advantages over the masked tokens of the mini-batch: `(A - mean) / (std + eps)`, 0 off the mask.
 
-    Shapes: advantages, mask `(B, T)`.
+    `moments(x, mask) -> (mean, variance)` replaces the local masked moments (e.g. by those over every
+    data-parallel rank). Shapes: advantages, mask `(B, T)`.
     """
-    mean = masked_mean(advantages, mask)
-    std = masked_var(advantages, mask).sqrt()
+    if moments is None:
+        mean, var = masked_mean(advantages, mask), masked_var(advantages, mask)
+    else:
+        mean, var = moments(advantages, mask)
+    std = var.sqrt()
     out = (advantages - mean) / (std + eps)
     return torch.where(mask.bool(), out, torch.zeros((), dtype=out.dtype, device=out.device))
 

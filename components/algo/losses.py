@@ -134,7 +134,10 @@ def clipped_value_loss(
         v_clip = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
         err_clip = (v_clip - returns) ** 2
         per_token = torch.maximum(err, err_clip)
-        clip_frac = masked_mean((err_clip > err).to(values.dtype), mask)
+        # Counted where the clamp is active and the clipped error wins. Not `err_clip > err` alone: inside the
+        # window `old + (values - old)` differs from `values` by rounding, which that would count as clipping.
+        clipped = ((values - old_values).abs() > clip_eps) & (err_clip > err)
+        clip_frac = masked_mean(clipped.to(values.dtype), mask)
     loss = 0.5 * masked_mean(per_token, mask)
     metrics = {
         "critic/loss": loss.detach(),

@@ -7,6 +7,8 @@ An empty mask gives 0, not NaN: a mini-batch with no action token contributes no
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -28,8 +30,10 @@ def masked_var(x: Tensor, mask: Tensor) -> Tensor:
     return masked_mean((x - mean) ** 2, mask)
 
 
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
-    """`1 - Var(returns - values) / Var(returns)` over the masked positions.
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor,
+                       var: Callable[[Tensor, Tensor], Tensor] = masked_var) -> Tensor:
+    """`1 - Var(returns - values) / Var(returns)` over the masked positions (`var` computes a masked variance,
+    e.g. over the tokens of every data-parallel rank).
 
     1 is a perfect critic, 0 one that predicts the mean, negative one worse than the mean.
     When the returns have (numerically) no variance the ratio is undefined; we return 0 then (nothing
@@ -38,8 +42,8 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     Shapes: values, returns, mask `(B, T)`. Returns a detached scalar.
     """
     values, returns = values.detach(), returns.detach()
-    var_returns = masked_var(returns, mask)
-    var_residual = masked_var(returns - values, mask)
+    var_returns = var(returns, mask)
+    var_residual = var(returns - values, mask)
     defined = var_returns > 1e-8
     ev = 1.0 - var_residual / torch.where(defined, var_returns, torch.ones_like(var_returns))
     return torch.where(defined, ev, torch.zeros_like(ev))

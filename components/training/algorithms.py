@@ -10,6 +10,10 @@ SAO (DESIGN section 2; SAO paper, Algorithm 1):
   3. Advantages = skip-observation GAE(lam_policy) with the *updated* critic (the paper updates the critic
      first, then estimates advantages).
   4. One DIS policy update against the rollout log-probs.
+
+Every step also takes a `Collective` (`components/training/collective.py`): with one rank it is the
+identity; under torchrun each rank holds some rows of the batch and the step stays exactly the
+single-process step of the whole batch (global token counts, moments and metrics).
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ from components.algo import (
     gae,
     grpo_advantages,
     masked_mean,
-    masked_var,
     normalize_advantages,
     ppo_policy_loss,
 )
 from components.models import token_logprobs
+from components.training.collective import SOLO, Collective, global_moments
 
 AlgoName = Literal["sao", "sao-k1", "sao-full-critic", "sao-running-mean", "grpo", "grpo-dis", "ppo"]
 
@@ -55,7 +59,8 @@ class AlgoSettings:
     group_size: int = 1
 
 
-def policy_update(policy, batch: dict[str, Tensor], advantages: Tensor, s: AlgoSettings, use_dis: bool) -> dict:
+def policy_update(policy, batch: dict[str, Tensor], advantages: Tensor, s: AlgoSettings, use_dis: bool,
+                  comm: Collective = SOLO) -> dict:
     """One policy optimizer step: DIS (mask outside the window) or PPO clip against the rollout log-probs."""
     act = batch["action_mask"]
     logprobs, entropy = token_logprobs(policy.module, batch["input_ids"], s.temperature, batch["attention_mask"],
@@ -64,14 +69,16 @@ def policy_update(policy, batch: dict[str, Tensor], advantages: Tensor, s: AlgoS
         loss, metrics = dis_policy_loss(logprobs, batch["rollout_logprobs"], advantages, act, s.eps_low, s.eps_high)
     else:
         loss, metrics = ppo_policy_loss(logprobs, batch["rollout_logprobs"], advantages, act, s.ppo_clip, s.ppo_clip)
-    metrics["policy/grad_norm"] = policy.backward_step(loss)
-    metrics["policy/entropy"] = masked_mean(entropy, act)
-    metrics["adv/mean"] = masked_mean(advantages, act)
-    metrics["adv/std"] = masked_var(advantages, act).sqrt()
+    metrics["policy/entropy"] = masked_mean(entropy.detach(), act)
+    share, metrics = _token_weighted(metrics, act, comm)
+    metrics["policy/grad_norm"] = policy.backward_step(loss * share)
+    adv_mean, adv_var = global_moments(advantages, act, comm)
+    metrics["adv/mean"], metrics["adv/std"] = adv_mean, adv_var.sqrt()
     return metrics
 
 
-def critic_updates(critic, batch: dict[str, Tensor], s: AlgoSettings, updates: int) -> tuple[Tensor, dict]:
+def critic_updates(critic, batch: dict[str, Tensor], s: AlgoSettings, updates: int,
+                   comm: Collective = SOLO) -> tuple[Tensor, dict]:
     """K critic steps on the clipped value loss; returns the updated critic's values and metrics."""
     ids, att, act, rewards = batch["input_ids"], batch["attention_mask"], batch["action_mask"], batch["rewards"]
     with torch.no_grad():
@@ -81,54 +88,75 @@ def critic_updates(critic, batch: dict[str, Tensor], s: AlgoSettings, updates: i
     for _ in range(updates):
         values = critic.module(ids, att)
         loss, metrics = clipped_value_loss(values, old_values, returns, act, s.value_clip)
-        metrics["critic/grad_norm"] = critic.backward_step(loss)
+        share, metrics = _token_weighted(metrics, act, comm)
+        metrics["critic/grad_norm"] = critic.backward_step(loss * share)
     with torch.no_grad():
         new_values = critic.module(ids, att)
-    metrics["critic/explained_variance"] = explained_variance(new_values, returns, act)
+    metrics["critic/explained_variance"] = explained_variance(new_values, returns, act, var=_variance(comm))
     return new_values, metrics
 
 
-def _critic_step(policy, critic, batch, s: AlgoSettings, use_dis: bool) -> dict:
-    values, metrics = critic_updates(critic, batch, s, s.critic_updates)
-    advantages, _ = gae(batch["rewards"], values, batch["action_mask"], s.gamma, s.lam_policy)
+def _token_weighted(metrics: dict[str, Tensor], mask: Tensor, comm: Collective) -> tuple[Tensor | float, dict]:
+    """(loss share of this rank, metrics as token-weighted means over ranks). Every metric passed in is a
+    token-mean over `mask`, so weighting by token counts gives the whole-batch value."""
+    if not comm.distributed:
+        return 1.0, metrics
+    n_local = mask.sum().to(torch.float32)
+    n_total = comm.sum(n_local).clamp(min=1)
+    keys = list(metrics)
+    summed = comm.sum(torch.stack([metrics[k].detach().float() * n_local for k in keys])) / n_total
+    return n_local * comm.world / n_total, dict(zip(keys, summed.unbind()))
+
+
+def _variance(comm: Collective):
+    return lambda x, mask: global_moments(x, mask, comm)[1]
+
+
+def _critic_step(policy, critic, batch, s: AlgoSettings, use_dis: bool, comm: Collective) -> dict:
+    values, metrics = critic_updates(critic, batch, s, s.critic_updates, comm)
+    act = batch["action_mask"]
+    advantages, _ = gae(batch["rewards"], values, act, s.gamma, s.lam_policy)
     if s.normalize_advantages:
-        advantages = normalize_advantages(advantages, batch["action_mask"])
-    metrics.update(policy_update(policy, batch, advantages, s, use_dis))
+        advantages = normalize_advantages(advantages, act, moments=lambda x, m: global_moments(x, m, comm))
+    metrics.update(policy_update(policy, batch, advantages, s, use_dis, comm))
     return metrics
 
 
-def sao_step(policy, critic, batch, s: AlgoSettings, state: dict) -> dict:
-    return _critic_step(policy, critic, batch, s, use_dis=True)
+def sao_step(policy, critic, batch, s: AlgoSettings, state: dict, comm: Collective = SOLO) -> dict:
+    return _critic_step(policy, critic, batch, s, True, comm)
 
 
-def ppo_step(policy, critic, batch, s: AlgoSettings, state: dict) -> dict:
-    return _critic_step(policy, critic, batch, s, use_dis=False)
+def ppo_step(policy, critic, batch, s: AlgoSettings, state: dict, comm: Collective = SOLO) -> dict:
+    return _critic_step(policy, critic, batch, s, False, comm)
 
 
-def running_mean_step(policy, critic, batch, s: AlgoSettings, state: dict) -> dict:
-    """SAO without a critic: advantage = outcome reward - mean of the last `window` rewards."""
+def running_mean_step(policy, critic, batch, s: AlgoSettings, state: dict, comm: Collective = SOLO) -> dict:
+    """SAO without a critic: advantage = outcome reward - mean of the last `window` rewards (of all ranks)."""
     baseline: RunningMeanBaseline = state.setdefault("baseline", RunningMeanBaseline())
-    seq_adv = baseline.advantages(batch["rewards"].sum(dim=1))
+    local = batch["rewards"].sum(dim=1)
+    rewards, offset = comm.gather_rows(local)
+    seq_adv = baseline.advantages(rewards)[offset:offset + len(local)]
     advantages = broadcast_sequence_advantages(seq_adv, batch["action_mask"])
-    return policy_update(policy, batch, advantages, s, use_dis=True)
+    return policy_update(policy, batch, advantages, s, True, comm)
 
 
-def _grpo(policy, batch, s: AlgoSettings, use_dis: bool) -> dict:
+def _grpo(policy, batch, s: AlgoSettings, use_dis: bool, comm: Collective) -> dict:
     rewards = batch["rewards"].sum(dim=1)
     if rewards.numel() % s.group_size:
         raise ValueError(f"grpo: batch of {rewards.numel()} trajectories is not whole groups of {s.group_size}")
-    # Rows arrive group by group (the buffer releases whole groups), so a reshape recovers the groups.
+    # Rows arrive group by group (the buffer releases whole groups, ranks get whole groups), so a reshape
+    # recovers the groups.
     seq_adv = grpo_advantages(rewards.view(-1, s.group_size)).reshape(-1)
     advantages = broadcast_sequence_advantages(seq_adv, batch["action_mask"])
-    return policy_update(policy, batch, advantages, s, use_dis)
+    return policy_update(policy, batch, advantages, s, use_dis, comm)
 
 
-def grpo_step(policy, critic, batch, s: AlgoSettings, state: dict) -> dict:
-    return _grpo(policy, batch, s, use_dis=False)
+def grpo_step(policy, critic, batch, s: AlgoSettings, state: dict, comm: Collective = SOLO) -> dict:
+    return _grpo(policy, batch, s, False, comm)
 
 
-def grpo_dis_step(policy, critic, batch, s: AlgoSettings, state: dict) -> dict:
-    return _grpo(policy, batch, s, use_dis=True)
+def grpo_dis_step(policy, critic, batch, s: AlgoSettings, state: dict, comm: Collective = SOLO) -> dict:
+    return _grpo(policy, batch, s, True, comm)
 
 
 @dataclass(frozen=True)

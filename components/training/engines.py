@@ -86,13 +86,39 @@ class DeepSpeedEngine(_Checkpointable):
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=params,
                                                                  config=config)
         self.module = self.engine.module
+        self.zero_stage = zero_stage
         self.skipped_steps = 0
 
+    def load_state_dict(self, state: dict) -> None:
+        """ZeRO-1/2 optimizers load from the list of every rank's partition (`optimizer_ranks`, set by the
+        learner); stage 0 from this rank's own state. The module goes first: the optimizer then picks up its
+        weights."""
+        self.module.load_state_dict(state["module"])
+        if self.zero_stage:
+            self.optimizer.load_state_dict(state.get("optimizer_ranks") or [state["optimizer"]])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.skipped_steps = state["skipped_steps"]
+
     def backward_step(self, loss: Tensor) -> Tensor:
-        if not torch.isfinite(loss):
+        from components.training.collective import from_environment
+
+        # Ranks skip together: one rank skipping its backward would leave the others in the gradient all-reduce.
+        if not from_environment().all_true(bool(torch.isfinite(loss))):
             self.skipped_steps += 1
             return torch.tensor(math.nan)
         self.engine.backward(loss)
+        if self.zero_stage == 0:
+            # Stage 0 keeps whole (already averaged) gradients on the parameters, and DeepSpeed's fp32 path
+            # discards the norm it clips with, so measure it here; it is the same on every rank.
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
+            if not torch.isfinite(norm):
+                self.engine.zero_grad()
+                self.skipped_steps += 1
+                return norm.detach()
+            self.engine.step()
+            return norm.detach()
         self.engine.step()
         norm = self.engine.get_global_grad_norm()  # of the step just taken (read after step, never before)
         return torch.tensor(float(norm) if norm is not None else math.nan)

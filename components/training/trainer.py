@@ -7,8 +7,11 @@ In async mode nothing waits for a group. The buffer's admission control bounds s
 (`train.sync`), a batch is generated, all of it is awaited, and then the trainer trains on it. Both modes
 run the same code, so async and sync are measured on equal terms.
 
-Departures (this issue's first slice):
-- the trainer and the embedded engine share one process;
+Under torchrun (DeepSpeed backend) rank 0 runs everything here and the learner splits each batch over the
+ranks (components/training/learner.py); the result is the single-process step of the whole batch.
+
+Departures:
+- the trainer and the embedded engine share one process, each with its own share of the CPU threads;
 - weights move in memory, never through a file;
 - the task stream is the synthetic `tir_math` set.
 """
@@ -33,14 +36,14 @@ from components.config import Config, to_dict
 from components.data.tasks import generate_problems
 from components.envs.base import Task, ToolLatency
 from components.envs.tir_math import TIRMathEnvironment
-from components.models import ValueModel, freeze_attention, load_policy, load_tokenizer, save_model_dir, stop_token_ids
+from components.models import load_tokenizer, save_model_dir, stop_token_ids
 from components.rollout.embedded import EmbeddedEngine
 from components.storage import atomic_dir
 from components.tracking import Tracker
 from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.buffer import TrajectoryBuffer
 from components.training.checkpoint import LocalCheckpointStore
-from components.training.engines import ENGINES
+from components.training.learner import Learner
 
 
 @dataclass
@@ -49,7 +52,7 @@ class TrainResult:
     """Policy updates done in this run (a resumed run counts from its checkpoint)."""
     version: int
     """Final policy version."""
-    policy_dir: Path
+    policy_dir: Path | None
     """HF directory of the final policy."""
     history: list[dict]
     """Per-step metrics."""
@@ -70,11 +73,6 @@ def thread_budget(cfg: Config, cores: int | None = None) -> tuple[int, int]:
         return cfg.rollout.engine_threads or cores, cfg.train.threads or cores
     engine = cfg.rollout.engine_threads or max(1, cores // 2)
     return engine, cfg.train.threads or max(1, cores - engine)
-
-
-def _with_threads(threads: int, fn: Callable, *args):
-    torch.set_num_threads(threads)
-    return fn(*args)
 
 
 def task_stream(cfg: Config, start: int, group_size: int) -> Iterator[Task]:
@@ -102,43 +100,38 @@ def settings_from(cfg: Config) -> AlgoSettings:
 
 def train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resume: bool = False,
           log: Callable[[str], None] = print) -> TrainResult:
-    return asyncio.run(_train(cfg, sft_dir, home, tracker, resume, log))
+    """Train from `sft_dir`. Under torchrun every rank calls this; rank 0 runs the agent loop and returns the
+    result, the other ranks serve rank 0's steps and return an empty result."""
+    engine_threads, trainer_threads = thread_budget(cfg)
+    learner = Learner(cfg, sft_dir, settings_from(cfg), trainer_threads)
+    if not learner.is_driver:
+        learner.serve()
+        return TrainResult(0, 0, None, [])
+    try:
+        return asyncio.run(_train(cfg, learner, sft_dir, home, tracker, resume, engine_threads, log))
+    finally:
+        learner.release()
 
 
-async def _train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resume: bool, log) -> TrainResult:
-    tc, algorithm, settings = cfg.train, ALGORITHMS[cfg.train.algo], settings_from(cfg)
-    torch.manual_seed(cfg.sft.seed)
+async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, tracker: Tracker, resume: bool,
+                 engine_threads: int, log) -> TrainResult:
+    tc = cfg.train
     tokenizer = load_tokenizer(sft_dir)
-    policy_model = load_policy(sft_dir)
-    make_engine = ENGINES[tc.backend]
-    engine_kwargs = {"weight_decay": tc.weight_decay, "grad_clip": tc.grad_clip}
-    if tc.backend == "deepspeed":
-        engine_kwargs["zero_stage"] = tc.zero_stage
-    critic = None
-    if algorithm.uses_critic:
-        critic_model = ValueModel.from_policy(policy_model)
-        if algorithm.freeze_critic_attention:
-            freeze_attention(critic_model)
-        critic = make_engine(critic_model, tc.critic_lr, **engine_kwargs)
-    policy = make_engine(policy_model, tc.policy_lr, **engine_kwargs)
-
     store = LocalCheckpointStore(home / "checkpoints" / cfg.name)
-    step, cursor, algo_state = 0, 0, {}
+    step, cursor = 0, 0
     if resume and (latest := store.latest_step()) is not None:
         saved = store.load(latest)
-        policy.load_state_dict(saved["policy"])
-        if critic is not None:
-            critic.load_state_dict(saved["critic"])
-        step, cursor, algo_state = saved["state"]["step"], saved["state"]["cursor"], saved["state"]["algo_state"]
+        learner.load_state_dicts(saved)
+        step, cursor = saved["state"]["step"], saved["state"]["cursor"]
         torch.set_rng_state(saved["state"]["torch_rng"])
         random.setstate(saved["state"]["py_rng"])
         tracker.rewind(step)
         log(f"train: resumed from {store.root}/step-{latest:08d} (version {step})")
 
-    engine_threads, trainer_threads = thread_budget(cfg)
+    policy = learner.policy
     engine = EmbeddedEngine(copy.deepcopy(policy.module), tokenizer, max_batch=cfg.rollout.max_batch,
                             version=step, threads=engine_threads).start()
-    group = settings.group_size
+    group = learner.settings.group_size
     buffer = TrajectoryBuffer(tc.max_staleness, tc.batch_size, group, tc.admission, version=step)
     latency = ToolLatency(cfg.rollout.latency, cfg.rollout.latency_mean_s, cfg.rollout.latency_sigma, cfg.task.seed)
     runner = AgentRunner(engine, tokenizer, TIRMathEnvironment(cfg.rollout.tool_timeout_s, latency),
@@ -161,8 +154,7 @@ async def _train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resum
             idle += waited
             step_start = time.perf_counter()
             tensors = to_tensors(batch, tokenizer.pad_token_id)
-            metrics = await asyncio.to_thread(_with_threads, trainer_threads, algorithm.step, policy, critic,
-                                              tensors, settings, algo_state)
+            metrics = await asyncio.to_thread(learner.step, tensors)
             step += 1
             await asyncio.wrap_future(engine.load_weights(
                 {k: v.detach().clone() for k, v in policy.module.state_dict().items()}, step))
@@ -177,9 +169,8 @@ async def _train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resum
             log(_progress_line(step, tc.max_steps, row))
             if step == tc.max_steps or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
                 store.save(step, {
-                    "policy": policy.state_dict(),
-                    **({"critic": critic.state_dict()} if critic is not None else {}),
-                    "state": {"step": step, "cursor": cursor, "algo_state": algo_state,
+                    **learner.state_dicts(),
+                    "state": {"step": step, "cursor": cursor, "world_size": learner.comm.world,
                               "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()},
                 })
     finally:

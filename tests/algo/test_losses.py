@@ -112,3 +112,14 @@ def test_clipped_value_loss_hand_computed():
 def test_loss_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="advantages shape"):
         dis_policy_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 2), torch.ones(1, 3), 0.3, 5.0)
+
+
+def test_value_clip_frac_ignores_rounding_inside_the_window():
+    # Inside the window old + (values - old) equals values only up to rounding; that is not clipping.
+    gen = torch.Generator().manual_seed(0)
+    old = torch.rand(4, 64, generator=gen)
+    values = old + (torch.rand(4, 64, generator=gen) - 0.5) * 0.3  # |values - old| <= 0.15 < 0.2
+    returns = torch.rand(4, 64, generator=gen)
+    mask = torch.ones(4, 64)
+    _, metrics = clipped_value_loss(values, old, returns, mask, clip_eps=0.2)
+    assert metrics["critic/clip_frac"].item() == 0.0

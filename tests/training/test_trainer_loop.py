@@ -2,15 +2,8 @@
 
 import pytest
 
-from components.models import save_model_dir
 from components.tracking import DiskTracker, NullTracker
 from components.training.trainer import train
-
-
-@pytest.fixture(scope="module")
-def sft_dir(sft_policy, tmp_path_factory):
-    model, tokenizer = sft_policy
-    return save_model_dir(model, tokenizer, tmp_path_factory.mktemp("sft") / "policy")
 
 
 def _cfg(tiny_cfg, **train):
@@ -53,23 +46,16 @@ def test_deepspeed_backend_single_process(tmp_path, tiny_cfg, sft_dir):
     assert all(row["critic/grad_norm"] > 0 and row["policy/grad_norm"] > 0 for row in result.history)
 
 
-def test_kill_9_then_resume_gives_a_contiguous_version_sequence(tmp_path, tiny_cfg, sft_dir):
+def test_kill_9_then_resume_gives_a_contiguous_version_sequence(seeded_home):
     """`sao train` is SIGKILLed after its second checkpoint; `--resume` finishes with versions 1..N, none twice."""
     import signal
     import subprocess
     import sys
     import time
 
-    import shutil
+    from components.storage import is_complete
 
-    from components.config import load_config
-    from components.jobs import sft_recipe
-    from components.storage import atomic_dir, is_complete, write_json
-
-    home = tmp_path / "home"
-    with atomic_dir(home / "models" / "sft-policy") as tmp:  # the SFT step reuses a policy with a matching recipe
-        shutil.copytree(sft_dir, tmp, dirs_exist_ok=True)
-        write_json(tmp / "sao_sft.json", {"recipe": sft_recipe(load_config("tiny-cpu"))})
+    home = seeded_home
     args = [sys.executable, "-m", "components.cli", "train", "--home", str(home), "--max-steps", "6",
             "--set", 'train.backend="torch"', "--set", "train.batch_size=4", "--set", "train.checkpoint_every=1",
             "--set", "rollout.concurrency=4", "--set", "task.eval_size=16"]

@@ -1,0 +1,139 @@
+"""Data parallelism for the trainer step: what the ranks exchange, and how a batch is split among them.
+
+Under torchrun, rank 0 runs the agent loop and splits every batch by rows (whole GRPO groups stay on one
+rank); every rank runs the same algorithm step on its rows, and DeepSpeed averages the gradients. The step
+stays exact, not merely close, because every token-mean is taken over the *global* token count:
+
+- each rank scales its local loss `S_r / n_r` by `share_r = n_r * W / N` (N = tokens on all ranks), so the
+  averaged gradient is `sum_r grad S_r / N`, the single-process gradient of the whole batch;
+- advantage whitening and explained variance use global moments (sums of x, x^2 and counts);
+- the running-mean baseline sees every rank's rewards in rank order;
+- reported metrics are token-weighted over ranks, so they equal the single-process values.
+
+`SOLO` (world size 1) is the identity, so single-process code paths compute exactly what they did before.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Collective:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def sum(self, x: Tensor) -> Tensor:
+        """All-reduce sum (a new tensor; the input is untouched)."""
+        if not self.distributed:
+            return x
+        import torch.distributed as dist
+
+        out = x.detach().clone()
+        dist.all_reduce(out)
+        return out
+
+    def gather_rows(self, x: Tensor) -> tuple[Tensor, int]:
+        """Every rank's rows concatenated in rank order, and where this rank's rows start."""
+        if not self.distributed:
+            return x, 0
+        import torch.distributed as dist
+
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, x.detach())
+        offset = sum(len(p) for p in parts[: self.rank])
+        return torch.cat(parts), offset
+
+    def scatter(self, items: list | None) -> object:
+        """Rank 0 passes one item per rank and gets its own back; the other ranks pass None."""
+        if not self.distributed:
+            return items[0]
+        import torch.distributed as dist
+
+        out: list = [None]
+        dist.scatter_object_list(out, items if self.rank == 0 else None, src=0)
+        return out[0]
+
+    def gather(self, item: object) -> list | None:
+        """Every rank's item, in rank order, on rank 0 (None elsewhere)."""
+        if not self.distributed:
+            return [item]
+        import torch.distributed as dist
+
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(item, out, dst=0)
+        return out
+
+    def broadcast(self, item: object) -> object:
+        """Rank 0's item on every rank."""
+        if not self.distributed:
+            return item
+        import torch.distributed as dist
+
+        box = [item]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def all_true(self, flag: bool) -> bool:
+        """True only if `flag` is true on every rank (ranks must agree to skip an update together)."""
+        if not self.distributed:
+            return flag
+        return bool(self.sum(torch.tensor([0 if flag else 1])).item() == 0)
+
+
+SOLO = Collective()
+
+
+def from_environment() -> Collective:
+    """The torch.distributed world when one is initialised with more than one rank, else `SOLO`."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return Collective(dist.get_rank(), dist.get_world_size())
+    return SOLO
+
+
+def launched_world_size() -> int:
+    """WORLD_SIZE set by torchrun (1 when not launched by it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def shard_rows(rows: int, world: int, group_size: int = 1) -> list[range]:
+    """Contiguous row ranges, one per rank, as even as whole groups of `group_size` allow."""
+    if rows % group_size:
+        raise ValueError(f"rows: {rows} is not a multiple of group_size={group_size}")
+    groups = rows // group_size
+    if groups < world:
+        raise ValueError(f"batch: {groups} group(s) cannot be split over {world} ranks")
+    bounds = [group_size * (groups * r // world) for r in range(world + 1)]
+    return [range(bounds[r], bounds[r + 1]) for r in range(world)]
+
+
+def take_rows(batch: dict[str, Tensor], rows: range) -> dict[str, Tensor]:
+    return {k: v[rows.start:rows.stop] for k, v in batch.items()}
+
+
+def global_moments(x: Tensor, mask: Tensor, comm: Collective) -> tuple[Tensor, Tensor]:
+    """(mean, population variance) of `x` over the masked positions of every rank; (0, 0) when empty.
+    Two passes, as `masked_var`: with one rank it returns exactly `masked_mean` and `masked_var`."""
+    m = mask.bool()
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    sums = comm.sum(torch.stack([torch.where(m, x, zero).sum(), m.sum().to(x.dtype)]))
+    count = sums[1].clamp(min=1)
+    mean = sums[0] / count
+    centred = torch.where(m, x - mean, zero)
+    return mean, comm.sum((centred * centred).sum()) / count

@@ -1,0 +1,125 @@
+"""The learner: policy and critic engines on this rank, and the algorithm step, data-parallel under torchrun.
+
+Rank 0 runs the agent loop (components/training/trainer.py) and drives the other ranks with four messages,
+scattered so that each rank receives only its own part:
+
+    ("step", rows of the batch)   every rank runs the algorithm step on its rows; DeepSpeed averages grads
+    ("save", None)                every rank hands its engine states to rank 0 (ZeRO partitions differ)
+    ("load", states)              every rank restores its own states from a checkpoint
+    ("stop", None)                the other ranks return
+
+With one process there is no messaging at all; the learner just runs the step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from components.config import Config
+from components.models import ValueModel, freeze_attention, load_policy
+from components.training.algorithms import ALGORITHMS, AlgoSettings
+from components.training.collective import (
+    from_environment,
+    launched_world_size,
+    shard_rows,
+    take_rows,
+)
+from components.training.engines import ENGINES
+
+
+class Learner:
+    def __init__(self, cfg: Config, sft_dir: Path, settings: AlgoSettings, threads: int) -> None:
+        tc = cfg.train
+        if launched_world_size() > 1 and tc.backend != "deepspeed":
+            raise ValueError(f"train.backend: {launched_world_size()} processes need the deepspeed backend "
+                             f"(gradients are averaged by DeepSpeed), got {tc.backend!r}")
+        self.algorithm, self.settings, self.threads = ALGORITHMS[tc.algo], settings, threads
+        self.state: dict = {}  # the algorithm's own state (the running-mean baseline), the same on every rank
+        torch.manual_seed(cfg.sft.seed)
+        policy_model = load_policy(sft_dir)
+        make_engine = ENGINES[tc.backend]
+        kwargs = {"weight_decay": tc.weight_decay, "grad_clip": tc.grad_clip}
+        if tc.backend == "deepspeed":
+            kwargs["zero_stage"] = tc.zero_stage
+        self.critic = None
+        if self.algorithm.uses_critic:
+            critic_model = ValueModel.from_policy(policy_model)
+            if self.algorithm.freeze_critic_attention:
+                freeze_attention(critic_model)
+            self.critic = make_engine(critic_model, tc.critic_lr, **kwargs)
+        self.policy = make_engine(policy_model, tc.policy_lr, **kwargs)
+        self.comm = from_environment()  # the DeepSpeed engines initialised torch.distributed
+
+    @property
+    def is_driver(self) -> bool:
+        return self.comm.rank == 0
+
+    # ---- rank 0 --------------------------------------------------------------------------------------------
+
+    def step(self, batch: dict[str, torch.Tensor]) -> dict:
+        """One algorithm step on the whole batch (each rank takes its rows). Returns whole-batch metrics."""
+        if self.comm.distributed:
+            rows = shard_rows(len(batch["input_ids"]), self.comm.world, self.settings.group_size)
+            batch = self.comm.scatter([("step", take_rows(batch, r)) for r in rows])[1]
+        return self._step(batch)
+
+    def state_dicts(self) -> dict:
+        """Checkpoint payload: rank 0's states as `policy`/`critic`, the other ranks' under `peers`."""
+        if self.comm.distributed:
+            self.comm.scatter([("save", None)] * self.comm.world)
+        states = self.comm.gather(self._local_states())
+        return {**states[0], "peers": states[1:]}
+
+    def load_state_dicts(self, saved: dict) -> None:
+        peers = saved.get("peers", [])
+        if len(peers) + 1 != self.comm.world:
+            raise ValueError(f"checkpoint: written by {len(peers) + 1} rank(s), this run has {self.comm.world}; "
+                             f"resume with the same number of processes")
+        ranks = [{k: saved[k] for k in ("policy", "critic", "algo_state") if k in saved}, *peers]
+        for name in ("policy", "critic"):  # ZeRO-1/2 optimizers restore from every rank's partition
+            if name in ranks[0]:
+                everyone = [r[name]["optimizer"] for r in ranks]
+                for r in ranks:
+                    r[name] = {**r[name], "optimizer_ranks": everyone}
+        if self.comm.distributed:
+            self.comm.scatter([("load", r) for r in ranks])
+        self._load_local(ranks[0])
+
+    def release(self) -> None:
+        """Let the other ranks return (rank 0, at the end of the run)."""
+        if self.comm.distributed:
+            self.comm.scatter([("stop", None)] * self.comm.world)
+
+    # ---- every rank ----------------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """The other ranks: follow rank 0's messages until it says stop."""
+        handlers: dict[str, Callable] = {
+            "step": self._step,
+            "save": lambda _: self.comm.gather(self._local_states()),
+            "load": self._load_local,
+        }
+        while True:
+            kind, data = self.comm.scatter(None)
+            if kind == "stop":
+                return
+            handlers[kind](data)
+
+    def _step(self, rows: dict[str, torch.Tensor]) -> dict:
+        torch.set_num_threads(self.threads)  # per thread: the engine thread keeps its own budget
+        return self.algorithm.step(self.policy, self.critic, rows, self.settings, self.state, self.comm)
+
+    def _local_states(self) -> dict:
+        states = {"policy": self.policy.state_dict(), "algo_state": self.state}
+        if self.critic is not None:
+            states["critic"] = self.critic.state_dict()
+        return states
+
+    def _load_local(self, states: dict) -> None:
+        self.policy.load_state_dict(states["policy"])
+        if self.critic is not None:
+            self.critic.load_state_dict(states["critic"])
+        self.state = states.get("algo_state", {})

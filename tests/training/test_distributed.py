@@ -1,0 +1,110 @@
+"""Two DeepSpeed processes under torchrun (CPU, gloo) against one process, on the same stored batch: the
+learner splits rows over ranks and must reproduce the single-process step (losses, metrics, weights)."""
+
+import asyncio
+import copy
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from components.agent.runner import AgentRunner, EpisodeLimits
+from components.agent.trajectory import write_trajectories
+from components.data.tasks import make_problem
+from components.envs.base import Task
+from components.envs.tir_math import TIRMathEnvironment
+from components.models import save_model_dir, stop_token_ids
+from components.rollout.embedded import EmbeddedEngine
+from components.training.collective import shard_rows
+
+ALGOS = ("sao", "sao-running-mean", "grpo")
+WORKER = Path(__file__).with_name("dp_worker.py")
+
+
+def test_shard_rows_keeps_groups_whole():
+    assert shard_rows(8, 2) == [range(0, 4), range(4, 8)]
+    assert shard_rows(7, 2) == [range(0, 3), range(3, 7)]
+    assert shard_rows(12, 2, group_size=4) == [range(0, 4), range(4, 12)]
+    with pytest.raises(ValueError, match="group_size"):
+        shard_rows(6, 2, group_size=4)
+    with pytest.raises(ValueError, match="cannot be split"):
+        shard_rows(4, 2, group_size=4)
+
+
+@pytest.fixture(scope="module")
+def stored_batch(sft_policy, tmp_path_factory):
+    """The SFT policy as an HF directory and 2 prompts x 4 real rollouts in Parquet (rows differ in length)."""
+    model, tokenizer = sft_policy
+    root = tmp_path_factory.mktemp("dp")
+    save_model_dir(model, tokenizer, root / "policy")
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer).start()
+    tasks = [Task(f"{pid}#g{g}", p.question, p.answer) for pid, p in
+             (("a", make_problem("affine", (91, 87, 5), "a")), ("b", make_problem("affine", (13, 17, 40), "b")))
+             for g in range(4)]
+    runner = AgentRunner(engine, tokenizer, TIRMathEnvironment(), EpisodeLimits(temperature=1.0), concurrency=1,
+                         stop_token_ids=tuple(stop_token_ids(tokenizer)))
+    try:
+        trajectories = asyncio.run(runner.run(tasks))
+    finally:
+        engine.shutdown()
+    for i, t in enumerate(trajectories):  # rewards that vary within each group, so every algorithm has signal
+        t.reward = float(i % 3 == 0)
+    write_trajectories(root / "batch.parquet", trajectories)
+    return root
+
+
+def _run(command: list[str], out: Path) -> dict:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return torch.load(out)
+
+
+def test_two_process_deepspeed_matches_one_process(stored_batch):
+    args = [str(WORKER), str(stored_batch / "policy"), str(stored_batch / "batch.parquet")]
+    one = _run([sys.executable, *args, str(stored_batch / "one.pt"), ",".join(ALGOS)], stored_batch / "one.pt")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    two = _run([str(torchrun), "--standalone", "--nproc-per-node", "2", *args, str(stored_batch / "two.pt"),
+                ",".join(ALGOS)], stored_batch / "two.pt")
+    for algo in ALGOS:
+        a, b = one[algo], two[algo]
+        assert (a["world"], b["world"], b["peers"]) == (1, 2, 1)
+        for step_a, step_b in zip(a["metrics"] + [a["after_load"]], b["metrics"] + [b["after_load"]]):
+            assert step_a.keys() == step_b.keys()
+            for key in step_a:
+                assert step_b[key] == pytest.approx(step_a[key], rel=1e-4, abs=1e-5), (algo, key)
+        assert all(math.isfinite(m["policy/grad_norm"]) for m in a["metrics"] + b["metrics"])
+        assert a["metrics"][0]["policy/loss"] != a["metrics"][1]["policy/loss"]  # the first step changed the policy
+        # Adam divides by sqrt(v): a parameter whose gradient is at rounding level can step by up to lr (3e-4)
+        # on rounding noise alone, so weights get an absolute tolerance below lr rather than 1e-6.
+        assert torch.allclose(a["params"], b["params"], atol=1e-4), (algo, (a["params"] - b["params"]).abs().max())
+
+
+def test_sao_train_under_torchrun_checkpoints_and_resumes(seeded_home):
+    """`torchrun --nproc-per-node 2 -m components.cli train`: rank 0 runs the agent loop; a resumed run
+    continues the version sequence; a checkpoint of 2 ranks refuses to resume in 1 process."""
+    from components.tracking import DiskTracker
+
+    home = seeded_home
+    torchrun = Path(sys.executable).with_name("torchrun")
+    args = ["-m", "components.cli", "train", "--home", str(home), "--set", "train.batch_size=4",
+            "--set", "train.checkpoint_every=2", "--set", "rollout.concurrency=4", "--set", "task.eval_size=8",
+            "--set", 'tracking.backend="disk"']
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    launch = [str(torchrun), "--standalone", "--nproc-per-node", "2"]
+    for steps, resume in ((2, []), (4, ["--resume"])):
+        done = subprocess.run(launch + args + ["--max-steps", str(steps)] + resume, capture_output=True, text=True,
+                              timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-4000:]
+    assert "resumed from" in done.stdout and "2 process(es)" in done.stdout
+    records = DiskTracker.read(home / "runs" / "tiny-cpu" / "sao.jsonl")
+    assert [r["step"] for r in records if "policy/loss" in r.get("metrics", {})] == [1, 2, 3, 4]
+    saved = torch.load(home / "checkpoints" / "tiny-cpu" / "step-00000004" / "state.pt", weights_only=False)
+    assert saved["world_size"] == 2
+    single = subprocess.run([sys.executable] + args + ["--max-steps", "6", "--resume"], capture_output=True,
+                            text=True, timeout=600, env=env)
+    assert single.returncode != 0 and "written by 2 rank(s), this run has 1" in single.stderr
