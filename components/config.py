@@ -220,6 +220,9 @@ class TrainConfig:
     stalls every start). See components/training/buffer.py."""
     sync: bool = False
     """Synchronous mode: generate a batch, wait for all of it, train (same code, for async-vs-sync)."""
+    sync_lag: int = 0
+    """Synchronous mode only: roll out with the policy this many versions old, a reproducible stand-in for
+    asynchronous policy lag (the learning-curve regression test uses it). Not carried across a resume."""
     group_size: int = 8
     """GRPO group size N (grpo, grpo-dis)."""
     policy_lr: float = 3e-4
@@ -246,6 +249,8 @@ class TrainConfig:
             _require(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
         _require(self.admission in ("capacity", "oldest"), "train.admission",
                  f"must be capacity or oldest, got {self.admission!r}")
+        _require(self.sync_lag >= 0, "train.sync_lag", f"must be >= 0, got {self.sync_lag}")
+        _require(self.sync or not self.sync_lag, "train.sync_lag", "needs train.sync = true (async runs lag anyway)")
         _require(self.threads >= 0, "train.threads", f"must be >= 0, got {self.threads}")
         _require(self.max_staleness >= 0, "train.max_staleness", f"must be >= 0, got {self.max_staleness}")
         _require(self.policy_lr > 0 and self.critic_lr > 0, "train.policy_lr", "learning rates must be > 0")

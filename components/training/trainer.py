@@ -19,6 +19,7 @@ Departures:
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import itertools
 import os
@@ -143,6 +144,7 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
     producer = None if tc.sync else asyncio.create_task(runner.run(tasks, buffer.put, buffer.admit, stop))
     tracker.log_params({"config": to_dict(cfg), "resumed_at": step})
     history: list[dict] = []
+    lagged: collections.deque = collections.deque()  # weights not yet published (train.sync_lag)
     run_start, idle, loop_s, trajectories = time.perf_counter(), 0.0, 0.0, 0
     try:
         while step < tc.max_steps:
@@ -150,14 +152,20 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
             if tc.sync:  # generate exactly one batch, wait for all of it
                 await runner.run(itertools.islice(tasks, tc.batch_size), buffer.put)
             batch = await _take(buffer, tc.batch_size, producer)
+            if tc.sync:  # one batch, one policy: task order rather than finish order makes runs reproducible
+                batch.sort(key=lambda t: (t.metadata.get("cursor", 0), t.prompt_id))
             waited = time.perf_counter() - wait_start
             idle += waited
             step_start = time.perf_counter()
             tensors = to_tensors(batch, tokenizer.pad_token_id)
             metrics = await asyncio.to_thread(learner.step, tensors)
             step += 1
-            await asyncio.wrap_future(engine.load_weights(
-                {k: v.detach().clone() for k, v in policy.module.state_dict().items()}, step))
+            lagged.append((step, {k: v.detach().clone() for k, v in policy.module.state_dict().items()}))
+            if lagged[0][0] <= step - tc.sync_lag:
+                while len(lagged) > 1 and lagged[1][0] <= step - tc.sync_lag:
+                    lagged.popleft()
+                version, weights = lagged.popleft()
+                await asyncio.wrap_future(engine.load_weights(weights, version))
             await buffer.set_version(step)
             cursor = max(t.metadata.get("cursor", 0) for t in batch) + 1
             row = _row(metrics, batch, step, waited, time.perf_counter() - step_start, idle,
