@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from components.config import ConfigError, load_config
+from components.storage import HomeStateError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,9 +20,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="config override, e.g. --set sft.steps=200 (repeatable)")
 
-    p_run = sub.add_parser("run", help="the embedded pipeline: teacher traces -> SFT -> held-out evaluation")
+    p_run = sub.add_parser("run", help="the embedded pipeline: teacher traces -> SFT -> eval -> SAO training -> "
+                                       "eval (re-running continues where it stopped)")
     common(p_run)
-    p_run.add_argument("--force", action="store_true", help="retrain even if a complete SFT policy exists")
+    p_run.add_argument("--force", action="store_true",
+                       help="retrain SFT and RL from scratch (removes this preset's training checkpoints)")
 
     p_eval = sub.add_parser("eval", help="held-out tool-integrated evaluation of a model directory")
     common(p_eval)
@@ -76,12 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # one concise line per step is our progress display
 
     home = args.home or jobs.default_home()
+    try:
+        _dispatch(args, cfg, home, parser)
+    except HomeStateError as exc:
+        parser.exit(2, f"sao: {exc}\n")
+    return 0
+
+
+def _dispatch(args: argparse.Namespace, cfg, home: Path, parser: argparse.ArgumentParser) -> None:
+    from components import jobs
+
     if args.command == "run":
-        model_dir = jobs.run_sft(cfg, home, force=args.force)
-        report = jobs.run_eval(cfg, model_dir, home, "sft-eval")
-        print(f"held-out accuracy of the SFT policy: {report.accuracy:.1%} ({report.n} problems, "
-              f"{report.tool_calls_mean:.2f} tool calls each, {report.seconds:.0f}s)")
-        print(f"report: {home / 'reports' / 'sft-eval.json'}")
+        jobs.run_pipeline(cfg, home, force=args.force)
     elif args.command == "eval":
         report = jobs.run_eval(cfg, args.model, home, "eval")
         print(f"held-out accuracy: {report.accuracy:.1%} ({report.n} problems)")
@@ -102,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
         from components.rollout.server import serve
 
         serve(args.model, args.host, args.port, args.max_batch, args.threads)
-    return 0
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -104,12 +105,23 @@ def _fingerprint(data: dict) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print) -> dict:
+def run_pipeline(cfg: Config, home: Path, force: bool = False, log: Log = print) -> dict:
+    """`sao run` (`make run`): SFT, held-out eval, RL with `cfg.train.algo`, held-out eval.
+
+    Re-running continues: a complete SFT policy with the same recipe is reused and training resumes from its
+    newest checkpoint (a finished run only re-evaluates). `force` retrains both from scratch; it removes this
+    preset's training checkpoints, which is what it was asked to do."""
+    if force:
+        shutil.rmtree(home / "checkpoints" / cfg.name, ignore_errors=True)
+    return run_train(cfg, home, resume=True, force_sft=force, log=log)
+
+
+def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, force_sft: bool = False) -> dict:
     """`sao train`: bootstrap the SFT policy if needed, train with `cfg.train.algo`, evaluate before and after.
     Metrics go to `runs/<preset>/<algo>.jsonl` and to MLflow (`tracking.*`).
 
     Under torchrun, rank 0 does everything above while the other ranks only join the training steps."""
-    from components.tracking import NullTracker, open_tracker
+    from components.tracking import NullTracker, mlflow_uri, open_tracker
     from components.training.collective import from_environment, launched_world_size
     from components.training.engines import init_single_process_group
     from components.training.trainer import train
@@ -121,7 +133,7 @@ def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print) -
             sft_dir = Path(comm.broadcast(None))  # waits for rank 0's SFT policy
             train(cfg, sft_dir, home, NullTracker(), resume=resume, log=lambda _: None)
             return {}
-    sft_dir = run_sft(cfg, home, log=log)
+    sft_dir = run_sft(cfg, home, force=force_sft, log=log)
     if launched_world_size() > 1:
         from_environment().broadcast(str(sft_dir))
     before = run_eval(cfg, sft_dir, home, "sft-eval", log)
@@ -143,4 +155,6 @@ def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print) -
         tracker.close(failed)
     log(f"train: held-out accuracy {before.accuracy:.1%} -> {after.accuracy:.1%} after {result.version} policy "
         f"versions ({result.policy_dir})")
+    log(f"reports: {home / 'reports'}; metrics: {home / 'runs' / cfg.name}"
+        + (f", MLflow at {mlflow_uri(cfg.tracking, home)}" if cfg.tracking.backend == "mlflow" else ""))
     return {"before": before.accuracy, "after": after.accuracy, "version": result.version}

@@ -7,6 +7,7 @@ half-written directory that looks whole.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -16,6 +17,20 @@ from pathlib import Path
 from typing import Iterator
 
 MARKER = "_COMPLETE"
+
+
+class HomeStateError(RuntimeError):
+    """What the run home holds conflicts with the command (e.g. checkpoints of another run); the message
+    says what to do."""
+
+
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """sha256 over a model directory's safetensors files: which exact weights a run started from."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def is_complete(path: str | Path) -> bool:

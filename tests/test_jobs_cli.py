@@ -53,32 +53,31 @@ def test_cli_model_init_writes_an_hf_directory(tmp_path):
 
 @pytest.fixture(scope="module")
 def preset_home(tmp_path_factory):
-    """`sao run` on the tiny-cpu preset from scratch (~4 min on 2 cores): the issue-2 acceptance run, and the
-    SFT policy the RL acceptance run starts from."""
+    """`sao run` (what `make run` runs) on the tiny-cpu preset from scratch: SFT, then 200 async SAO steps on
+    DeepSpeed, each evaluated on the held-out set (~6 min on 2 cores)."""
+    import time
+
     home = tmp_path_factory.mktemp("preset-home")
+    start = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "components.cli", "run", "--home", str(home)],
                          capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
+    print(f"sao run: {time.perf_counter() - start:.0f} s")
     return home
 
 
-@pytest.mark.slow
-def test_make_run_reaches_sixty_percent(preset_home):
-    report = json.loads((preset_home / "reports" / "sft-eval.json").read_text())
-    assert report["accuracy"] >= 0.6
+def _accuracy(home, report: str) -> float:
+    return json.loads((home / "reports" / f"{report}.json").read_text())["accuracy"]
 
 
 @pytest.mark.slow
-def test_sao_train_gains_ten_points_over_sft(preset_home):
-    """The issue-5 acceptance run: `sao train` (preset: 200 async SAO steps on DeepSpeed) from the SFT policy.
-    Measured 69.0% -> 83.5% in 2 min 24 s, evaluations included; the time is printed, not asserted."""
-    import time
+def test_make_run_sft_reaches_sixty_percent(preset_home):
+    assert _accuracy(preset_home, "sft-eval") >= 0.6
 
-    start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "components.cli", "train", "--home", str(preset_home)],
-                         capture_output=True, text=True, timeout=1800)
-    assert out.returncode == 0, out.stderr[-3000:]
-    before = json.loads((preset_home / "reports" / "sft-eval.json").read_text())["accuracy"]
-    after = json.loads((preset_home / "reports" / "sao-eval.json").read_text())["accuracy"]
-    print(f"sao train: {before:.1%} -> {after:.1%} in {time.perf_counter() - start:.0f} s")
-    assert after - before >= 0.10, out.stdout[-3000:]
+
+@pytest.mark.slow
+def test_make_run_sao_gains_ten_points_over_sft(preset_home):
+    """Issue 5's acceptance figure. Measured: 69.0% -> 83.5% and 88.5% (async runs are not bit-reproducible)."""
+    before, after = _accuracy(preset_home, "sft-eval"), _accuracy(preset_home, "sao-eval")
+    print(f"sao: {before:.1%} -> {after:.1%}")
+    assert after - before >= 0.10

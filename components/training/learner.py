@@ -20,6 +20,7 @@ import torch
 
 from components.config import Config
 from components.models import ValueModel, freeze_attention, load_policy
+from components.storage import HomeStateError
 from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.collective import (
     from_environment,
@@ -76,7 +77,7 @@ class Learner:
     def load_state_dicts(self, saved: dict) -> None:
         peers = saved.get("peers", [])
         if len(peers) + 1 != self.comm.world:
-            raise ValueError(f"checkpoint: written by {len(peers) + 1} rank(s), this run has {self.comm.world}; "
+            raise HomeStateError(f"checkpoint: written by {len(peers) + 1} rank(s), this run has {self.comm.world}; "
                              f"resume with the same number of processes")
         ranks = [{k: saved[k] for k in ("policy", "critic", "algo_state") if k in saved}, *peers]
         for name in ("policy", "critic"):  # ZeRO-1/2 optimizers restore from every rank's partition

@@ -39,7 +39,7 @@ from components.envs.base import Task, ToolLatency
 from components.envs.tir_math import TIRMathEnvironment
 from components.models import load_tokenizer, save_model_dir, stop_token_ids
 from components.rollout.embedded import EmbeddedEngine
-from components.storage import atomic_dir
+from components.storage import HomeStateError, atomic_dir, weights_fingerprint
 from components.tracking import Tracker
 from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.buffer import TrajectoryBuffer
@@ -119,9 +119,16 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
     tc = cfg.train
     tokenizer = load_tokenizer(sft_dir)
     store = LocalCheckpointStore(home / "checkpoints" / cfg.name)
-    step, cursor = 0, 0
-    if resume and (latest := store.latest_step()) is not None:
+    step, cursor, origin = 0, 0, weights_fingerprint(sft_dir)
+    latest = store.latest_step()
+    if latest is not None and not resume:
+        raise HomeStateError(f"{store.root} holds checkpoints up to step {latest} of an earlier run: pass --resume "
+                             f"to continue it, or remove that directory to start over")
+    if resume and latest is not None:
         saved = store.load(latest)
+        if saved["state"].get("origin") != origin:
+            raise HomeStateError(f"{store.root}/step-{latest:08d} was trained from other starting weights than "
+                                 f"{sft_dir}; remove {store.root} to start over from them")
         learner.load_state_dicts(saved)
         step, cursor = saved["state"]["step"], saved["state"]["cursor"]
         torch.set_rng_state(saved["state"]["torch_rng"])
@@ -178,7 +185,7 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
             if step == tc.max_steps or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
                 store.save(step, {
                     **learner.state_dicts(),
-                    "state": {"step": step, "cursor": cursor, "world_size": learner.comm.world,
+                    "state": {"step": step, "cursor": cursor, "world_size": learner.comm.world, "origin": origin,
                               "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()},
                 })
     finally:

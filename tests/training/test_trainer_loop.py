@@ -82,3 +82,36 @@ def test_kill_9_then_resume_gives_a_contiguous_version_sequence(seeded_home):
     assert [r.info.status for r in runs] == ["KILLED", "FINISHED"]
     assert [m.step for m in client.get_metric_history(runs[1].info.run_id, "policy/loss")] == list(range(1, 7))
     assert runs[0].data.tags["sao.superseded_by_run"] == runs[1].info.run_id
+
+
+def test_a_home_with_checkpoints_needs_resume_and_the_same_starting_weights(tmp_path, tiny_cfg, sft_dir):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from components.storage import HomeStateError
+
+    train(_cfg(tiny_cfg, max_steps=1), sft_dir, tmp_path, NullTracker(), log=lambda _: None)
+    with pytest.raises(HomeStateError, match="pass --resume"):
+        train(_cfg(tiny_cfg, max_steps=2), sft_dir, tmp_path, NullTracker(), log=lambda _: None)
+    other = tmp_path / "other-sft"
+    shutil.copytree(sft_dir, other)
+    weights = load_file(other / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + torch.ones_like(weights[name])
+    save_file(weights, other / "model.safetensors")
+    with pytest.raises(HomeStateError, match="other starting weights"):
+        train(_cfg(tiny_cfg, max_steps=2), other, tmp_path, NullTracker(), resume=True, log=lambda _: None)
+
+
+def test_sao_train_cli_refuses_to_overwrite_checkpoints(seeded_home, capsys):
+    from components.cli import main
+    from components.training.checkpoint import LocalCheckpointStore
+
+    LocalCheckpointStore(seeded_home / "checkpoints" / "tiny-cpu").save(3, {"state": {"step": 3}})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--home", str(seeded_home), "--set", "task.eval_size=4", "--set", 'train.backend="torch"',
+              "--set", 'tracking.backend="disk"'])
+    assert exit_info.value.code == 2
+    assert "holds checkpoints up to step 3 of an earlier run: pass --resume" in capsys.readouterr().err
