@@ -37,12 +37,13 @@ class _Checkpointable:
 class TorchEngine(_Checkpointable):
     """AdamW on the trainable parameters, global-norm clipping, non-finite guard."""
 
-    def __init__(self, module: nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0) -> None:
+    def __init__(self, module: nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0,
+                 beta2: float = 0.95) -> None:
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"{type(module).__name__} has no trainable parameters")
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, beta2))
         self.grad_clip = grad_clip
         self.skipped_steps = 0
 
@@ -66,7 +67,7 @@ class DeepSpeedEngine(_Checkpointable):
     """`deepspeed.initialize` around one model (fp32 on CPU, bf16 on GPU when `bf16` is set)."""
 
     def __init__(self, module: nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0,
-                 zero_stage: int = 0, bf16: bool = False) -> None:
+                 zero_stage: int = 0, bf16: bool = False, beta2: float = 0.95) -> None:
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage: {zero_stage} is not supported here (0, 1 or 2)")
         init_single_process_group()
@@ -79,7 +80,7 @@ class DeepSpeedEngine(_Checkpointable):
             "zero_optimization": {"stage": zero_stage},
             "bf16": {"enabled": bf16},
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay,
-                                                      "betas": [0.9, 0.95], "torch_adam": True}},
+                                                      "betas": [0.9, beta2], "torch_adam": True}},
             "steps_per_print": 10**9,
         }
         params = [p for p in module.parameters() if p.requires_grad]

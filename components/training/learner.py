@@ -42,7 +42,7 @@ class Learner:
         torch.manual_seed(cfg.sft.seed)
         policy_model = load_policy(sft_dir)
         make_engine = ENGINES[tc.backend]
-        kwargs = {"weight_decay": tc.weight_decay, "grad_clip": tc.grad_clip}
+        kwargs = {"weight_decay": tc.weight_decay, "grad_clip": tc.grad_clip, "beta2": tc.adam_beta2}
         if tc.backend == "deepspeed":
             kwargs["zero_stage"] = tc.zero_stage
         self.critic = None

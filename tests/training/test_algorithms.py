@@ -1,18 +1,12 @@
 """Every algorithm's step on a real batch of tiny-policy rollouts: what moves, what stays, which metrics."""
 
-import asyncio
 import copy
 
 import pytest
 import torch
 
-from components.agent.runner import AgentRunner, EpisodeLimits
 from components.agent.trajectory import to_tensors
-from components.data.tasks import make_problem
-from components.envs.base import Task
-from components.envs.tir_math import TIRMathEnvironment
-from components.models import ValueModel, freeze_attention, stop_token_ids
-from components.rollout.embedded import EmbeddedEngine
+from components.models import ValueModel, freeze_attention
 from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.engines import TorchEngine
 
@@ -22,20 +16,10 @@ DESIGN_METRICS = {"policy/loss", "policy/entropy", "policy/grad_norm", "dis/rati
 
 
 @pytest.fixture(scope="module")
-def batch(sft_policy):
+def batch(sft_policy, grouped_trajectories):
     """Two prompts x 4 rollouts each (so GRPO has two groups), sampled at T = 1 by the SFT policy."""
-    model, tokenizer = sft_policy
-    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer).start()
-    tasks = [Task(f"{pid}#g{g}", p.question, p.answer) for pid, p in
-             (("a", make_problem("affine", (91, 87, 5), "a")), ("b", make_problem("affine", (13, 17, 40), "b")))
-             for g in range(4)]
-    runner = AgentRunner(engine, tokenizer, TIRMathEnvironment(), EpisodeLimits(temperature=1.0), concurrency=1,
-                         stop_token_ids=tuple(stop_token_ids(tokenizer)))
-    try:
-        trajectories = asyncio.run(runner.run(tasks))
-    finally:
-        engine.shutdown()
-    assert [t.prompt_id for t in trajectories] == [t.task_id for t in tasks]  # concurrency 1 keeps group order
+    tokenizer = sft_policy[1]
+    trajectories = grouped_trajectories
     tensors = to_tensors(trajectories, tokenizer.pad_token_id)
     # Rewards varied within each group on purpose: with equal rewards a GRPO group has no signal at all.
     last = tensors["action_mask"].shape[1] - 1 - tensors["action_mask"].flip(1).argmax(dim=1)

@@ -1,7 +1,6 @@
 """Two DeepSpeed processes under torchrun (CPU, gloo) against one process, on the same stored batch: the
 learner splits rows over ranks and must reproduce the single-process step (losses, metrics, weights)."""
 
-import asyncio
 import copy
 import math
 import os
@@ -12,13 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.agent.runner import AgentRunner, EpisodeLimits
 from components.agent.trajectory import write_trajectories
-from components.data.tasks import make_problem
-from components.envs.base import Task
-from components.envs.tir_math import TIRMathEnvironment
-from components.models import save_model_dir, stop_token_ids
-from components.rollout.embedded import EmbeddedEngine
+from components.models import save_model_dir
 from components.training.collective import shard_rows
 
 ALGOS = ("sao", "sao-running-mean", "grpo")
@@ -36,21 +30,12 @@ def test_shard_rows_keeps_groups_whole():
 
 
 @pytest.fixture(scope="module")
-def stored_batch(sft_policy, tmp_path_factory):
+def stored_batch(sft_policy, grouped_trajectories, tmp_path_factory):
     """The SFT policy as an HF directory and 2 prompts x 4 real rollouts in Parquet (rows differ in length)."""
     model, tokenizer = sft_policy
     root = tmp_path_factory.mktemp("dp")
     save_model_dir(model, tokenizer, root / "policy")
-    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer).start()
-    tasks = [Task(f"{pid}#g{g}", p.question, p.answer) for pid, p in
-             (("a", make_problem("affine", (91, 87, 5), "a")), ("b", make_problem("affine", (13, 17, 40), "b")))
-             for g in range(4)]
-    runner = AgentRunner(engine, tokenizer, TIRMathEnvironment(), EpisodeLimits(temperature=1.0), concurrency=1,
-                         stop_token_ids=tuple(stop_token_ids(tokenizer)))
-    try:
-        trajectories = asyncio.run(runner.run(tasks))
-    finally:
-        engine.shutdown()
+    trajectories = [copy.deepcopy(t) for t in grouped_trajectories]
     for i, t in enumerate(trajectories):  # rewards that vary within each group, so every algorithm has signal
         t.reward = float(i % 3 == 0)
     write_trajectories(root / "batch.parquet", trajectories)
