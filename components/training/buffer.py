@@ -11,7 +11,7 @@ Staleness is bounded by admission, never by dropping finished work: finished tra
   `rollout/staleness_max` reports and DIS's trust window masks; the rest of the pipeline never waits for them.
 - `oldest`: a new episode starts only while the trainer is at most `max_staleness` versions ahead of the
   oldest in-flight episode's start version. Stricter, but one straggler stalls every new start: with
-  heavy-tailed tool latency it left the trainer idle 59% of the time (`make bench BENCH=async`).
+  heavy-tailed tool latency it left the trainer idle 55% of the time, against 8% (`make bench BENCH=async`).
 
 In grouped mode (GRPO) trajectories are released only as whole groups of `group_size`: the barrier that
 SAO removes.
