@@ -122,23 +122,23 @@ def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, f
 
     Under torchrun, rank 0 does everything above while the other ranks only join the training steps."""
     from components.tracking import NullTracker, mlflow_uri, open_tracker
-    from components.training.collective import from_environment, launched_world_size
+    from components.training.collective import SOLO, from_environment, launched_world_size
     from components.training.engines import init_single_process_group
     from components.training.trainer import train
 
+    comm = SOLO
     if launched_world_size() > 1:
         init_single_process_group()
         comm = from_environment()
-        if comm.rank != 0:
-            sft_dir = Path(comm.broadcast(None))  # waits for rank 0's SFT policy
-            train(cfg, sft_dir, home, NullTracker(), resume=resume, log=lambda _: None)
-            return {}
+    if comm.rank != 0:
+        sft_dir = Path(comm.broadcast(None))  # waits for rank 0's SFT policy
+        train(cfg, sft_dir, home, NullTracker(), resume=resume, log=lambda _: None)
+        return {}
     sft_dir = run_sft(cfg, home, force=force_sft, log=log)
-    if launched_world_size() > 1:
-        from_environment().broadcast(str(sft_dir))
+    comm.broadcast(str(sft_dir))  # releases the other ranks (a no-op in one process)
     before = run_eval(cfg, sft_dir, home, "sft-eval", log)
     log(f"train: {cfg.train.algo}, {cfg.train.max_steps} steps x {cfg.train.batch_size} trajectories, "
-        f"{'sync' if cfg.train.sync else 'async'}, backend {cfg.train.backend}, {launched_world_size()} "
+        f"{'sync' if cfg.train.sync else 'async'}, backend {cfg.train.backend}, {comm.world} "
         f"process(es); SFT held-out accuracy {before.accuracy:.1%}")
     run_name = f"{cfg.name}/{cfg.train.algo}"
     tracker = open_tracker(cfg.tracking, home, run_name, home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl")

@@ -29,9 +29,12 @@ class _Checkpointable:
                 "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["module"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.module.load_state_dict(state["module"])  # first: an optimizer may pick up the module's weights
+        self._load_optimizer(state)
         self.skipped_steps = state["skipped_steps"]
+
+    def _load_optimizer(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
 
 
 class TorchEngine(_Checkpointable):
@@ -90,16 +93,13 @@ class DeepSpeedEngine(_Checkpointable):
         self.zero_stage = zero_stage
         self.skipped_steps = 0
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_optimizer(self, state: dict) -> None:
         """ZeRO-1/2 optimizers load from the list of every rank's partition (`optimizer_ranks`, set by the
-        learner); stage 0 from this rank's own state. The module goes first: the optimizer then picks up its
-        weights."""
-        self.module.load_state_dict(state["module"])
+        learner); stage 0 from this rank's own state."""
         if self.zero_stage:
             self.optimizer.load_state_dict(state.get("optimizer_ranks") or [state["optimizer"]])
         else:
             self.optimizer.load_state_dict(state["optimizer"])
-        self.skipped_steps = state["skipped_steps"]
 
     def backward_step(self, loss: Tensor) -> Tensor:
         from components.training.collective import from_environment

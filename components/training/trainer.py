@@ -168,9 +168,7 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
             metrics = await asyncio.to_thread(learner.step, tensors)
             step += 1
             lagged.append((step, {k: v.detach().clone() for k, v in policy.module.state_dict().items()}))
-            if lagged[0][0] <= step - tc.sync_lag:
-                while len(lagged) > 1 and lagged[1][0] <= step - tc.sync_lag:
-                    lagged.popleft()
+            if len(lagged) > tc.sync_lag:  # versions are consecutive: the oldest is `step - sync_lag`
                 version, weights = lagged.popleft()
                 await asyncio.wrap_future(engine.load_weights(weights, version))
             await buffer.set_version(step)
