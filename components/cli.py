@@ -52,6 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--max-steps", type=int, default=None, help="policy updates (default: the preset's)")
     p_train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
 
+    p_sweep = sub.add_parser("sweep", help="train one config with N RL seeds from one SFT policy; writes a table "
+                                           "of final accuracy, collapses and diagnostics (re-running continues)")
+    common(p_sweep)
+    p_sweep.add_argument("--seeds", type=int, required=True, help="number of RL seeds (train.task_seed values)")
+    p_sweep.add_argument("--first-seed", type=int, default=1, help="first train.task_seed (default 1)")
+    p_sweep.add_argument("--name", default=None,
+                         help="sweep directory under <home>/sweeps (default: a hash of the config)")
+
     p_engine = sub.add_parser("engine", help="the embedded rollout engine")
     engine_sub = p_engine.add_subparsers(dest="engine_command", required=True)
     p_serve = engine_sub.add_parser("serve", help="serve an HF model directory over the OpenAI-compatible API")
@@ -100,6 +108,12 @@ def _dispatch(args: argparse.Namespace, cfg, home: Path, parser: argparse.Argume
         print(init_model_dir(cfg.model, args.out, seed=args.seed))
     elif args.command == "train":
         jobs.run_train(cfg, home, resume=args.resume)
+    elif args.command == "sweep":
+        from components.sweep import run_sweep
+
+        if args.seeds < 1:
+            parser.exit(2, f"sao: --seeds must be >= 1, got {args.seeds}\n")
+        run_sweep(cfg, home, args.seeds, args.first_seed, args.name)
     elif args.command == "rollout":
         from components.agent.rollout_job import run_rollout
 

@@ -235,6 +235,18 @@ class TrainConfig:
     """AdamW second-moment decay for both models (tiny-cpu: 0.999 collapsed 2 of 3 runs, 0.95 1 of 5)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip for both models."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up of both models over the first steps (0: none)."""
+    min_lr_ratio: float = 1.0
+    """Cosine decay of both learning rates to this fraction of their peak at `max_steps` (1.0: constant)."""
+    collapse_guard: Literal["rollback", "stop", "off"] = "rollback"
+    """When the collapse rule fires (components/training/stability.py): roll back to the newest checkpoint
+    before the collapse and continue with the learning rates scaled by `rollback_lr_scale` (rollback), roll
+    back and end the run there (stop), or only log it (off)."""
+    rollback_lr_scale: float = 0.5
+    """Factor on both learning rates after each rollback."""
+    max_rollbacks: int = 2
+    """Rollbacks allowed before the guard stops the run instead."""
     backend: Literal["torch", "deepspeed"] = "deepspeed"
     """Training engine: DeepSpeed (ZeRO, CPU fp32 / GPU bf16) or plain torch AdamW."""
     zero_stage: int = 0
@@ -259,6 +271,13 @@ class TrainConfig:
         _require(self.policy_lr > 0 and self.critic_lr > 0, "train.policy_lr", "learning rates must be > 0")
         _require(self.zero_stage in (0, 1, 2), "train.zero_stage", f"must be 0, 1 or 2, got {self.zero_stage}")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
+        _require(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(0 < self.min_lr_ratio <= 1, "train.min_lr_ratio", f"must be in (0, 1], got {self.min_lr_ratio}")
+        _require(self.collapse_guard in ("rollback", "stop", "off"), "train.collapse_guard",
+                 f"must be rollback, stop or off, got {self.collapse_guard!r}")
+        _require(0 < self.rollback_lr_scale <= 1, "train.rollback_lr_scale",
+                 f"must be in (0, 1], got {self.rollback_lr_scale}")
+        _require(self.max_rollbacks >= 0, "train.max_rollbacks", f"must be >= 0, got {self.max_rollbacks}")
         if self.algo in ("grpo", "grpo-dis"):
             _require(self.batch_size % self.group_size == 0, "train.batch_size",
                      f"must be a multiple of group_size={self.group_size} for {self.algo}, got {self.batch_size}")

@@ -27,12 +27,13 @@ from components.data.traces import read_traces, write_traces
 from components.envs.python_tool import PythonTool
 from components.eval.tir_eval import EvalReport, evaluate_tir
 from components.models import build_policy, build_tokenizer, load_policy, load_tokenizer, save_model_dir
-from components.storage import atomic_dir, is_complete, write_json
+from components.storage import atomic_dir, is_complete, weights_fingerprint, write_json
 from components.training.sft import train_sft
 
 Log = Callable[[str], None]
 _BENCHMARK = "tir_math"  # the held-out set's name in `eval/<benchmark>/accuracy`
 _SFT_TASK_FIELDS = ("kinds", "operand_max", "train_size", "seed", "teacher_mental_max")
+_EVAL_TASK_FIELDS = ("kinds", "operand_max", "eval_size", "seed", "max_turns", "max_new_tokens")
 
 
 def default_home() -> Path:
@@ -90,6 +91,8 @@ def run_eval(cfg: Config, model_dir: Path, home: Path, name: str, log: Log = pri
     report = evaluate_tir(model, tokenizer, problems, PythonTool(), cfg.task.max_turns, cfg.task.max_new_tokens)
     write_json(home / "reports" / f"{name}.json", {
         "model": str(model_dir),
+        "weights": weights_fingerprint(model_dir),
+        "eval_task": _eval_task(cfg),
         "accuracy": report.accuracy,
         "n": report.n,
         "tool_calls_mean": report.tool_calls_mean,
@@ -99,6 +102,22 @@ def run_eval(cfg: Config, model_dir: Path, home: Path, name: str, log: Log = pri
                      "correct": ep.correct, "finish_reason": ep.finish_reason} for ep in report.episodes[:20]],
     })
     return report
+
+
+def sft_eval(cfg: Config, sft_dir: Path, home: Path, log: Log = print) -> float:
+    """Held-out accuracy of the SFT policy, reusing `reports/sft-eval.json` when it scored these exact weights
+    on this held-out set."""
+    path = home / "reports" / "sft-eval.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("weights") == weights_fingerprint(sft_dir) and saved.get("eval_task") == _eval_task(cfg):
+            log(f"eval: reusing {path} ({saved['accuracy']:.1%})")
+            return saved["accuracy"]
+    return run_eval(cfg, sft_dir, home, "sft-eval", log).accuracy
+
+
+def _eval_task(cfg: Config) -> dict:
+    return json.loads(json.dumps({k: v for k, v in to_dict(cfg.task).items() if k in _EVAL_TASK_FIELDS}))
 
 
 def _fingerprint(data: dict) -> str:
@@ -136,10 +155,10 @@ def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, f
         return {}
     sft_dir = run_sft(cfg, home, force=force_sft, log=log)
     comm.broadcast(str(sft_dir))  # releases the other ranks (a no-op in one process)
-    before = run_eval(cfg, sft_dir, home, "sft-eval", log)
+    before = sft_eval(cfg, sft_dir, home, log)
     log(f"train: {cfg.train.algo}, {cfg.train.max_steps} steps x {cfg.train.batch_size} trajectories, "
         f"{'sync' if cfg.train.sync else 'async'}, backend {cfg.train.backend}, {comm.world} "
-        f"process(es); SFT held-out accuracy {before.accuracy:.1%}")
+        f"process(es); SFT held-out accuracy {before:.1%}")
     run_name = f"{cfg.name}/{cfg.train.algo}"
     tracker = open_tracker(cfg.tracking, home, run_name, home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl")
     accuracy_key = f"eval/{_BENCHMARK}/accuracy"
@@ -148,13 +167,13 @@ def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, f
         result = train(cfg, sft_dir, home, tracker, resume=resume, log=log)
         after = run_eval(cfg, result.policy_dir, home, f"{cfg.train.algo}-eval", log)
         # Logged after training: a resumed run rewinds its tracker first, so nothing it logged is duplicated.
-        tracker.log_metrics({accuracy_key: before.accuracy}, 0)
+        tracker.log_metrics({accuracy_key: before}, 0)
         tracker.log_metrics({accuracy_key: after.accuracy}, result.version)
         failed = False
     finally:
         tracker.close(failed)
-    log(f"train: held-out accuracy {before.accuracy:.1%} -> {after.accuracy:.1%} after {result.version} policy "
+    log(f"train: held-out accuracy {before:.1%} -> {after.accuracy:.1%} after {result.version} policy "
         f"versions ({result.policy_dir})")
     log(f"reports: {home / 'reports'}; metrics: {home / 'runs' / cfg.name}"
         + (f", MLflow at {mlflow_uri(cfg.tracking, home)}" if cfg.tracking.backend == "mlflow" else ""))
-    return {"before": before.accuracy, "after": after.accuracy, "version": result.version}
+    return {"before": before, "after": after.accuracy, "version": result.version, "rollbacks": result.rollbacks}

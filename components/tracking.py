@@ -110,7 +110,7 @@ class MlflowTracker:
     LINEAGE_TAG = "sao.lineage"
 
     def __init__(self, uri: str, experiment: str, run_name: str, lineage: str,
-                 artifact_root: str | None = None) -> None:
+                 artifact_root: str | None = None, parent_run_id: str | None = None) -> None:
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(uri)
@@ -118,7 +118,10 @@ class MlflowTracker:
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(
             experiment, artifact_location=artifact_root)
-        run = self.client.create_run(experiment_id, run_name=run_name, tags={self.LINEAGE_TAG: lineage})
+        tags = {self.LINEAGE_TAG: lineage}
+        if parent_run_id:  # shown nested under its parent in the MLflow UI (a sweep's seeds)
+            tags["mlflow.parentRunId"] = parent_run_id
+        run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
         self.experiment_id, self.run_id = experiment_id, run.info.run_id
         self._logged: set[tuple[str, int]] = set()
 
@@ -189,13 +192,15 @@ def mlflow_uri(config: TrackingConfig, home: Path) -> str:
     return config.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(home).resolve()}/mlflow.db"
 
 
-def open_tracker(config: TrackingConfig, home: Path, run_name: str, jsonl: Path) -> Tracker:
-    """The JSON lines under the home, plus MLflow unless `tracking.backend = "disk"`."""
+def open_tracker(config: TrackingConfig, home: Path, run_name: str, jsonl: Path,
+                 parent_run_id: str | None = None) -> Tracker:
+    """The JSON lines under the home, plus MLflow unless `tracking.backend = "disk"` (nested under
+    `parent_run_id` when given)."""
     disk = DiskTracker(jsonl)
     if config.backend == "disk":
         return disk
     home = Path(home).resolve()
     lineage = hashlib.sha256(f"{home}|{run_name}".encode()).hexdigest()[:16]
     mlflow = MlflowTracker(mlflow_uri(config, home), config.experiment, run_name, lineage,
-                           artifact_root=(home / "mlartifacts").as_uri())
+                           artifact_root=(home / "mlartifacts").as_uri(), parent_run_id=parent_run_id)
     return FanOut(disk, mlflow)

@@ -9,11 +9,22 @@ chunk's logits at a time too. Uses logsumexp, so the full log-softmax is never m
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
+
+
+class TokenStats(NamedTuple):
+    """Detached per-position statistics of the sampling distribution, aligned like the log-probs."""
+
+    entropy: Tensor
+    """`(B, T)` entropy of the distribution that produced token t (0 at position 0)."""
+    is_argmax: Tensor
+    """`(B, T)` bool: token t is the distribution's most likely token (False at position 0)."""
 
 
 def token_logprobs(
@@ -22,8 +33,8 @@ def token_logprobs(
     temperature: float = 1.0,
     attention_mask: Tensor | None = None,
     chunk_size: int = 1024,
-    return_entropy: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_stats: bool = False,
+) -> Tensor | tuple[Tensor, TokenStats]:
     """Log-prob of each token given its prefix.
 
     Args:
@@ -32,11 +43,11 @@ def token_logprobs(
         temperature: sampling temperature T; logits are divided by it.
         attention_mask: `(B, T)` optional padding mask (right padding).
         chunk_size: positions per LM-head chunk.
-        return_entropy: also return the (detached) entropy of each position's sampling distribution.
+        return_stats: also return `TokenStats` (entropy, and whether the token is the argmax) of each position's
+            sampling distribution, detached.
 
     Returns:
-        `(B, T)` float32 log-probs (position 0 is 0); with `return_entropy`, also `(B, T)` entropies aligned
-        the same way (entropy of the distribution that produced token t).
+        `(B, T)` float32 log-probs (position 0 is 0); with `return_stats`, also the `TokenStats`.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -46,7 +57,7 @@ def token_logprobs(
         raise ValueError(f"{type(model).__name__} soft-caps its logits; token_logprobs would not match it")
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     head = model.get_output_embeddings()
-    return chunked_head_logprobs(hidden, input_ids, head.weight, head.bias, temperature, chunk_size, return_entropy)
+    return chunked_head_logprobs(hidden, input_ids, head.weight, head.bias, temperature, chunk_size, return_stats)
 
 
 def chunked_head_logprobs(
@@ -56,14 +67,14 @@ def chunked_head_logprobs(
     bias: Tensor | None,
     temperature: float,
     chunk_size: int = 1024,
-    return_entropy: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_stats: bool = False,
+) -> Tensor | tuple[Tensor, TokenStats]:
     """The chunked LM-head part of `token_logprobs`. hidden `(B, T, H)`, input_ids `(B, T)`, weight `(V, H)`."""
     batch, length, width = hidden.shape
     flat_hidden = hidden[:, :-1].reshape(-1, width)
     targets = input_ids[:, 1:].reshape(-1)
     use_checkpoint = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    logprob_chunks, entropy_chunks = [], []
+    logprob_chunks, entropy_chunks, argmax_chunks = [], [], []
     for start in range(0, flat_hidden.shape[0], chunk_size):
         h, y = flat_hidden[start:start + chunk_size], targets[start:start + chunk_size]
         if use_checkpoint:
@@ -71,17 +82,24 @@ def chunked_head_logprobs(
         else:
             lp = _chunk_logprobs(h, y, weight, bias, temperature)
         logprob_chunks.append(lp)
-        if return_entropy:
+        if return_stats:
             with torch.no_grad():
-                entropy_chunks.append(_chunk_entropy(h, weight, bias, temperature))
-    zero_col = torch.zeros(batch, 1, dtype=torch.float32, device=hidden.device)
-    logprobs = torch.cat([zero_col, torch.cat(logprob_chunks).view(batch, length - 1)], dim=1) if length > 1 \
-        else zero_col
-    if not return_entropy:
+                entropy, is_argmax = _chunk_stats(h, y, weight, bias, temperature)
+            entropy_chunks.append(entropy)
+            argmax_chunks.append(is_argmax)
+    logprobs = _align(logprob_chunks, batch, length, torch.float32, hidden.device)
+    if not return_stats:
         return logprobs
-    entropy = torch.cat([zero_col, torch.cat(entropy_chunks).view(batch, length - 1)], dim=1) if length > 1 \
-        else zero_col
-    return logprobs, entropy
+    return logprobs, TokenStats(_align(entropy_chunks, batch, length, torch.float32, hidden.device),
+                                _align(argmax_chunks, batch, length, torch.bool, hidden.device))
+
+
+def _align(chunks: list[Tensor], batch: int, length: int, dtype: torch.dtype, device) -> Tensor:
+    """Per-prediction chunks (positions 1..T-1 flattened) as `(B, T)` with a zero first column."""
+    zero_col = torch.zeros(batch, 1, dtype=dtype, device=device)
+    if length == 1:
+        return zero_col
+    return torch.cat([zero_col, torch.cat(chunks).view(batch, length - 1)], dim=1)
 
 
 def _chunk_logprobs(h: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
@@ -89,7 +107,8 @@ def _chunk_logprobs(h: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | N
     return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
-def _chunk_entropy(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+def _chunk_stats(h: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | None,
+                 temperature: float) -> tuple[Tensor, Tensor]:
     logits = F.linear(h, weight, bias).float() / temperature
     logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1), logits.argmax(dim=-1) == targets

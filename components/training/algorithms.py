@@ -38,6 +38,7 @@ from components.algo import (
 )
 from components.models import token_logprobs
 from components.training.collective import SOLO, Collective, global_moments
+from components.training.diagnostics import policy_diagnostics
 
 AlgoName = Literal["sao", "sao-k1", "sao-full-critic", "sao-running-mean", "grpo", "grpo-dis", "ppo"]
 
@@ -63,14 +64,15 @@ def policy_update(policy, batch: dict[str, Tensor], advantages: Tensor, s: AlgoS
                   comm: Collective = SOLO) -> dict:
     """One policy optimizer step: DIS (mask outside the window) or PPO clip against the rollout log-probs."""
     act = batch["action_mask"]
-    logprobs, entropy = token_logprobs(policy.module, batch["input_ids"], s.temperature, batch["attention_mask"],
-                                       return_entropy=True)
+    logprobs, stats = token_logprobs(policy.module, batch["input_ids"], s.temperature, batch["attention_mask"],
+                                     return_stats=True)
     if use_dis:
         loss, metrics = dis_policy_loss(logprobs, batch["rollout_logprobs"], advantages, act, s.eps_low, s.eps_high)
     else:
         loss, metrics = ppo_policy_loss(logprobs, batch["rollout_logprobs"], advantages, act, s.ppo_clip, s.ppo_clip)
-    metrics["policy/entropy"] = masked_mean(entropy.detach(), act)
+    metrics["policy/entropy"] = masked_mean(stats.entropy, act)
     share, metrics = _token_weighted(metrics, act, comm)
+    metrics.update(policy_diagnostics(stats, advantages, batch, comm))
     metrics["policy/grad_norm"] = policy.backward_step(loss * share)
     adv_mean, adv_var = global_moments(advantages, act, comm)
     metrics["adv/mean"], metrics["adv/std"] = adv_mean, adv_var.sqrt()

@@ -22,7 +22,12 @@ from torch import Tensor, nn
 
 
 class _Checkpointable:
-    """Module + optimizer state for checkpoints (both engines keep `module`, `optimizer`, `skipped_steps`)."""
+    """Module + optimizer state for checkpoints (both engines keep `module`, `optimizer`, `skipped_steps`),
+    and the learning rate as a scale of the configured one (`base_lr`): schedules and rollbacks set it."""
+
+    def set_lr_scale(self, scale: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.base_lr * scale
 
     def state_dict(self) -> dict:
         return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -47,6 +52,7 @@ class TorchEngine(_Checkpointable):
         if not self.params:
             raise ValueError(f"{type(module).__name__} has no trainable parameters")
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, beta2))
+        self.base_lr = lr
         self.grad_clip = grad_clip
         self.skipped_steps = 0
 
@@ -90,6 +96,7 @@ class DeepSpeedEngine(_Checkpointable):
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=params,
                                                                  config=config)
         self.module = self.engine.module
+        self.base_lr = lr
         self.zero_stage = zero_stage
         self.skipped_steps = 0
 

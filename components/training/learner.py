@@ -3,7 +3,7 @@
 Rank 0 runs the agent loop (components/training/trainer.py) and drives the other ranks with four messages,
 scattered so that each rank receives only its own part:
 
-    ("step", rows of the batch)   every rank runs the algorithm step on its rows; DeepSpeed averages grads
+    ("step", (rows, lr scale))    every rank runs the algorithm step on its rows; DeepSpeed averages grads
     ("save", None)                every rank hands its engine states to rank 0 (ZeRO partitions differ)
     ("load", states)              every rank restores its own states from a checkpoint
     ("stop", None)                the other ranks return
@@ -60,12 +60,13 @@ class Learner:
 
     # ---- rank 0 --------------------------------------------------------------------------------------------
 
-    def step(self, batch: dict[str, torch.Tensor]) -> dict:
-        """One algorithm step on the whole batch (each rank takes its rows). Returns whole-batch metrics."""
+    def step(self, batch: dict[str, torch.Tensor], lr_scale: float = 1.0) -> dict:
+        """One algorithm step on the whole batch (each rank takes its rows), both learning rates at `lr_scale`
+        times the configured ones. Returns whole-batch metrics."""
         if self.comm.distributed:
             rows = shard_rows(len(batch["input_ids"]), self.comm.world, self.settings.group_size)
-            batch = self.comm.scatter([("step", take_rows(batch, r)) for r in rows])[1]
-        return self._step(batch)
+            batch, lr_scale = self.comm.scatter([("step", (take_rows(batch, r), lr_scale)) for r in rows])[1]
+        return self._step((batch, lr_scale))
 
     def state_dicts(self) -> dict:
         """Checkpoint payload: rank 0's states as `policy`/`critic`, the other ranks' under `peers`."""
@@ -109,8 +110,12 @@ class Learner:
                 return
             handlers[kind](data)
 
-    def _step(self, rows: dict[str, torch.Tensor]) -> dict:
+    def _step(self, work: tuple[dict[str, torch.Tensor], float]) -> dict:
+        rows, lr_scale = work
         torch.set_num_threads(self.threads)  # per thread: the engine thread keeps its own budget
+        for engine in (self.policy, self.critic):
+            if engine is not None:
+                engine.set_lr_scale(lr_scale)
         return self.algorithm.step(self.policy, self.critic, rows, self.settings, self.state, self.comm)
 
     def _local_states(self) -> dict:

@@ -45,6 +45,8 @@ from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.buffer import TrajectoryBuffer
 from components.training.checkpoint import LocalCheckpointStore
 from components.training.learner import Learner
+from components.training.schedule import warmup_cosine
+from components.training.stability import CollapseDetector
 
 
 @dataclass
@@ -63,6 +65,8 @@ class TrainResult:
     """Of which the trainer waited for trajectories."""
     trajectories: int = 0
     """Trajectories trained on."""
+    rollbacks: int = 0
+    """Times the collapse guard restored an earlier checkpoint (over the whole run, resumes included)."""
 
 
 def thread_budget(cfg: Config, cores: int | None = None) -> tuple[int, int]:
@@ -100,26 +104,29 @@ def settings_from(cfg: Config) -> AlgoSettings:
 
 
 def train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resume: bool = False,
-          log: Callable[[str], None] = print) -> TrainResult:
+          log: Callable[[str], None] = print, detector: CollapseDetector | None = None) -> TrainResult:
     """Train from `sft_dir`. Under torchrun every rank calls this; rank 0 runs the agent loop and returns the
-    result, the other ranks serve rank 0's steps and return an empty result."""
+    result, the other ranks serve rank 0's steps and return an empty result. `detector` is the collapse rule
+    (default: `CollapseDetector()`, the one definition; tests pass a hair-trigger one)."""
     engine_threads, trainer_threads = thread_budget(cfg)
     learner = Learner(cfg, sft_dir, settings_from(cfg), trainer_threads)
     if not learner.is_driver:
         learner.serve()
         return TrainResult(0, 0, None, [])
     try:
-        return asyncio.run(_train(cfg, learner, sft_dir, home, tracker, resume, engine_threads, log))
+        return asyncio.run(_train(cfg, learner, sft_dir, home, tracker, resume, engine_threads, log,
+                                  detector or CollapseDetector()))
     finally:
         learner.release()
 
 
 async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, tracker: Tracker, resume: bool,
-                 engine_threads: int, log) -> TrainResult:
+                 engine_threads: int, log, detector: CollapseDetector) -> TrainResult:
     tc = cfg.train
     tokenizer = load_tokenizer(sft_dir)
     store = LocalCheckpointStore(home / "checkpoints" / cfg.name)
     step, cursor, origin = 0, 0, weights_fingerprint(sft_dir)
+    guard = {"rollbacks": 0, "lr_scale": 1.0}  # the collapse guard's record, carried in checkpoints
     latest = store.latest_step()
     if latest is not None and not resume:
         raise HomeStateError(f"{store.root} holds checkpoints up to step {latest} of an earlier run: pass --resume "
@@ -131,10 +138,21 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
                                  f"{sft_dir}; remove {store.root} to start over from them")
         learner.load_state_dicts(saved)
         step, cursor = saved["state"]["step"], saved["state"]["cursor"]
+        guard.update(saved["state"].get("guard", {}))
         torch.set_rng_state(saved["state"]["torch_rng"])
         random.setstate(saved["state"]["py_rng"])
         tracker.rewind(step)
         log(f"train: resumed from {store.root}/step-{latest:08d} (version {step})")
+
+    def save_checkpoint() -> None:
+        store.save(step, {
+            **learner.state_dicts(),
+            "state": {"step": step, "cursor": cursor, "world_size": learner.comm.world, "origin": origin,
+                      "guard": dict(guard), "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()},
+        })
+
+    if latest is None and tc.collapse_guard != "off":
+        save_checkpoint()  # the starting weights: the guard always has a checkpoint to return to
 
     policy = learner.policy
     engine = EmbeddedEngine(copy.deepcopy(policy.module), tokenizer, max_batch=cfg.rollout.max_batch,
@@ -165,9 +183,10 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
             idle += waited
             step_start = time.perf_counter()
             tensors = to_tensors(batch, tokenizer.pad_token_id)
-            metrics = await asyncio.to_thread(learner.step, tensors)
+            lr_scale = guard["lr_scale"] * warmup_cosine(step, tc.max_steps, 1.0, tc.min_lr_ratio, tc.warmup_steps)
+            metrics = await asyncio.to_thread(learner.step, tensors, lr_scale)
             step += 1
-            lagged.append((step, {k: v.detach().clone() for k, v in policy.module.state_dict().items()}))
+            lagged.append((step, _weights(policy)))
             if len(lagged) > tc.sync_lag:  # versions are consecutive: the oldest is `step - sync_lag`
                 version, weights = lagged.popleft()
                 await asyncio.wrap_future(engine.load_weights(weights, version))
@@ -175,17 +194,43 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
             cursor = max(t.metadata.get("cursor", 0) for t in batch) + 1
             row = _row(metrics, batch, step, waited, time.perf_counter() - step_start, idle,
                        time.perf_counter() - run_start)
+            row.update({"trainer/lr_scale": lr_scale, "trainer/rollbacks": float(guard["rollbacks"])})
             history.append(row)
             trajectories += len(batch)
             loop_s = time.perf_counter() - run_start
             tracker.log_metrics(row, step)
             log(_progress_line(step, tc.max_steps, row))
             if step == tc.max_steps or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
-                store.save(step, {
-                    **learner.state_dicts(),
-                    "state": {"step": step, "cursor": cursor, "world_size": learner.comm.world, "origin": origin,
-                              "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()},
-                })
+                save_checkpoint()
+            collapse = detector.update(step, row["reward/mean"])
+            if collapse is None or tc.collapse_guard == "off":
+                if collapse is not None:
+                    log(f"train: collapse at step {step} ({collapse.cause}); train.collapse_guard=off, continuing")
+                continue
+            # The guard (stability issue): restore the newest checkpoint before the collapse as a new version.
+            good = [s for s in store.steps() if s <= collapse.last_good_step]
+            if not good:
+                log(f"train: collapse at step {step} ({collapse.cause}) and no checkpoint before step "
+                    f"{collapse.onset} to roll back to; stopping")
+                break
+            learner.load_state_dicts(store.load(good[-1]))
+            step += 1
+            lagged.clear()
+            await asyncio.wrap_future(engine.load_weights(_weights(policy), step))
+            await buffer.set_version(step)
+            detector.reset()
+            guard["rollbacks"] += 1
+            ending = tc.collapse_guard == "stop" or guard["rollbacks"] > tc.max_rollbacks
+            if not ending:
+                guard["lr_scale"] *= tc.rollback_lr_scale
+            tracker.log_metrics({"trainer/rollbacks": float(guard["rollbacks"]), "trainer/rollback_to": good[-1]},
+                                step)
+            log(f"train: collapse at step {collapse.step} ({collapse.cause}); rolled back to the checkpoint of step "
+                f"{good[-1]} as version {step} (rollback {guard['rollbacks']}), "
+                + ("stopping there" if ending else f"learning rates now x{guard['lr_scale']:g}"))
+            save_checkpoint()
+            if ending:
+                break
     finally:
         stop.set()
         await buffer.close()
@@ -196,7 +241,11 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
     with atomic_dir(out) as tmp:
         save_model_dir(policy.module, tokenizer, tmp)
     return TrainResult(len(history), step, out, history, seconds=loop_s, idle_seconds=idle,
-                       trajectories=trajectories)
+                       trajectories=trajectories, rollbacks=guard["rollbacks"])
+
+
+def _weights(policy) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in policy.module.state_dict().items()}
 
 
 async def _take(buffer: TrajectoryBuffer, n: int, producer: asyncio.Task | None) -> list[Trajectory]:

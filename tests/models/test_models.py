@@ -66,13 +66,17 @@ def test_tiny_policy_is_about_a_million_parameters(policy):
 def test_token_logprobs_equal_unchunked(policy, temperature):
     torch.manual_seed(0)
     ids = torch.randint(0, policy.config.vocab_size, (3, 41))
-    logprobs, entropy = token_logprobs(policy, ids, temperature, chunk_size=7, return_entropy=True)
+    logprobs, stats = token_logprobs(policy, ids, temperature, chunk_size=7, return_stats=True)
     logits = policy(ids).logits[:, :-1] / temperature
     full = torch.log_softmax(logits, dim=-1)
     expected = full.gather(2, ids[:, 1:, None]).squeeze(-1)
     torch.testing.assert_close(logprobs[:, 1:], expected, atol=1e-5, rtol=0)
     assert torch.equal(logprobs[:, 0], torch.zeros(3))
-    torch.testing.assert_close(entropy[:, 1:], -(full.exp() * full).sum(-1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(stats.entropy[:, 1:], -(full.exp() * full).sum(-1), atol=1e-5, rtol=0)
+    assert torch.equal(stats.is_argmax[:, 1:], full.argmax(-1) == ids[:, 1:]) and not stats.is_argmax[:, 0].any()
+    ids[:, 1:] = full.argmax(-1)  # every token its prefix's argmax (the prefixes change, so recompute)
+    greedy = token_logprobs(policy, ids, temperature, chunk_size=7, return_stats=True)[1].is_argmax[:, 1:]
+    assert greedy[:, 0].all()  # the first prediction's prefix (token 0) is unchanged: its argmax was chosen
     # Gradients through the checkpointed chunks equal the unchunked ones.
     g_chunked = torch.autograd.grad(token_logprobs(policy, ids, temperature, chunk_size=7).sum(),
                                     policy.model.embed_tokens.weight)[0]

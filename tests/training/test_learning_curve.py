@@ -25,8 +25,10 @@ CLOSE = ("dis/masked_frac_low", "dis/masked_frac_high", "dis/ratio_mean", "polic
 
 def _curve(tiny_cfg, sft_dir, home, threads: int) -> dict[str, list[float]]:
     cfg = replace(tiny_cfg,
+                  # A constant learning rate: this pins the math, whatever schedule the preset uses.
                   train=replace(tiny_cfg.train, algo="sao", sync=True, sync_lag=2, backend="torch", batch_size=8,
-                                max_steps=8, policy_lr=5e-4, checkpoint_every=0, threads=threads),
+                                max_steps=8, policy_lr=5e-4, checkpoint_every=0, threads=threads, warmup_steps=0,
+                                min_lr_ratio=1.0, collapse_guard="off"),
                   rollout=replace(tiny_cfg.rollout, concurrency=8, engine_threads=threads))
     result = train(cfg, sft_dir, home, NullTracker(), log=lambda _: None)
     return {key: [row[key] for row in result.history] for key in EXACT + CLOSE}

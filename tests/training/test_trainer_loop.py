@@ -115,3 +115,48 @@ def test_sao_train_cli_refuses_to_overwrite_checkpoints(seeded_home, capsys):
               "--set", 'tracking.backend="disk"'])
     assert exit_info.value.code == 2
     assert "holds checkpoints up to step 3 of an earlier run: pass --resume" in capsys.readouterr().err
+
+
+class _FireAt:
+    """The collapse rule as a test double: fires once, at `step`, blaming everything from `step` on (so the last
+    good checkpoint is `step - 1`). The real rule is tested in test_stability.py; this isolates the guard."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.resets = step, 0
+
+    def update(self, step: int, reward: float):
+        from components.training.stability import Collapse
+
+        return Collapse(step, step, "test") if step == self.step and not self.resets else None
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+@pytest.mark.parametrize("guard", ["rollback", "stop"])
+def test_collapse_guard_restores_the_last_good_checkpoint(tmp_path, tiny_cfg, sft_dir, guard):
+    import torch
+
+    from components.training.checkpoint import LocalCheckpointStore
+
+    cfg = _cfg(tiny_cfg, sync=True, max_steps=6, collapse_guard=guard, rollback_lr_scale=0.5)
+    log = []
+    result = train(cfg, sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"), log=log.append, detector=_FireAt(3))
+    store = LocalCheckpointStore(tmp_path / "checkpoints" / cfg.name)
+    # Fired after step 3: the weights of step 2 come back as version 4 (a new weights generation), saved at once.
+    assert any("rolled back to the checkpoint of step 2 as version 4 (rollback 1)" in line for line in log)
+    restored, good = store.load(4), store.load(2)
+    assert all(torch.equal(restored["policy"]["module"][k], v) for k, v in good["policy"]["module"].items())
+    assert restored["state"]["guard"]["rollbacks"] == 1 and store.steps()[0] == 0  # step 0: the starting weights
+    records = [r for r in DiskTracker.read(tmp_path / "m.jsonl") if "step" in r]
+    assert [r["step"] for r in records] == ([1, 2, 3, 4, 5, 6] if guard == "rollback" else [1, 2, 3, 4])
+    assert records[3]["metrics"] == {"trainer/rollbacks": 1.0, "trainer/rollback_to": 2}
+    if guard == "rollback":  # training goes on at half the learning rate, the rollback counted in every row
+        assert result.version == 6 and [h["trainer/lr_scale"] for h in result.history] == [1, 1, 1, 0.5, 0.5]
+        assert result.history[-1]["trainer/rollbacks"] == 1
+    else:  # the run ends on the restored weights, and they are what it saves as its policy
+        from components.models import load_policy
+
+        assert result.version == 4 and len(result.history) == 3
+        final = load_policy(result.policy_dir).state_dict()
+        assert torch.equal(final["lm_head.weight"], good["policy"]["module"]["lm_head.weight"])

@@ -1,0 +1,73 @@
+"""The collapse rule (components/training/stability.py) and its replay over a logged run (components/sweep.py)."""
+
+import math
+
+import pytest
+
+from components.sweep import replay_collapses, summarize
+from components.training.stability import CollapseDetector, collapsed_on_eval
+
+
+def _feed(detector, rewards, start=1):
+    return [(step, c) for step, r in enumerate(rewards, start) if (c := detector.update(step, r)) is not None]
+
+
+def test_detector_fires_after_patience_steps_below_half_the_smoothed_peak():
+    # window 2, patience 3. Rewards 1,1 -> smoothed peak 1.0 at step 2. Then 0s: step 3 smoothed 0.5 (not
+    # below 0.5 x 1.0), step 4 smoothed 0.0 (streak starts), steps 5 and 6 stay 0: fires at 6 (4, 5, 6).
+    detector = CollapseDetector(window=2, drop=0.5, patience=3)
+    fired = _feed(detector, [1, 1, 0, 0, 0, 0, 0, 0])
+    assert [step for step, _ in fired] == [6]  # once per streak
+    collapse = fired[0][1]
+    # The streak's first smoothed value (step 4) averages steps 3-4: the onset is step 3, the last good step 2.
+    assert (collapse.onset, collapse.last_good_step) == (3, 2)
+    assert "below 0.5 x its peak 1.000 for 3 steps" in collapse.cause
+
+
+def test_detector_ignores_noise_and_a_recovery_resets_the_streak():
+    detector = CollapseDetector(window=2, drop=0.5, patience=3)
+    # Smoothed: -, .5 (peak), .25 and .25 (half the peak is not below it), 1.0 (new peak), .5, 0 (streak 1),
+    # .25 (streak 2): never 3 in a row.
+    assert _feed(detector, [0.5, 0.5, 0.0, 0.5, 1.5, -0.5, 0.5, 0.0]) == []
+    # A policy that never earned reward cannot collapse: 0 >= 0.5 x 0.
+    assert _feed(CollapseDetector(window=2, patience=1), [0, 0, 0, 0]) == []
+
+
+def test_detector_reset_forgets_the_peak():
+    detector = CollapseDetector(window=1, drop=0.5, patience=1)
+    assert [step for step, _ in _feed(detector, [1.0, 0.2])] == [2]
+    detector.reset()
+    assert _feed(detector, [0.2, 0.2, 0.15], start=3) == []  # new peak 0.2; 0.15 >= 0.1
+
+
+def test_detector_refuses_bad_settings():
+    with pytest.raises(ValueError, match="drop"):
+        CollapseDetector(drop=1.5)
+
+
+def test_eval_rule_is_strictly_below_the_start():
+    assert collapsed_on_eval(0.68, 0.69) and not collapsed_on_eval(0.69, 0.69)
+
+
+def _record(step, **metrics):
+    return {"step": step, "metrics": metrics}
+
+
+def test_sweep_replay_and_summary_of_a_run_with_a_rollback():
+    # Reward 0.8 for 10 steps, then 0 (default window 10, patience 10). The 10-step mean at step 15 is
+    # 5 x 0.8 / 10 = 0.4, not below half the peak 0.8; at step 16 it is 0.32: the streak starts at 16 and the
+    # rule fires 10 steps later, at step 25.
+    history = [_record(s, **{"reward/mean": 0.8 if s <= 10 else 0.0, "policy/entropy": 0.1 * (s > 10),
+                             "dis/masked_frac_low": 0.01, "dis/masked_frac_high": 0.02 * (s == 20),
+                             "critic/explained_variance": 0.5})
+               for s in range(1, 26)]
+    assert replay_collapses(history) == [25]
+    history += [_record(26, **{"trainer/rollbacks": 1.0, "trainer/rollback_to": 10})]
+    history += [_record(s, **{"reward/mean": 0.0, "trainer/rollbacks": 1.0}) for s in range(27, 40)]
+    # After the rollback the detector starts over; 13 steps of 0 reward have no peak to fall from.
+    assert replay_collapses(history) == [25]
+    row = summarize(3, history, accuracy=0.5, sft_accuracy=0.6, minutes=2.0)
+    assert (row.collapsed, row.collapse_step, row.cause, row.rollbacks) == (True, 25, "reward+eval", 1)
+    assert row.delta == pytest.approx(-10.0) and row.peak_entropy == pytest.approx(0.1)
+    assert row.max_masked_frac == pytest.approx(0.03) and row.final_reward == 0.0
+    assert math.isnan(row.final_ev)  # the last 10 steps logged no critic

@@ -1,0 +1,42 @@
+"""`sao sweep`: N seeds from one SFT policy, a table, MLflow runs nested under one parent, re-runs continue."""
+
+import csv
+
+import pytest
+
+from components.cli import main
+
+SMALL = ["--set", "train.max_steps=2", "--set", "train.batch_size=4", "--set", "rollout.concurrency=4",
+         "--set", "task.eval_size=8", "--set", 'train.backend="torch"']
+
+
+def test_sweep_writes_a_table_and_nested_mlflow_runs_and_continues(seeded_home, capsys):
+    from mlflow.tracking import MlflowClient
+
+    home = seeded_home
+    assert main(["sweep", "--home", str(home), "--seeds", "2", "--name", "t", *SMALL]) == 0
+    out = capsys.readouterr().out
+    root = home / "sweeps" / "t"
+    rows = list(csv.DictReader((root / "results.csv").open()))
+    assert [r["seed"] for r in rows] == ["1", "2"]
+    assert (root / "seed-1" / "checkpoints" / "tiny-cpu" / "step-00000002").is_dir()
+    assert "sweep: 2 seed(s)" in (root / "results.md").read_text() and "sweep: 2 seed(s)" in out
+    client = MlflowClient(f"sqlite:///{home.resolve()}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("sao").experiment_id])
+    parent = next(r for r in runs if r.data.tags.get("sao.sweep") == "t")
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.info.run_name for r in children) == ["t/seed-1", "t/seed-2"]
+    assert all("eval/tir_math/accuracy" in r.data.metrics for r in children)
+    assert parent.data.metrics["sweep/accuracy_min"] == min(float(r["accuracy"]) for r in rows)
+
+    # Re-running continues: finished seeds are read back (no new runs), the SFT evaluation is reused, one more
+    # seed is added.
+    assert main(["sweep", "--home", str(home), "--seeds", "3", "--name", "t", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "seed 1 finished earlier" in out and "seed 2 finished earlier" in out and "eval: reusing" in out
+    assert len(list(csv.DictReader((root / "results.csv").open()))) == 3
+
+    # Another config under the same name is refused, naming what to do.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sweep", "--home", str(home), "--seeds", "1", "--name", "t", *SMALL, "--set", "train.policy_lr=1e-3"])
+    assert exit_info.value.code == 2 and "holds a sweep of another config" in capsys.readouterr().err
