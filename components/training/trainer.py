@@ -33,7 +33,7 @@ import torch
 
 from components.agent.runner import AgentRunner, EpisodeLimits
 from components.agent.trajectory import Trajectory, to_tensors
-from components.config import Config, to_dict
+from components.config import Config, TrainConfig, to_dict
 from components.data.tasks import generate_problems
 from components.envs.base import Task, ToolLatency
 from components.envs.tir_math import TIRMathEnvironment
@@ -92,6 +92,12 @@ def task_stream(cfg: Config, start: int, group_size: int) -> Iterator[Task]:
             for g in range(group_size):
                 suffix = f"#g{g}" if group_size > 1 else ""
                 yield Task(f"rl-{index}{suffix}", p.question, p.answer, {"kind": p.kind, "cursor": index})
+
+
+def lr_scale(tc: TrainConfig, step: int) -> float:
+    """Both learning rates at 0-based step `step`, as a fraction of the configured ones: linear warm-up over
+    `warmup_steps`, then cosine decay to `min_lr_ratio` at `max_steps` (docs/stability.md says why)."""
+    return warmup_cosine(step, tc.max_steps, 1.0, tc.min_lr_ratio, tc.warmup_steps)
 
 
 def settings_from(cfg: Config) -> AlgoSettings:
@@ -183,8 +189,8 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
             idle += waited
             step_start = time.perf_counter()
             tensors = to_tensors(batch, tokenizer.pad_token_id)
-            lr_scale = guard["lr_scale"] * warmup_cosine(step, tc.max_steps, 1.0, tc.min_lr_ratio, tc.warmup_steps)
-            metrics = await asyncio.to_thread(learner.step, tensors, lr_scale)
+            scale = guard["lr_scale"] * lr_scale(tc, step)
+            metrics = await asyncio.to_thread(learner.step, tensors, scale)
             step += 1
             lagged.append((step, _weights(policy)))
             if len(lagged) > tc.sync_lag:  # versions are consecutive: the oldest is `step - sync_lag`
@@ -194,7 +200,7 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
             cursor = max(t.metadata.get("cursor", 0) for t in batch) + 1
             row = _row(metrics, batch, step, waited, time.perf_counter() - step_start, idle,
                        time.perf_counter() - run_start)
-            row.update({"trainer/lr_scale": lr_scale, "trainer/rollbacks": float(guard["rollbacks"])})
+            row.update({"trainer/lr_scale": scale, "trainer/rollbacks": float(guard["rollbacks"])})
             history.append(row)
             trajectories += len(batch)
             loop_s = time.perf_counter() - run_start

@@ -71,3 +71,29 @@ def test_sweep_replay_and_summary_of_a_run_with_a_rollback():
     assert row.delta == pytest.approx(-10.0) and row.peak_entropy == pytest.approx(0.1)
     assert row.max_masked_frac == pytest.approx(0.03) and row.final_reward == 0.0
     assert math.isnan(row.final_ev)  # the last 10 steps logged no critic
+
+
+def test_preset_learning_rate_warms_up_then_decays():
+    """The preset's schedule (the stability fix, docs/stability.md): linear warm-up over 20 steps, cosine decay
+    to 0.1 of the peak at step 200. Scale at 0-based step s: (s + 1) / 20 during warm-up, then
+    0.1 + 0.45 * (1 + cos(pi * (s - 20) / 180))."""
+    from components.config import load_config
+    from components.training.trainer import lr_scale
+
+    train = load_config("tiny-cpu").train
+    assert (train.warmup_steps, train.min_lr_ratio, train.max_steps) == (20, 0.1, 200)
+    assert lr_scale(train, 0) == pytest.approx(0.05) and lr_scale(train, 19) == pytest.approx(1.0)
+    assert lr_scale(train, 20) == pytest.approx(1.0)
+    assert lr_scale(train, 110) == pytest.approx(0.55)  # halfway through the decay: cos(pi / 2) = 0
+    assert lr_scale(train, 199) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 179 / 180)))
+
+
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+def test_learning_rate_scale_reaches_both_optimizers(backend):
+    import torch
+
+    from components.training.engines import ENGINES
+
+    engine = ENGINES[backend](torch.nn.Linear(3, 1), lr=2e-3)
+    engine.set_lr_scale(0.25)
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [pytest.approx(5e-4)] * len(engine.optimizer.param_groups)
