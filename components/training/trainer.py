@@ -10,6 +10,10 @@ run the same code, so async and sync are measured on equal terms.
 Under torchrun (DeepSpeed backend) rank 0 runs everything here and the learner splits each batch over the
 ranks (components/training/learner.py); the result is the single-process step of the whole batch.
 
+Both learning rates follow `lr_scale` (warm-up, cosine decay), and a collapse guard watches the reward
+(`components/training/stability.py`): when the collapse rule fires it restores the newest checkpoint from
+before the collapse as a new policy version. docs/stability.md has the mechanism and the evidence.
+
 Departures:
 - the trainer and the embedded engine share one process, each with its own share of the CPU threads;
 - weights move in memory, never through a file;
@@ -46,7 +50,7 @@ from components.training.buffer import TrajectoryBuffer
 from components.training.checkpoint import LocalCheckpointStore
 from components.training.learner import Learner
 from components.training.schedule import warmup_cosine
-from components.training.stability import CollapseDetector
+from components.training.stability import Collapse, CollapseDetector
 
 
 @dataclass
@@ -132,7 +136,7 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
     tokenizer = load_tokenizer(sft_dir)
     store = LocalCheckpointStore(home / "checkpoints" / cfg.name)
     step, cursor, origin = 0, 0, weights_fingerprint(sft_dir)
-    guard = {"rollbacks": 0, "lr_scale": 1.0}  # the collapse guard's record, carried in checkpoints
+    guard = {"rollbacks": 0, "lr_scale": 1.0, "ending": False}  # the collapse guard's record, in checkpoints
     latest = store.latest_step()
     if latest is not None and not resume:
         raise HomeStateError(f"{store.root} holds checkpoints up to step {latest} of an earlier run: pass --resume "
@@ -209,33 +213,25 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
             if step == tc.max_steps or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
                 save_checkpoint()
             collapse = detector.update(step, row["reward/mean"])
-            if collapse is None or tc.collapse_guard == "off":
-                if collapse is not None:
-                    log(f"train: collapse at step {step} ({collapse.cause}); train.collapse_guard=off, continuing")
+            if collapse is None:
                 continue
-            # The guard (stability issue): restore the newest checkpoint before the collapse as a new version.
-            good = [s for s in store.steps() if s <= collapse.last_good_step]
-            if not good:
-                log(f"train: collapse at step {step} ({collapse.cause}) and no checkpoint before step "
-                    f"{collapse.onset} to roll back to; stopping")
+            if tc.collapse_guard == "off":
+                log(f"train: collapse at step {step} ({collapse.cause}); train.collapse_guard=off, continuing")
+                continue
+            restored = _roll_back(collapse, store, learner, guard, tc, log)
+            if restored is None:
                 break
-            learner.load_state_dicts(store.load(good[-1]))
-            step += 1
+            step += 1  # the restored weights go out as a new version: versions only ever grow
             lagged.clear()
             await asyncio.wrap_future(engine.load_weights(_weights(policy), step))
             await buffer.set_version(step)
             detector.reset()
-            guard["rollbacks"] += 1
-            ending = tc.collapse_guard == "stop" or guard["rollbacks"] > tc.max_rollbacks
-            if not ending:
-                guard["lr_scale"] *= tc.rollback_lr_scale
-            tracker.log_metrics({"trainer/rollbacks": float(guard["rollbacks"]), "trainer/rollback_to": good[-1]},
+            tracker.log_metrics({"trainer/rollbacks": float(guard["rollbacks"]), "trainer/rollback_to": restored},
                                 step)
-            log(f"train: collapse at step {collapse.step} ({collapse.cause}); rolled back to the checkpoint of step "
-                f"{good[-1]} as version {step} (rollback {guard['rollbacks']}), "
-                + ("stopping there" if ending else f"learning rates now x{guard['lr_scale']:g}"))
+            log(f"train: rolled back to the checkpoint of step {restored} as version {step} "
+                f"(rollback {guard['rollbacks']})")
             save_checkpoint()
-            if ending:
+            if guard["ending"]:
                 break
     finally:
         stop.set()
@@ -248,6 +244,27 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
         save_model_dir(policy.module, tokenizer, tmp)
     return TrainResult(len(history), step, out, history, seconds=loop_s, idle_seconds=idle,
                        trajectories=trajectories, rollbacks=guard["rollbacks"])
+
+
+def _roll_back(collapse: Collapse, store: LocalCheckpointStore, learner: Learner, guard: dict, tc: TrainConfig,
+               log: Callable[[str], None]) -> int | None:
+    """The collapse guard (docs/stability.md): load the newest checkpoint from before the collapse's onset into
+    the learner and update the guard's record (count, learning-rate factor, whether the run ends). Returns the
+    restored step, or None when there is none to return to."""
+    good = [s for s in store.steps() if s <= collapse.last_good_step]
+    if not good:
+        log(f"train: collapse at step {collapse.step} ({collapse.cause}) and no checkpoint before step "
+            f"{collapse.onset} to roll back to; stopping")
+        return None
+    learner.load_state_dicts(store.load(good[-1]))
+    guard["rollbacks"] += 1
+    guard["ending"] = tc.collapse_guard == "stop" or guard["rollbacks"] > tc.max_rollbacks
+    if not guard["ending"]:
+        guard["lr_scale"] *= tc.rollback_lr_scale
+    log(f"train: collapse at step {collapse.step} ({collapse.cause}); "
+        + ("rolling back and stopping" if guard["ending"] else
+           f"rolling back, learning rates now x{guard['lr_scale']:g}"))
+    return good[-1]
 
 
 def _weights(policy) -> dict[str, torch.Tensor]:

@@ -139,7 +139,8 @@ def test_collapse_guard_restores_the_last_good_checkpoint(tmp_path, tiny_cfg, sf
 
     from components.training.checkpoint import LocalCheckpointStore
 
-    cfg = _cfg(tiny_cfg, sync=True, max_steps=6, collapse_guard=guard, rollback_lr_scale=0.5)
+    cfg = _cfg(tiny_cfg, sync=True, max_steps=6, collapse_guard=guard, rollback_lr_scale=0.5, warmup_steps=0,
+               min_lr_ratio=1.0)
     log = []
     result = train(cfg, sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"), log=log.append, detector=_FireAt(3))
     store = LocalCheckpointStore(tmp_path / "checkpoints" / cfg.name)
