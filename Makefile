@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 DS_ACCELERATOR ?= cpu
 export DS_ACCELERATOR
 
-.PHONY: setup run test test-slow test-vllm bench clean
+.PHONY: setup run test test-slow test-vllm bench sweep clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,12 @@ $(VLLM_STAMP):
 
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	SAO_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -m vllm tests/vllm
+
+# make sweep [SEEDS=10] [ARGS='--name NAME --set train.policy_lr=1e-3']: the preset with N RL seeds from one
+# SFT policy; the table lands in $(SAO_HOME)/sweeps/<name>/results.md (docs/stability.md)
+SEEDS ?= 10
+sweep: $(STAMP)
+	$(VENV)/bin/sao sweep --preset $(PRESET) --home $(SAO_HOME) --seeds $(SEEDS) $(ARGS)
 
 # make bench [BENCH=gae|engine|async]
 bench: $(STAMP)
