@@ -42,7 +42,7 @@ def default_home() -> Path:
 
 def build_sft_data(cfg: Config, home: Path, log: Log = print) -> Path:
     """Generate the teacher traces of the training split; reused when the task config is unchanged."""
-    path = home / "data" / f"tir_train-{_fingerprint(sft_recipe(cfg)['task'])}.parquet"
+    path = home / "data" / f"tir_train-{fingerprint(sft_recipe(cfg)['task'])}.parquet"
     if path.exists():
         log(f"data: reusing {path}")
         return path
@@ -120,7 +120,8 @@ def _eval_task(cfg: Config) -> dict:
     return json.loads(json.dumps({k: v for k, v in to_dict(cfg.task).items() if k in _EVAL_TASK_FIELDS}))
 
 
-def _fingerprint(data: dict) -> str:
+def fingerprint(data: dict) -> str:
+    """Short sha256 of JSON data (keys sorted): names what a config produced."""
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -18,7 +18,6 @@ curve, exactly as the trainer's guard saw it) or on the held-out set after train
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import statistics
@@ -27,7 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from components.config import Config, to_dict
-from components.jobs import Log, run_eval, run_sft, sft_eval
+from components.jobs import Log, fingerprint, run_eval, run_sft, sft_eval
 from components.storage import HomeStateError, write_json
 from components.tracking import DiskTracker, mlflow_uri, open_tracker
 from components.training.stability import CollapseDetector, collapsed_on_eval
@@ -61,7 +60,7 @@ def run_sweep(cfg: Config, home: Path, seeds: int, first_seed: int = 1, name: st
     if seeds < 1:
         raise ValueError(f"--seeds: must be >= 1, got {seeds}")
     swept = json.loads(json.dumps({**to_dict(cfg), "train": {**to_dict(cfg.train), "task_seed": None}}))
-    name = name or "sweep-" + hashlib.sha256(json.dumps(swept, sort_keys=True).encode()).hexdigest()[:10]
+    name = name or f"sweep-{fingerprint(swept)}"
     root = home / "sweeps" / name
     stored = root / "config.json"
     if stored.exists() and json.loads(stored.read_text()) != swept:
@@ -141,7 +140,7 @@ def summarize(seed: int, history: list[dict], accuracy: float, sft_accuracy: flo
     return SeedResult(
         seed=seed, accuracy=accuracy, delta=100 * (accuracy - sft_accuracy), collapsed=bool(cause),
         collapse_step=fired[0] if fired else None, cause=cause,
-        rollbacks=int(max((m.get("trainer/rollbacks", 0) for m in steps), default=0)),
+        rollbacks=int(max((r["metrics"].get("trainer/rollbacks", 0) for r in history), default=0)),
         peak_entropy=max((m.get("policy/entropy", 0.0) for m in steps), default=0.0),
         max_masked_frac=max((m.get("dis/masked_frac_low", 0.0) + m.get("dis/masked_frac_high", 0.0) for m in steps),
                             default=0.0),

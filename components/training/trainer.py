@@ -136,7 +136,7 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
     tokenizer = load_tokenizer(sft_dir)
     store = LocalCheckpointStore(home / "checkpoints" / cfg.name)
     step, cursor, origin = 0, 0, weights_fingerprint(sft_dir)
-    guard = {"rollbacks": 0, "lr_scale": 1.0, "ending": False}  # the collapse guard's record, in checkpoints
+    guard = {"rollbacks": 0, "lr_scale": 1.0}  # the collapse guard's record, carried in checkpoints
     latest = store.latest_step()
     if latest is not None and not resume:
         raise HomeStateError(f"{store.root} holds checkpoints up to step {latest} of an earlier run: pass --resume "
@@ -221,6 +221,7 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
             restored = _roll_back(collapse, store, learner, guard, tc, log)
             if restored is None:
                 break
+            ending = _guard_ends(guard, tc)
             step += 1  # the restored weights go out as a new version: versions only ever grow
             lagged.clear()
             await asyncio.wrap_future(engine.load_weights(_weights(policy), step))
@@ -231,7 +232,7 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
             log(f"train: rolled back to the checkpoint of step {restored} as version {step} "
                 f"(rollback {guard['rollbacks']})")
             save_checkpoint()
-            if guard["ending"]:
+            if ending:
                 break
     finally:
         stop.set()
@@ -249,7 +250,7 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
 def _roll_back(collapse: Collapse, store: LocalCheckpointStore, learner: Learner, guard: dict, tc: TrainConfig,
                log: Callable[[str], None]) -> int | None:
     """The collapse guard (docs/stability.md): load the newest checkpoint from before the collapse's onset into
-    the learner and update the guard's record (count, learning-rate factor, whether the run ends). Returns the
+    the learner and update the guard's record (count, learning-rate factor). Returns the
     restored step, or None when there is none to return to."""
     good = [s for s in store.steps() if s <= collapse.last_good_step]
     if not good:
@@ -258,13 +259,17 @@ def _roll_back(collapse: Collapse, store: LocalCheckpointStore, learner: Learner
         return None
     learner.load_state_dicts(store.load(good[-1]))
     guard["rollbacks"] += 1
-    guard["ending"] = tc.collapse_guard == "stop" or guard["rollbacks"] > tc.max_rollbacks
-    if not guard["ending"]:
+    if not _guard_ends(guard, tc):
         guard["lr_scale"] *= tc.rollback_lr_scale
     log(f"train: collapse at step {collapse.step} ({collapse.cause}); "
-        + ("rolling back and stopping" if guard["ending"] else
+        + ("rolling back and stopping" if _guard_ends(guard, tc) else
            f"rolling back, learning rates now x{guard['lr_scale']:g}"))
     return good[-1]
+
+
+def _guard_ends(guard: dict, tc: TrainConfig) -> bool:
+    """After a rollback: does the run end there (`stop`, or more rollbacks than `max_rollbacks`)?"""
+    return tc.collapse_guard == "stop" or guard["rollbacks"] > tc.max_rollbacks
 
 
 def _weights(policy) -> dict[str, torch.Tensor]:
