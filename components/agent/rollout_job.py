@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Callable
 
 from components.agent.runner import AgentRunner, EpisodeLimits
-from components.agent.trajectory import Trajectory, write_trajectories
 from components.config import Config
+from components.contracts.trajectory import Trajectory, write_trajectories
 from components.envs.base import Environment, Task, ToolLatency
 
 

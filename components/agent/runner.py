@@ -21,7 +21,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
-from components.agent.trajectory import Timings, Trajectory
+from components.contracts.trajectory import Timings, Trajectory
 from components.envs.base import Environment, Task
 from components.rollout.protocol import SamplingRequest
 

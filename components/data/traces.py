@@ -1,16 +1,8 @@
-"""The tool-integrated reasoning (TIR) trace format, shared by the programmatic teacher and real teachers.
+"""Rendering and storage of tool-integrated reasoning traces (`components.contracts.trace`).
 
-A trace is a conversation: the user's question, assistant turns that may end in a Python tool call, tool
-turns carrying the call's output, and a final assistant turn with a `\\boxed{}` answer. A real teacher
-(GPT-OSS-120B behind an OpenAI-compatible endpoint) returns OpenAI chat messages with `tool_calls`;
-`trace_from_openai_messages` parses those into the same `Trace`, so SFT sees one format.
-
-Rendering to tokens (character tokenizer markers):
-
-    <|user|>{question}<|assistant|>                         prompt         action_mask 0
-    {text}<|python|>{code}<|/python|>                        assistant turn action_mask 1
-    <|output|>{stdout}<|/output|>                            tool turn      action_mask 0 (observation)
-    {text}\\boxed{answer}<|end|>                             final turn     action_mask 1
+A real teacher (GPT-OSS-120B behind an OpenAI-compatible endpoint) returns OpenAI chat messages with
+`tool_calls`; `trace_from_openai_messages` parses those into the same `Trace`, so SFT sees one format. The
+chat markers are in `components.contracts.markers`.
 
 Each segment is tokenised on its own and the ids concatenated, exactly as the agent loop builds a
 trajectory, so training never sees a retokenised sequence that rollouts did not produce.
@@ -19,71 +11,20 @@ trajectory, so training never sees a retokenised sequence that rollouts did not 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from components.models.tokenizer import ASSISTANT, CALL, CALL_END, END, OUTPUT, OUTPUT_END, USER
-
-Role = Literal["user", "assistant", "tool"]
-
-
-@dataclass(frozen=True)
-class Turn:
-    role: Role
-    """`user`, `assistant` or `tool`."""
-    content: str
-    """Text of the turn (for tool turns: the tool's output)."""
-    tool_code: str | None = None
-    """Python code of the tool call an assistant turn ends with; None for a final answer."""
-
-
-@dataclass(frozen=True)
-class Trace:
-    problem_id: str
-    """Id of the problem the trace solves."""
-    turns: tuple[Turn, ...]
-    """user, then alternating assistant/tool turns, ending with an assistant turn without a tool call."""
-    answer: int
-    """The reference answer of the problem (for grading and filtering)."""
-
-    def __post_init__(self) -> None:
-        validate_turns(self.turns, self.problem_id)
-
-
-def validate_turns(turns: tuple[Turn, ...], where: str) -> None:
-    """Structural checks of a trace; the message names the turn index and field."""
-    if not turns or turns[0].role != "user":
-        raise ValueError(f"trace {where}: turns[0].role must be 'user'")
-    for i, turn in enumerate(turns[1:], start=1):
-        expected = "assistant" if i % 2 == 1 else "tool"
-        if turn.role != expected:
-            raise ValueError(f"trace {where}: turns[{i}].role must be {expected!r}, got {turn.role!r}")
-        if turn.role == "tool" and turns[i - 1].tool_code is None:
-            raise ValueError(f"trace {where}: turns[{i}] is a tool turn but turns[{i - 1}] made no tool call")
-    last = turns[-1]
-    if last.role != "assistant" or last.tool_code is not None:
-        raise ValueError(f"trace {where}: the last turn must be an assistant answer without a tool call")
-
-
-def prompt_text(question: str) -> str:
-    """The prompt an episode starts from."""
-    return f"{USER}{question}{ASSISTANT}"
+from components.contracts.markers import answer_text, observation_text, prompt_text, tool_call_text
+from components.contracts.trace import Trace, Turn
 
 
 def assistant_text(turn: Turn) -> str:
     """The tokens the policy writes for an assistant turn."""
     if turn.tool_code is not None:
-        return f"{turn.content}{CALL}{turn.tool_code}{CALL_END}"
-    return f"{turn.content}{END}"
-
-
-def observation_text(output: str) -> str:
-    """The tokens the environment appends after a tool call."""
-    return f"{OUTPUT}{output}{OUTPUT_END}"
+        return tool_call_text(turn.content, turn.tool_code)
+    return answer_text(turn.content)
 
 
 def render_segments(trace: Trace) -> list[tuple[str, bool]]:

@@ -14,17 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-
-@dataclass(frozen=True)
-class Task:
-    task_id: str
-    """Stable id of the prompt/problem."""
-    prompt: str
-    """The user's request, as the model sees it (without chat markers)."""
-    answer: Any = None
-    """Reference answer or hidden tests, environment specific; never shown to the model."""
-    metadata: dict[str, Any] = field(default_factory=dict)
-    """Anything else worth keeping with the trajectory (difficulty, source, ...)."""
+from components.contracts.task import Task
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from components.contracts.markers import CALL, CALL_END, END, observation_text, prompt_text
 from components.data.problem_sets import load_tasks
-from components.data.traces import observation_text, prompt_text
 from components.envs.base import StepResult, Task, ToolLatency
 from components.envs.python_tool import PythonTool
 from components.envs.sandbox import SandboxError, run_python
-from components.models.tokenizer import CALL, CALL_END, END
 
 DEFAULT_PROBLEMS = Path(__file__).resolve().parents[2] / "data" / "coding" / "problems.jsonl"
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)

@@ -18,10 +18,9 @@ from typing import Protocol
 
 import httpx
 
+from components.contracts.markers import END, prompt_text
 from components.data.problem_sets import load_tasks
-from components.data.traces import prompt_text
 from components.envs.base import StepResult, Task
-from components.models.tokenizer import END
 
 STYLES = ("cute", "chuunibyou", "classical")
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "style" / "prompts.jsonl"

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 
+from components.contracts.markers import CALL, CALL_END, END, observation_text, prompt_text
 from components.data.tasks import Problem
-from components.data.traces import observation_text, prompt_text
 from components.envs.base import StepResult, Task, ToolLatency
+from components.envs.grading import grade_answer
 from components.envs.python_tool import PythonTool
-from components.eval.grading import grade_answer
-from components.models.tokenizer import CALL, CALL_END, END
 
 
 def tasks_from_problems(problems: list[Problem]) -> list[Task]:

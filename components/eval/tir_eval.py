@@ -16,11 +16,10 @@ from typing import Callable
 import torch
 from transformers import PreTrainedModel
 
+from components.contracts.markers import CALL_END, END, observation_text, prompt_text
 from components.data.tasks import Problem
-from components.data.traces import observation_text, prompt_text
+from components.envs.grading import grade_answer
 from components.envs.tir_math import last_tool_code
-from components.eval.grading import grade_answer
-from components.models.tokenizer import CALL_END, END
 
 ToolRunner = Callable[[str], str]
 """Runs one tool call's code and returns the observation text (stdout, or the error)."""

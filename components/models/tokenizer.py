@@ -12,21 +12,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-PAD = "<|pad|>"
-UNK = "<|unk|>"
-END = "<|end|>"
-"""End of the episode's final assistant turn (EOS)."""
-USER = "<|user|>"
-ASSISTANT = "<|assistant|>"
-CALL = "<|python|>"
-"""Opens a Python tool call written by the model."""
-CALL_END = "<|/python|>"
-"""Closes a tool call: the engine stops here and the environment runs the code."""
-OUTPUT = "<|output|>"
-"""Opens the tool output (an observation, written by the environment)."""
-OUTPUT_END = "<|/output|>"
+from components.contracts.markers import CALL_END, END, PAD, SPECIAL_TOKENS, UNK
 
-SPECIAL_TOKENS = (PAD, UNK, END, USER, ASSISTANT, CALL, CALL_END, OUTPUT, OUTPUT_END)
 CHARACTERS = tuple(chr(i) for i in range(32, 127)) + ("\n", "\t")
 
 

@@ -1,6 +1,6 @@
 """One trainer step per algorithm: SAO and the paper's baselines, all on the same batch tensors.
 
-Each step takes a batch from `components.agent.trajectory.to_tensors`, the policy and (optionally) critic
+Each step takes a batch from `components.contracts.trajectory.to_tensors`, the policy and (optionally) critic
 engines, and an `AlgoSettings`; it updates the models in place and returns detached metrics named as in
 DESIGN section 6. Dispatch is the plain dict `ALGORITHMS` keyed by the config's algorithm name.
 

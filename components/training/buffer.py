@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from components.agent.trajectory import Trajectory
-from components.envs.base import Task
+from components.contracts.task import Task
+from components.contracts.trajectory import Trajectory
 
 
 ADMISSION_RULES = ("capacity", "oldest")

@@ -36,8 +36,8 @@ from typing import Callable, Iterator
 import torch
 
 from components.agent.runner import AgentRunner, EpisodeLimits
-from components.agent.trajectory import Trajectory, to_tensors
 from components.config import Config, TrainConfig, to_dict
+from components.contracts.trajectory import Trajectory, to_tensors
 from components.data.tasks import generate_problems
 from components.envs.base import Task, ToolLatency
 from components.envs.tir_math import TIRMathEnvironment

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from components.agent.runner import AgentRunner, EpisodeLimits
-from components.agent.trajectory import read_trajectories, to_tensors, write_trajectories
+from components.contracts.markers import observation_text, prompt_text
+from components.contracts.trajectory import read_trajectories, to_tensors, write_trajectories
 from components.data.tasks import generate_problems, make_problem
-from components.data.traces import observation_text, prompt_text
 from components.envs.base import ToolLatency
+from components.envs.grading import grade_answer
 from components.envs.python_tool import PythonTool
 from components.envs.tir_math import TIRMathEnvironment, last_tool_code, tasks_from_problems
-from components.eval.grading import grade_answer
 from components.models import stop_token_ids, token_logprobs
 from components.rollout.client import EngineClient
 from components.rollout.embedded import EmbeddedEngine

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from components.agent.trajectory import Timings, Trajectory, read_trajectories, to_tensors
+from components.contracts.trajectory import Timings, Trajectory, read_trajectories, to_tensors
 from components.models import save_model_dir
 
 

@@ -16,7 +16,7 @@ from components.data.traces import (
     trace_from_openai_messages,
     write_traces,
 )
-from components.eval.grading import extract_boxed, grade_answer
+from components.envs.grading import extract_boxed, grade_answer
 from components.models import build_tokenizer
 
 

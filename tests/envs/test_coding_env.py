@@ -15,7 +15,7 @@ from components.envs.coding import (
     parse_harness_output,
     run_tests,
 )
-from components.models.tokenizer import CALL, CALL_END, END
+from components.contracts.markers import CALL, CALL_END, END
 
 ADD = Task("add-task", "Write `def add(a, b)`.", {"entry_point": "add", "tests": [
     "assert add(1, 2) == 3", "assert add(-4, 6) == 2", "assert add(10, 5) == 15"]})

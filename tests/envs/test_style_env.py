@@ -10,9 +10,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from components.envs.base import Task
+from components.contracts.markers import END
+from components.contracts.task import Task
 from components.envs.style import STYLES, LexicalJudge, LLMJudge, StyleEnvironment, load_style_tasks
-from components.models.tokenizer import END
 from components.rollout.server import ServerThread
 
 CUTE = "Good morning~ I had fluffy pancakes, yay!! So kawaii (^_^) nya <3"

@@ -1,11 +1,11 @@
 """Greedy multi-turn evaluation with real sandboxed tool calls."""
 
+from components.contracts.markers import CALL, CALL_END, END, OUTPUT, OUTPUT_END
 from components.data.tasks import generate_problems
+from components.envs.grading import grade_answer
 from components.envs.python_tool import PythonTool
 from components.envs.sandbox import run_python
-from components.eval.grading import grade_answer
 from components.eval.tir_eval import _generate, evaluate_tir
-from components.models.tokenizer import CALL, CALL_END, END, OUTPUT, OUTPUT_END
 
 
 def test_eval_runs_tools_and_grades(sft_policy, tiny_cfg):

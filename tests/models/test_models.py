@@ -21,7 +21,7 @@ from components.models import (
     save_model_dir,
     token_logprobs,
 )
-from components.models.tokenizer import CALL, CALL_END, END, OUTPUT, OUTPUT_END
+from components.contracts.markers import CALL, CALL_END, END, OUTPUT, OUTPUT_END
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
+from components.contracts.markers import CALL_END, END
 from components.models import token_logprobs
-from components.models.tokenizer import CALL_END, END
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.protocol import SamplingRequest
 

@@ -23,7 +23,7 @@ def grouped_trajectories(sft_policy):
 
     from components.agent.runner import AgentRunner, EpisodeLimits
     from components.data.tasks import make_problem
-    from components.envs.base import Task
+    from components.contracts.task import Task
     from components.envs.tir_math import TIRMathEnvironment
     from components.models import stop_token_ids
     from components.rollout.embedded import EmbeddedEngine

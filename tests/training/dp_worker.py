@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from components.agent.trajectory import read_trajectories, to_tensors
 from components.config import load_config
+from components.contracts.trajectory import read_trajectories, to_tensors
 from components.models import load_tokenizer
 from components.training.engines import init_single_process_group
 from components.training.learner import Learner

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from components.agent.trajectory import to_tensors
+from components.contracts.trajectory import to_tensors
 from components.models import ValueModel, freeze_attention
 from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.diagnostics import DIAGNOSTIC_METRICS

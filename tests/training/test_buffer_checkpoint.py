@@ -5,8 +5,8 @@ import asyncio
 import pytest
 import torch
 
-from components.agent.trajectory import Timings, Trajectory
-from components.envs.base import Task
+from components.contracts.task import Task
+from components.contracts.trajectory import Timings, Trajectory
 from components.training.buffer import TrajectoryBuffer
 from components.training.checkpoint import LocalCheckpointStore
 

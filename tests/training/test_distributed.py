@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.agent.trajectory import write_trajectories
+from components.contracts.trajectory import write_trajectories
 from components.models import save_model_dir
 from components.training.collective import shard_rows
 

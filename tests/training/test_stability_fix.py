@@ -14,8 +14,8 @@ import copy
 import pytest
 import torch
 
-from components.agent.trajectory import to_tensors
 from components.config import load_config
+from components.contracts.trajectory import to_tensors
 from components.models import token_logprobs
 from components.training.algorithms import AlgoSettings, policy_update
 from components.training.engines import TorchEngine

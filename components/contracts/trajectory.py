@@ -15,7 +15,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -103,15 +103,32 @@ class Trajectory:
         return None
 
 
-def to_tensors(trajectories: list[Trajectory], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded `(B, T)` tensors for the trainer.
+class TrainBatch(TypedDict):
+    """A padded batch of trajectories, the one input of every trainer step (components/training/algorithms.py).
 
-    Returns input_ids, attention_mask, action_mask, rollout_logprobs (0 off actions), versions (-1 off
-    actions), rewards (outcome reward on each row's last action token).
+    B trajectories, right-padded to the longest one's T tokens. Padding positions have attention_mask 0 and
+    action_mask 0, so they never count anywhere.
     """
+
+    input_ids: torch.Tensor
+    """(B, T) long: prompt, actions and observations; `pad_id` after each row's end."""
+    attention_mask: torch.Tensor
+    """(B, T) long: 1 on real tokens, 0 on padding."""
+    action_mask: torch.Tensor
+    """(B, T) float: 1.0 on tokens the policy sampled, else 0.0."""
+    rollout_logprobs: torch.Tensor
+    """(B, T) float: the engine's log-prob of each action token (DIS's denominator); 0.0 off actions."""
+    versions: torch.Tensor
+    """(B, T) long: policy version that sampled each action token; -1 off actions."""
+    rewards: torch.Tensor
+    """(B, T) float: the outcome reward on each row's last action token, 0.0 elsewhere."""
+
+
+def to_tensors(trajectories: list[Trajectory], pad_id: int) -> TrainBatch:
+    """Right-padded `(B, T)` tensors for the trainer (see `TrainBatch`)."""
     length = max(len(t.token_ids) for t in trajectories)
     batch = len(trajectories)
-    out = {
+    out: TrainBatch = {
         "input_ids": torch.full((batch, length), pad_id, dtype=torch.long),
         "attention_mask": torch.zeros(batch, length, dtype=torch.long),
         "action_mask": torch.zeros(batch, length),

@@ -1,0 +1,87 @@
+"""Packages import inward: no cycle between the packages of `components/`, and the leaves import no package.
+
+A package is a top-level subpackage (`components/envs`) or module (`components/jobs.py`). Every import
+counts, function-level ones too: a cycle hidden in a function is still a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "components"
+LEAVES = ("contracts", "algo")
+"""Packages that import no other package of the project (contracts: the shared types; algo: pure math)."""
+
+
+def package_graph(root: Path = ROOT) -> dict[str, dict[str, str]]:
+    """{package: {imported package: a file where it is imported}} over `root`'s Python files."""
+    graph: dict[str, dict[str, str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        source = parts[0]
+        edges = graph.setdefault(source, {})
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                head, _, rest = name.partition(".")
+                target = rest.split(".")[0]
+                if head == "components" and target and target != source:
+                    edges.setdefault(target, str(path.relative_to(root.parent)))
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, str]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None (depth-first search with colours)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for target in graph.get(node, {}):
+            if state.get(target) == 1:
+                return stack[stack.index(target):] + [target]
+            if state.get(target) is None and (cycle := visit(target)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if state.get(node) is None and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_cycle_between_packages():
+    graph = package_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(
+        f"{a} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+def test_leaves_import_no_package():
+    graph = package_graph()
+    for leaf in LEAVES:
+        assert leaf in graph, f"components/{leaf} is gone: update LEAVES"
+        assert not graph[leaf], f"components/{leaf} must import no other package, imports {graph[leaf]}"
+
+
+def test_the_check_finds_a_planted_cycle(tmp_path):
+    root = tmp_path / "components"
+    # a -> b -> c -> a through a function-level import in c, plus an unrelated d -> a.
+    for name, body in {"a/__init__.py": "from components.b import x\n",
+                       "b.py": "import components.c.deep\n",
+                       "c/deep.py": "def f():\n    from components.a import y\n",
+                       "d.py": "from components.a import z\n"}.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(body)
+    graph = package_graph(root)
+    assert graph == {"a": {"b": "components/a/__init__.py"}, "b": {"c": "components/b.py"},
+                     "c": {"a": "components/c/deep.py"}, "d": {"a": "components/d.py"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
