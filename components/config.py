@@ -1,20 +1,31 @@
 """The one typed configuration tree.
 
-Frozen dataclasses, a docstring under every field, invariants checked at construction. Presets are data:
-`components/presets/<name>.toml`, loaded by `load_config`, with optional dotted overrides
-(`sft.steps=100`). Unknown keys and bad values fail with the dotted path of the field.
+Frozen pydantic dataclasses (real dataclasses: `dataclasses.replace` and `asdict` work), a docstring under
+every field, types checked strictly and invariants checked at construction. Presets are data:
+`components/presets/<name>.toml`, loaded by `load_config`, with optional dotted overrides (`sft.steps=100`,
+`'rollout.urls=["http://h:8000"]'`). Every bad key or value raises `ConfigError` naming the dotted field path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
+
+import pydantic
+from pydantic import (BeforeValidator, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
+                      PositiveInt, ValidationError, ValidationInfo)
 
 PRESET_DIR = Path(__file__).parent / "presets"
+
+EnvName = Literal["tir_math", "coding", "style"]
+Style = Literal["cute", "chuunibyou", "classical"]
+STYLES: tuple[str, ...] = typing.get_args(Style)
+"""Target styles of the style environment's preference schedule (components/envs/style.py renders them)."""
 
 
 class ConfigError(ValueError):
@@ -26,139 +37,199 @@ def _require(ok: bool, path: str, message: str) -> None:
         raise ConfigError(f"{path}: {message}")
 
 
-@dataclass(frozen=True)
+def _describe(exc: ValidationError, cls: type, prefix: str) -> str:
+    """pydantic's errors as `section.field: message`, one per field (a union reports each member: keep one)."""
+    lines: dict[str, str] = {}
+    for err in exc.errors():
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, ConfigError):  # from __post_init__ or a nested table: it names its path already
+            lines.setdefault(str(cause).partition(":")[0], str(cause))
+            continue
+        loc = err["loc"]  # (field,), (field, index) or (field, union member); a positional argument: (index,)
+        name = dataclasses.fields(cls)[loc[0]].name if loc and isinstance(loc[0], int) else "".join(loc[:1])
+        path = ".".join(p for p in (prefix, name) if p)
+        path += "".join(f"[{p}]" for p in loc[1:] if isinstance(p, int))
+        if err["type"] == "unexpected_keyword_argument":
+            message = f"unknown field (expected one of {sorted(f.name for f in dataclasses.fields(cls))})"
+        else:
+            message = f"{err['msg']}, got {err['input']!r}"
+        lines.setdefault(path, f"{path}: {message}")
+    return "; ".join(lines.values())
+
+
+def _section(prefix: str):
+    """Class decorator: a frozen, strict pydantic dataclass whose validation errors are `ConfigError`s
+    prefixed with `prefix` (the table's name in `Config`), also when built directly or by `replace`."""
+
+    def wrap(cls: type) -> type:
+        cls = pydantic.dataclasses.dataclass(frozen=True, config=ConfigDict(
+            extra="forbid", strict=True, use_attribute_docstrings=True))(cls)
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                init(self, *args, **kwargs)
+            except ValidationError as exc:
+                raise ConfigError(_describe(exc, cls, prefix)) from None
+
+        cls.__init__ = __init__
+        return cls
+
+    return wrap
+
+
+T = TypeVar("T")
+TupleOf = Annotated[tuple[T, ...], BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)]
+"""A tuple field that also takes a list (TOML arrays); strict mode alone accepts only tuples."""
+
+
+def _table(value: Any, info: ValidationInfo) -> Any:
+    """A `Config` section given as a dict (a TOML table) is built as its dataclass (strict pydantic
+    dataclasses take only instances); errors come back as `ConfigError`s with their dotted paths."""
+    if isinstance(value, dict):
+        return typing.get_type_hints(Config)[info.field_name](**value)
+    if not dataclasses.is_dataclass(value):
+        raise ConfigError(f"{info.field_name}: expected a table, got {value!r}")
+    return value
+
+
+Table = Annotated[T, BeforeValidator(_table)]
+
+
+def _check_location(value: str, path: str, what: str) -> None:
+    """Empty, a local path, or `s3://bucket/<what>` (the other URL schemes are not supported)."""
+    if "://" not in value:
+        return
+    scheme, _, rest = value.partition("://")
+    bucket, _, key = rest.partition("/")
+    _require(scheme == "s3", path, f"must be a local path or s3://bucket/{what}, got {value!r}")
+    _require(bool(bucket), path, f"s3 URI has no bucket: {value!r}")
+    _require(what == "prefix" or bool(key), path, f"s3 URI has no key: {value!r}")
+
+
+def _is_http_url(value: str) -> bool:
+    scheme, sep, rest = value.partition("://")
+    return bool(sep) and scheme in ("http", "https") and bool(rest)
+
+
+def _parse_phases(schedule: str, path: str = "env.preference_schedule") -> tuple[tuple[str, int], ...]:
+    """`"cute:100,classical:50"` -> (("cute", 100), ("classical", 50)); empty -> (("cute", 1),), cute
+    throughout (the schedule repeats after its last phase)."""
+    if not schedule.strip():
+        return (("cute", 1),)
+    phases = []
+    for item in schedule.split(","):
+        style, sep, steps = (part.strip() for part in item.partition(":"))
+        _require(bool(sep) and steps.isascii() and steps.isdigit() and int(steps) > 0, path,
+                 f"each phase must be style:steps with steps > 0, got {item.strip()!r}")
+        _require(style in STYLES, path, f"unknown style {style!r} (expected one of {list(STYLES)})")
+        phases.append((style, int(steps)))
+    return tuple(phases)
+
+
+@_section("model")
 class ModelConfig:
     path: str | None = None
     """Local Hugging Face model directory to start from; when set, the architecture fields below are ignored.
     Nothing is ever downloaded from a hub."""
-    hidden_size: int = 128
+    hidden_size: PositiveInt = 128
     """Width of the residual stream."""
-    num_layers: int = 3
+    num_layers: PositiveInt = 3
     """Decoder layers."""
-    num_heads: int = 2
+    num_heads: PositiveInt = 2
     """Attention query heads."""
-    num_kv_heads: int = 1
+    num_kv_heads: PositiveInt = 1
     """Key/value heads (grouped-query attention); must divide num_heads."""
-    head_dim: int = 64
+    head_dim: PositiveInt = 64
     """Per-head width; >= 64 so that vLLM's CPU attention accepts the model."""
-    num_experts: int = 4
+    num_experts: PositiveInt = 4
     """MoE experts per layer."""
-    experts_per_token: int = 2
+    experts_per_token: PositiveInt = 2
     """Experts routed per token (top-k)."""
-    moe_intermediate_size: int = 128
+    moe_intermediate_size: PositiveInt = 128
     """Hidden width of each expert's MLP."""
-    max_position_embeddings: int = 512
+    max_position_embeddings: PositiveInt = 512
     """Context length in tokens."""
-    rope_theta: float = 10000.0
+    rope_theta: PositiveFloat = 10000.0
     """RoPE base frequency."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts",
-                     "experts_per_token", "moe_intermediate_size", "max_position_embeddings"):
-            _require(getattr(self, name) > 0, f"model.{name}", f"must be > 0, got {getattr(self, name)}")
         _require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
                  f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
         _require(self.experts_per_token <= self.num_experts, "model.experts_per_token",
                  f"must be <= num_experts={self.num_experts}, got {self.experts_per_token}")
 
 
-@dataclass(frozen=True)
+@_section("task")
 class TaskConfig:
-    kinds: tuple[Literal["affine", "two_step"], ...] = ("affine",)
+    kinds: Annotated[TupleOf[Literal["affine", "two_step"]], Field(min_length=1)] = ("affine",)
     """Problem families of the synthetic tool-integrated task: `affine` is a*b+c with one tool call,
     `two_step` is (a*b+c)*d solved with two tool calls."""
-    operand_max: int = 99
+    operand_max: Annotated[int, Field(ge=2)] = 99
     """Operands are drawn uniformly from [2, operand_max]."""
-    train_size: int = 20000
+    train_size: PositiveInt = 20000
     """Teacher traces generated for SFT."""
-    eval_size: int = 200
+    eval_size: PositiveInt = 200
     """Held-out problems (disjoint seed stream from training)."""
     seed: int = 0
     """Seed of the problem generator."""
-    teacher_mental_max: int = 700
+    teacher_mental_max: NonNegativeInt = 700
     """The teacher answers without a tool call when a*b < this (a strong model's mental arithmetic, which
     the tiny student cannot imitate; the gap RL closes). 0: always use the tool."""
-    max_turns: int = 4
+    max_turns: PositiveInt = 4
     """Model turns per episode (each turn ends at a tool call or the final answer)."""
-    max_new_tokens: int = 48
+    max_new_tokens: PositiveInt = 48
     """New tokens per model turn."""
 
-    def __post_init__(self) -> None:
-        _require(len(self.kinds) > 0, "task.kinds", "must name at least one problem family")
-        for kind in self.kinds:
-            _require(kind in ("affine", "two_step"), "task.kinds", f"unknown problem family {kind!r}")
-        _require(self.operand_max >= 2, "task.operand_max", f"must be >= 2, got {self.operand_max}")
-        _require(self.teacher_mental_max >= 0, "task.teacher_mental_max",
-                 f"must be >= 0, got {self.teacher_mental_max}")
-        for name in ("train_size", "eval_size", "max_turns", "max_new_tokens"):
-            _require(getattr(self, name) > 0, f"task.{name}", f"must be > 0, got {getattr(self, name)}")
 
-
-@dataclass(frozen=True)
+@_section("sft")
 class SFTConfig:
-    steps: int = 1000
+    steps: PositiveInt = 1000
     """Optimizer steps."""
-    batch_size: int = 64
+    batch_size: PositiveInt = 64
     """Traces per step."""
     lr: float = 3e-3
     """Peak AdamW learning rate (linear warm-up, cosine decay to min_lr)."""
     min_lr: float = 3e-4
     """Learning rate at the end of the cosine decay."""
-    warmup_steps: int = 50
+    warmup_steps: NonNegativeInt = 50
     """Linear warm-up steps (capped at `steps`)."""
     weight_decay: float = 0.01
     """AdamW decoupled weight decay."""
-    grad_clip: float = 1.0
+    grad_clip: PositiveFloat = 1.0
     """Global gradient-norm clip."""
     seed: int = 0
     """Seed for model init and batch order."""
-    log_every: int = 100
+    log_every: PositiveInt = 100
     """Steps between progress lines."""
 
     def __post_init__(self) -> None:
-        _require(self.steps > 0, "sft.steps", f"must be > 0, got {self.steps}")
-        _require(self.batch_size > 0, "sft.batch_size", f"must be > 0, got {self.batch_size}")
         _require(0 < self.min_lr <= self.lr, "sft.min_lr", f"must be in (0, lr={self.lr}], got {self.min_lr}")
-        _require(self.warmup_steps >= 0, "sft.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        _require(self.grad_clip > 0, "sft.grad_clip", f"must be > 0, got {self.grad_clip}")
-        _require(self.log_every > 0, "sft.log_every", f"must be > 0, got {self.log_every}")
 
 
-@dataclass(frozen=True)
+@_section("algo")
 class AlgoConfig:
-    gamma: float = 1.0
+    gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
     """Discount."""
-    lam_critic: float = 1.0
+    lam_critic: Annotated[float, Field(ge=0, le=1)] = 1.0
     """GAE lambda for the critic's targets (DESIGN: decoupled lambdas)."""
-    lam_policy: float = 0.95
+    lam_policy: Annotated[float, Field(ge=0, le=1)] = 0.95
     """GAE lambda for the policy's advantages."""
     dis_preset: Literal["reasoning", "coding"] = "reasoning"
     """DIS window preset: reasoning (0.3, 5.0), coding (0.8, 3.0); eps_low/eps_high override it."""
-    eps_low: float | None = None
+    eps_low: PositiveFloat | None = None
     """DIS lower half-width; None takes the preset's."""
-    eps_high: float | None = None
+    eps_high: PositiveFloat | None = None
     """DIS upper half-width; None takes the preset's."""
-    temperature: float = 1.0
+    temperature: PositiveFloat = 1.0
     """Rollout sampling temperature; log-probs are log_softmax(logits / temperature)."""
-    critic_updates: int = 2
+    critic_updates: PositiveInt = 2
     """K: critic updates per policy update."""
-    value_clip: float = 0.2
+    value_clip: PositiveFloat = 0.2
     """Clip range of the value loss."""
     normalize_advantages: bool = False
     """Whiten advantages per mini-batch (off for SAO)."""
-
-    def __post_init__(self) -> None:
-        for name in ("gamma", "lam_critic", "lam_policy"):
-            value = getattr(self, name)
-            _require(0.0 <= value <= 1.0, f"algo.{name}", f"must be in [0, 1], got {value}")
-        _require(self.dis_preset in ("reasoning", "coding"), "algo.dis_preset",
-                 f"must be 'reasoning' or 'coding', got {self.dis_preset!r}")
-        for name in ("eps_low", "eps_high"):
-            value = getattr(self, name)
-            _require(value is None or value > 0, f"algo.{name}", f"must be > 0, got {value}")
-        _require(self.temperature > 0, "algo.temperature", f"must be > 0, got {self.temperature}")
-        _require(self.critic_updates >= 1, "algo.critic_updates", f"must be >= 1, got {self.critic_updates}")
-        _require(self.value_clip > 0, "algo.value_clip", f"must be > 0, got {self.value_clip}")
 
     @property
     def dis_window(self) -> tuple[float, float]:
@@ -170,49 +241,60 @@ class AlgoConfig:
                 self.eps_high if self.eps_high is not None else high)
 
 
-@dataclass(frozen=True)
+@_section("rollout")
 class RolloutConfig:
-    concurrency: int = 8
+    concurrency: PositiveInt = 8
     """Episodes in flight at once (C)."""
-    max_total_tokens: int = 512
+    max_total_tokens: PositiveInt = 512
     """Tokens per episode: prompt + actions + observations."""
-    max_wall_s: float = 120.0
+    max_wall_s: PositiveFloat = 120.0
     """Wall-clock limit per episode."""
-    tool_timeout_s: float = 5.0
+    tool_timeout_s: PositiveFloat = 5.0
     """Sandbox time limit per tool call."""
     latency: Literal["none", "fixed", "lognormal"] = "none"
     """Simulated extra tool latency (benchmarks): none, fixed or lognormal (heavy tail)."""
-    latency_mean_s: float = 0.0
+    latency_mean_s: NonNegativeFloat = 0.0
     """Mean of the simulated tool latency."""
-    latency_sigma: float = 1.5
+    latency_sigma: NonNegativeFloat = 1.5
     """Lognormal sigma of the simulated tool latency."""
-    max_batch: int = 64
+    max_batch: PositiveInt = 64
     """Sequences the embedded engine decodes together at most."""
-    engine_threads: int = 0
+    engine_threads: NonNegativeInt = 0
     """torch CPU threads of the embedded engine. 0: half the cores in async mode (the trainer gets the rest;
     sharing cores between OpenMP teams stalls both), all of them in sync mode."""
+    backend: Literal["embedded", "http"] = "embedded"
+    """Where policies generate: the in-process engine (embedded) or external engine servers (http, `urls`)."""
+    urls: TupleOf[str] = ()
+    """Base URLs (http:// or https://) of the engine servers, which speak the engine protocol: `sao engine
+    serve` or vLLM with the worker extension. Required for backend http, empty for embedded."""
+    server: Literal["sao", "vllm"] = "sao"
+    """Protocol flavour of those servers (the weight-update route and how versions are tagged)."""
+    publish_dir: str = ""
+    """Directory the trainer writes each new policy version to, as an HF model directory, for the servers to
+    load; it must be readable by the servers. Empty: `<home>/published`."""
+    request_timeout_s: PositiveFloat = 300.0
+    """Time limit of one request to an engine server."""
+    request_retries: NonNegativeInt = 3
+    """Retries of a failed request to an engine server (I/O errors only) before the episode fails."""
 
     def __post_init__(self) -> None:
-        _require(self.engine_threads >= 0, "rollout.engine_threads", f"must be >= 0, got {self.engine_threads}")
-        for name in ("concurrency", "max_total_tokens", "max_batch"):
-            _require(getattr(self, name) >= 1, f"rollout.{name}", f"must be >= 1, got {getattr(self, name)}")
-        for name in ("max_wall_s", "tool_timeout_s"):
-            _require(getattr(self, name) > 0, f"rollout.{name}", f"must be > 0, got {getattr(self, name)}")
-        _require(self.latency in ("none", "fixed", "lognormal"), "rollout.latency",
-                 f"must be none, fixed or lognormal, got {self.latency!r}")
-        _require(self.latency_mean_s >= 0 and self.latency_sigma >= 0, "rollout.latency_mean_s",
-                 "latency_mean_s and latency_sigma must be >= 0")
+        if self.backend == "http":
+            _require(len(self.urls) > 0, "rollout.urls", "needs at least one server URL for backend='http'")
+            for url in self.urls:
+                _require(_is_http_url(url), "rollout.urls", f"must start with http:// or https://, got {url!r}")
+        else:
+            _require(not self.urls, "rollout.urls", f"must be empty for backend='embedded', got {list(self.urls)}")
 
 
-@dataclass(frozen=True)
+@_section("train")
 class TrainConfig:
     algo: Literal["sao", "sao-k1", "sao-full-critic", "sao-running-mean", "grpo", "grpo-dis", "ppo"] = "sao"
     """Algorithm (one loop for all; see components/training/algorithms.py)."""
-    batch_size: int = 16
+    batch_size: PositiveInt = 16
     """Trajectories per policy update (whole groups for GRPO)."""
-    max_steps: int = 200
+    max_steps: PositiveInt = 200
     """Policy updates."""
-    max_staleness: int = 2
+    max_staleness: NonNegativeInt = 2
     """Admission control bound, in policy versions (see `admission`)."""
     admission: Literal["capacity", "oldest"] = "capacity"
     """capacity: at most (version + max_staleness + 1) x batch_size episodes ever started (AReaL); oldest: no
@@ -220,70 +302,52 @@ class TrainConfig:
     stalls every start). See components/training/buffer.py."""
     sync: bool = False
     """Synchronous mode: generate a batch, wait for all of it, train (same code, for async-vs-sync)."""
-    sync_lag: int = 0
+    sync_lag: NonNegativeInt = 0
     """Synchronous mode only: roll out with the policy this many versions old, a reproducible stand-in for
     asynchronous policy lag (the learning-curve regression test uses it). Not carried across a resume."""
-    group_size: int = 8
+    group_size: PositiveInt = 8
     """GRPO group size N (grpo, grpo-dis)."""
-    policy_lr: float = 3e-4
+    policy_lr: PositiveFloat = 3e-4
     """Policy AdamW learning rate (tiny-cpu: 1e-4 barely moved in 100 steps, 2e-3 collapsed)."""
-    critic_lr: float = 1e-3
+    critic_lr: PositiveFloat = 1e-3
     """Critic AdamW learning rate (larger than the policy's, DESIGN)."""
     weight_decay: float = 0.0
     """AdamW weight decay for both models."""
-    adam_beta2: float = 0.95
+    adam_beta2: Annotated[float, Field(gt=0, lt=1)] = 0.95
     """AdamW second-moment decay for both models (tiny-cpu: 0.999 collapsed 2 of 3 runs, 0.95 1 of 5)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip for both models."""
-    warmup_steps: int = 0
+    warmup_steps: NonNegativeInt = 0
     """Linear learning-rate warm-up of both models over the first steps (0: none)."""
-    min_lr_ratio: float = 1.0
+    min_lr_ratio: Annotated[float, Field(gt=0, le=1)] = 1.0
     """Cosine decay of both learning rates to this fraction of their peak at `max_steps` (1.0: constant)."""
     collapse_guard: Literal["rollback", "stop", "off"] = "rollback"
     """When the collapse rule fires (components/training/stability.py): roll back to the newest checkpoint
     before the collapse and continue with the learning rates scaled by `rollback_lr_scale` (rollback), roll
     back and end the run there (stop), or only log it (off)."""
-    rollback_lr_scale: float = 0.5
+    rollback_lr_scale: Annotated[float, Field(gt=0, le=1)] = 0.5
     """Factor on both learning rates after each rollback."""
-    max_rollbacks: int = 2
+    max_rollbacks: NonNegativeInt = 2
     """Rollbacks allowed before the guard stops the run instead."""
     backend: Literal["torch", "deepspeed"] = "deepspeed"
     """Training engine: DeepSpeed (ZeRO, CPU fp32 / GPU bf16) or plain torch AdamW."""
-    zero_stage: int = 0
+    zero_stage: Annotated[int, Field(ge=0, le=2)] = 0
     """DeepSpeed ZeRO stage (0-2)."""
-    checkpoint_every: int = 10
+    checkpoint_every: NonNegativeInt = 10
     """Steps between checkpoints (0: only at the end)."""
     task_seed: int = 1
     """Seed of the RL prompt stream (disjoint from SFT's and from the held-out set)."""
-    threads: int = 0
+    threads: NonNegativeInt = 0
     """torch CPU threads of the trainer. 0: the cores the engine does not use in async mode, all in sync mode."""
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "max_steps", "group_size"):
-            _require(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
-        _require(self.admission in ("capacity", "oldest"), "train.admission",
-                 f"must be capacity or oldest, got {self.admission!r}")
-        _require(0 < self.adam_beta2 < 1, "train.adam_beta2", f"must be in (0, 1), got {self.adam_beta2}")
-        _require(self.sync_lag >= 0, "train.sync_lag", f"must be >= 0, got {self.sync_lag}")
         _require(self.sync or not self.sync_lag, "train.sync_lag", "needs train.sync = true (async runs lag anyway)")
-        _require(self.threads >= 0, "train.threads", f"must be >= 0, got {self.threads}")
-        _require(self.max_staleness >= 0, "train.max_staleness", f"must be >= 0, got {self.max_staleness}")
-        _require(self.policy_lr > 0 and self.critic_lr > 0, "train.policy_lr", "learning rates must be > 0")
-        _require(self.zero_stage in (0, 1, 2), "train.zero_stage", f"must be 0, 1 or 2, got {self.zero_stage}")
-        _require(self.checkpoint_every >= 0, "train.checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
-        _require(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        _require(0 < self.min_lr_ratio <= 1, "train.min_lr_ratio", f"must be in (0, 1], got {self.min_lr_ratio}")
-        _require(self.collapse_guard in ("rollback", "stop", "off"), "train.collapse_guard",
-                 f"must be rollback, stop or off, got {self.collapse_guard!r}")
-        _require(0 < self.rollback_lr_scale <= 1, "train.rollback_lr_scale",
-                 f"must be in (0, 1], got {self.rollback_lr_scale}")
-        _require(self.max_rollbacks >= 0, "train.max_rollbacks", f"must be >= 0, got {self.max_rollbacks}")
         if self.algo in ("grpo", "grpo-dis"):
             _require(self.batch_size % self.group_size == 0, "train.batch_size",
                      f"must be a multiple of group_size={self.group_size} for {self.algo}, got {self.batch_size}")
 
 
-@dataclass(frozen=True)
+@_section("tracking")
 class TrackingConfig:
     backend: Literal["mlflow", "disk"] = "mlflow"
     """Where metrics go besides the JSON lines under the home: MLflow, or the JSON lines only."""
@@ -293,33 +357,84 @@ class TrackingConfig:
     """MLflow experiment name."""
 
     def __post_init__(self) -> None:
-        _require(self.backend in ("mlflow", "disk"), "tracking.backend",
-                 f"must be mlflow or disk, got {self.backend!r}")
         _require(bool(self.experiment.strip()), "tracking.experiment", "must not be empty")
 
 
-@dataclass(frozen=True)
+@_section("env")
+class EnvConfig:
+    name: EnvName = "tir_math"
+    """The environment every job uses: SFT data, RL rollouts and evaluation."""
+    tasks: str = ""
+    """Training problem set: empty = the environment's built-in set; else a local JSONL/Parquet path or an
+    `s3://bucket/key` URI."""
+    eval_tasks: str = ""
+    """Held-out problem set, same forms; empty = the environment's built-in held-out set."""
+    judge: str = "lexical"
+    """Style only: `lexical` (embedded, deterministic) or the base URL (http:// or https://) of an
+    OpenAI-compatible chat endpoint that scores style."""
+    judge_model: str = ""
+    """Model name sent to the judge endpoint (required when `judge` is a URL)."""
+    preference_schedule: str = ""
+    """Style only: comma-separated `style:steps` phases, e.g. `cute:100,chuunibyou:100,classical:100`; the
+    schedule repeats after its last phase. Empty: cute throughout."""
+
+    def __post_init__(self) -> None:
+        _check_location(self.tasks, "env.tasks", "key")
+        _check_location(self.eval_tasks, "env.eval_tasks", "key")
+        judge_url = _is_http_url(self.judge)
+        _require(self.judge == "lexical" or judge_url, "env.judge",
+                 f"must be 'lexical' or an http:// or https:// base URL, got {self.judge!r}")
+        _require(not judge_url or self.name == "style", "env.judge",
+                 f"a URL judge is for env.name='style' only, got name={self.name!r}")
+        _require(not judge_url or bool(self.judge_model.strip()), "env.judge_model",
+                 f"required when env.judge is a URL ({self.judge})")
+        _require(not self.preference_schedule or self.name == "style", "env.preference_schedule",
+                 f"is for env.name='style' only, got name={self.name!r}")
+        _parse_phases(self.preference_schedule)
+
+    @property
+    def preference_phases(self) -> tuple[tuple[str, int], ...]:
+        """The schedule as ((style, steps), ...), never empty: an empty schedule is (("cute", 1),)."""
+        return _parse_phases(self.preference_schedule)
+
+
+@_section("store")
+class StoreConfig:
+    uri: str = ""
+    """Where checkpoints, model directories and datasets are kept: empty = `$SAO_STORE_URI` if set, else the
+    local run home; else a local path or `s3://bucket/prefix`."""
+
+    def __post_init__(self) -> None:
+        _check_location(self.uri, "store.uri", "prefix")
+
+
+@_section("")
 class Config:
     name: str = "custom"
     """Preset or run name."""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: Table[ModelConfig] = field(default_factory=ModelConfig)
     """Policy architecture (the critic shares it)."""
-    task: TaskConfig = field(default_factory=TaskConfig)
+    task: Table[TaskConfig] = field(default_factory=TaskConfig)
     """The synthetic tool-integrated task."""
-    sft: SFTConfig = field(default_factory=SFTConfig)
+    sft: Table[SFTConfig] = field(default_factory=SFTConfig)
     """Supervised fine-tuning on teacher traces."""
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    algo: Table[AlgoConfig] = field(default_factory=AlgoConfig)
     """SAO math settings."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: Table[RolloutConfig] = field(default_factory=RolloutConfig)
     """Agent runner and embedded engine."""
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: Table[TrainConfig] = field(default_factory=TrainConfig)
     """The asynchronous RL trainer."""
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    tracking: Table[TrackingConfig] = field(default_factory=TrackingConfig)
     """Metric tracking (MLflow)."""
+    env: Table[EnvConfig] = field(default_factory=EnvConfig)
+    """The environment and its problem sets."""
+    store: Table[StoreConfig] = field(default_factory=StoreConfig)
+    """Where artifacts are kept."""
 
 
 def load_config(preset: str, overrides: list[str] | None = None) -> Config:
-    """Load `presets/<preset>.toml` and apply `key.path=value` overrides (values parsed as TOML)."""
+    """Load `presets/<preset>.toml` and apply `key.path=value` overrides (values parsed as TOML, else taken
+    as a bare string such as a path)."""
     path = PRESET_DIR / f"{preset}.toml"
     if not path.exists():
         known = sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
@@ -332,58 +447,19 @@ def load_config(preset: str, overrides: list[str] | None = None) -> Config:
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
-            value = raw  # a bare string such as a path
+            value = raw
         node = data
         *parents, leaf = key.strip().split(".")
-        for part in parents:
+        for i, part in enumerate(parents):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{'.'.join(parents[:i + 1])}: not a table, cannot set {key.strip()}")
         node[leaf] = value
     data.setdefault("name", preset)
-    return from_dict(Config, data)
-
-
-def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    """Build a (nested) config dataclass from plain data, rejecting unknown keys by their dotted path."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            raise ConfigError(f"{prefix}{key}: unknown field (expected one of {sorted(names)})")
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{prefix}{key}: expected a table, got {value!r}")
-            kwargs[key] = from_dict(hint, value, f"{prefix}{key}.")
-        else:
-            kwargs[key] = _coerce(value, hint, f"{prefix}{key}")
-    return cls(**kwargs)
+    return Config(**data)
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-    """Plain nested dict of a config (for logging and for saving next to checkpoints)."""
+    """Plain nested dict of a config (for logging and for saving next to checkpoints); `Config(**d)` (or the
+    section's class) builds it back."""
     return dataclasses.asdict(config)
-
-
-def _coerce(value: Any, hint: Any, path: str) -> Any:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
-        return tuple(_coerce(v, args[0], path) for v in value)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{path}: must be one of {list(args)}, got {value!r}")
-        return value
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], path)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, float, str, bool) and not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ConfigError(f"{path}: expected {hint.__name__}, got {value!r}")
-    return value
