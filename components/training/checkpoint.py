@@ -1,73 +1,103 @@
-"""Checkpoints behind a small `CheckpointStore` protocol; the local-directory store lives here (S3 comes with
-the pipeline issue).
+"""Checkpoints as artifacts: `<prefix>/step-XXXXXXXX/` holds one torch.save'd `<name>.pt` per payload entry.
 
-A checkpoint is written under `step-<n>/` in a temporary sibling first, with a `manifest.json` holding the
-sha256 and size of every file, renamed into place, and only then given its `_COMPLETE` marker. Readers trust
-only complete steps and verify the manifest on load, so a half-written or corrupted checkpoint is never
-mistaken for a whole one.
+The artifact store (components/storage/artifacts.py) publishes the files, then a manifest with the sha256 and
+size of each, then the `_COMPLETE` marker; only complete steps count, and every file is verified on load. A
+half-written checkpoint is therefore never loaded, and `load_latest` steps back past a damaged one to the newest
+checkpoint that verifies: a bad checkpoint costs progress, not the run.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
+import re
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable
 
 import torch
 
-from components.storage import atomic_dir, is_complete
+from components.storage.artifacts import ArtifactStore, LocalStore, StoreError, check_key, join
 
-MANIFEST = "manifest.json"
-
-
-class CheckpointStore(Protocol):
-    def save(self, step: int, payload: dict[str, Any]) -> str: ...
-
-    def latest_step(self) -> int | None: ...
-
-    def load(self, step: int) -> dict[str, Any]: ...
+_STEP = re.compile(r"step-(\d{8,})")
 
 
-class LocalCheckpointStore:
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
+class CheckpointStore:
+    """Numbered checkpoints under `prefix` in an artifact store, staged through a local scratch directory."""
 
-    def _dir(self, step: int) -> Path:
-        return self.root / f"step-{step:08d}"
+    def __init__(self, store: ArtifactStore, prefix: str, cache_dir: str | Path) -> None:
+        self.store = store
+        """Where the checkpoints are published (local tree or S3)."""
+        self.prefix = check_key(prefix, allow_empty=True)
+        """Key under which the `step-XXXXXXXX` artifacts live, e.g. `checkpoints/tiny-cpu` ('' for the root)."""
+        self.cache_dir = Path(cache_dir)
+        """Local scratch: payloads are written here before publishing and downloaded here to load; each use
+        removes what it wrote."""
+
+    @property
+    def location(self) -> str:
+        """Printable URI of the checkpoints' prefix, for messages."""
+        return self.store.uri(self.prefix)
+
+    def key(self, step: int) -> str:
+        """The artifact key of `step`."""
+        if step < 0:
+            raise ValueError(f"checkpoint step must be >= 0, got {step}")
+        return join(self.prefix, f"step-{step:08d}")
+
+    def _scratch(self, what: str) -> Path:
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{what}-", dir=self.cache_dir))
 
     def save(self, step: int, payload: dict[str, Any]) -> str:
-        """Each payload entry becomes `<name>.pt` (torch.save); returns the checkpoint's path."""
-        with atomic_dir(self._dir(step)) as tmp:
-            manifest = {}
+        """Each payload entry becomes `<name>.pt` (torch.save); returns the checkpoint's URI."""
+        key = self.key(step)
+        for name in payload:
+            if not name or "/" in name or name.startswith("."):
+                raise ValueError(f"checkpoint payload name {name!r} must be a plain file name")
+        scratch = self._scratch(f"save-{step:08d}")
+        try:
             for name, obj in payload.items():
-                buffer = io.BytesIO()
-                torch.save(obj, buffer)
-                data = buffer.getvalue()
-                (tmp / f"{name}.pt").write_bytes(data)
-                manifest[f"{name}.pt"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-            (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=2))
-        return str(self._dir(step))
+                torch.save(obj, scratch / f"{name}.pt")
+            return self.store.put_dir(scratch, key)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     def steps(self) -> list[int]:
-        if not self.root.exists():
-            return []
-        return sorted(int(p.name.split("-", 1)[1]) for p in self.root.glob("step-*") if is_complete(p))
+        """Steps of the complete checkpoints, ascending."""
+        names = self.store.list_complete(self.prefix)
+        return sorted(int(m.group(1)) for name in names if (m := _STEP.fullmatch(name)))
 
     def latest_step(self) -> int | None:
         steps = self.steps()
         return steps[-1] if steps else None
 
     def load(self, step: int) -> dict[str, Any]:
-        path = self._dir(step)
-        if not is_complete(path):
-            raise FileNotFoundError(f"checkpoint {path} is missing or incomplete (no _COMPLETE marker)")
-        manifest = json.loads((path / MANIFEST).read_text())
-        payload = {}
-        for filename, meta in manifest["files"].items():
-            data = (path / filename).read_bytes()
-            if hashlib.sha256(data).hexdigest() != meta["sha256"] or len(data) != meta["bytes"]:
-                raise ValueError(f"checkpoint {path}: {filename} does not match its manifest sha256")
-            payload[filename[: -len(".pt")]] = torch.load(io.BytesIO(data), weights_only=False)
-        return payload
+        """The payload saved at `step`, every file verified; IncompleteArtifact / CorruptArtifact otherwise."""
+        scratch = self._scratch(f"load-{step:08d}")
+        try:
+            local = self.store.get_dir(self.key(step), scratch / "checkpoint")
+            return {path.stem: torch.load(path, weights_only=False) for path in sorted(local.glob("*.pt"))}
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def load_latest(self, log: Callable[[str], None], at_most: int | None = None) -> tuple[int, dict] | None:
+        """(step, payload) of the newest complete checkpoint (at step <= `at_most` when given) that loads and
+        verifies; one that does not is skipped with a log line saying why. None when none loads."""
+        for step in reversed(self.steps()):
+            if at_most is not None and step > at_most:
+                continue
+            try:
+                return step, self.load(step)
+            except StoreError as exc:
+                log(f"checkpoint: skipping step {step}, it does not load: {exc}")
+        return None
+
+
+class LocalCheckpointStore(CheckpointStore):
+    """Checkpoints in one local directory: `root/step-XXXXXXXX/{*.pt, manifest.json, _COMPLETE}`, scratch in
+    `root/.cache`."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        """The directory holding the `step-XXXXXXXX` checkpoints."""
+        super().__init__(LocalStore(self.root), "", self.root / ".cache")

@@ -8,6 +8,7 @@ import torch
 from components.contracts.task import Task
 from components.contracts.trajectory import Timings, Trajectory
 from components.training.buffer import TrajectoryBuffer
+from components.storage import CorruptArtifact, IncompleteArtifact
 from components.training.checkpoint import LocalCheckpointStore
 
 
@@ -91,8 +92,8 @@ def test_checkpoints_are_verified_and_incomplete_ones_ignored(tmp_path):
     (tmp_path / "step-00000003" / "policy.pt").write_bytes(b"partial")
     assert store.steps() == [1, 2] and store.latest_step() == 2
     assert torch.equal(store.load(2)["policy"]["w"], torch.full((3,), 2.0))
-    with pytest.raises(FileNotFoundError, match="incomplete"):
+    with pytest.raises(IncompleteArtifact, match="no _COMPLETE marker"):
         store.load(3)
     (tmp_path / "step-00000002" / "policy.pt").write_bytes(b"corrupted")
-    with pytest.raises(ValueError, match="policy.pt does not match its manifest sha256"):
+    with pytest.raises(CorruptArtifact, match="policy.pt has 9 bytes"):
         store.load(2)

@@ -39,8 +39,11 @@ def is_complete(path: str | Path) -> bool:
 
 
 @contextmanager
-def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory to fill; on success it replaces `path` and gets its marker."""
+def atomic_fill(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory to fill; on success it replaces `path`, on error it is removed.
+
+    An existing `path` loses its marker before it is removed, so a crash while removing it never leaves a
+    half-deleted directory that still looks complete."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
@@ -51,8 +54,17 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if path.exists():
+        (path / MARKER).unlink(missing_ok=True)
         shutil.rmtree(path)
     os.replace(tmp, path)
+
+
+@contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Like `atomic_fill`, and the directory gets its completion marker last."""
+    path = Path(path)
+    with atomic_fill(path) as tmp:
+        yield tmp
     (path / MARKER).write_text(json.dumps({"completed_at": time.time()}))
 
 
