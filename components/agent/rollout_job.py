@@ -3,59 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable
 
 from components.agent.runner import AgentRunner, EpisodeLimits
 from components.config import Config
 from components.contracts.trajectory import Trajectory, write_trajectories
-from components.envs.base import Environment, Task, ToolLatency
+from components.envs.registry import build_env
 
 
-def _tir_math(cfg: Config, n: int, tasks_uri: str | None) -> tuple[Environment, list[Task]]:
-    from components.data.tasks import generate_problems
-    from components.envs.tir_math import TIRMathEnvironment, tasks_from_problems
-
-    env = TIRMathEnvironment(cfg.rollout.tool_timeout_s, _latency(cfg))
-    if tasks_uri:
-        from components.data.problem_sets import load_tasks
-
-        return env, load_tasks(tasks_uri, limit=n)
-    return env, tasks_from_problems(generate_problems(cfg.task.kinds, n, cfg.task.seed + 1, cfg.task.operand_max,
-                                                      "train"))
-
-
-def _coding(cfg: Config, n: int, tasks_uri: str | None) -> tuple[Environment, list[Task]]:
-    from components.envs.coding import CodingEnvironment, load_coding_tasks
-
-    tasks = load_coding_tasks(tasks_uri)
-    return CodingEnvironment(tasks, latency=_latency(cfg), timeout_s=cfg.rollout.tool_timeout_s), _cycle(tasks, n)
-
-
-def _style(cfg: Config, n: int, tasks_uri: str | None) -> tuple[Environment, list[Task]]:
-    from components.envs.style import LexicalJudge, StyleEnvironment, load_style_tasks
-
-    tasks = load_style_tasks(tasks_uri)
-    return StyleEnvironment(tasks, LexicalJudge()), _cycle(tasks, n)
-
-
-ENVIRONMENTS: dict[str, Callable[[Config, int, str | None], tuple[Environment, list[Task]]]] = {
-    "tir_math": _tir_math,
-    "coding": _coding,
-    "style": _style,
-}
-
-
-def run_rollout(cfg: Config, model_dir: Path, env_name: str, episodes: int, out: Path,
+def run_rollout(cfg: Config, model_dir: Path, env_name: str | None, episodes: int, out: Path,
                 tasks_uri: str | None = None, log=print) -> list[Trajectory]:
+    """`episodes` episodes of the training stream from its start; `env_name` and `tasks_uri`, when given,
+    override `cfg.env.name` and `cfg.env.tasks` (the config is re-validated, so a bad pair fails here)."""
     from components.models import load_policy, load_tokenizer, stop_token_ids
     from components.rollout.embedded import EmbeddedEngine
 
-    if env_name not in ENVIRONMENTS:
-        raise ValueError(f"env: unknown environment {env_name!r}; known: {sorted(ENVIRONMENTS)}")
-    env, tasks = ENVIRONMENTS[env_name](cfg, episodes, tasks_uri)
+    cfg = rollout_config(cfg, env_name, tasks_uri)
+    setup = build_env(cfg)
+    setup.on_step(0)  # the style preference of the schedule's first phase
+    env, tasks = setup.env, list(itertools.islice(setup.train_tasks(0, 1), episodes))
     tokenizer = load_tokenizer(model_dir)
     engine = EmbeddedEngine(load_policy(model_dir), tokenizer, max_batch=cfg.rollout.max_batch).start()
     limits = EpisodeLimits(cfg.task.max_turns, cfg.task.max_new_tokens, cfg.rollout.max_total_tokens,
@@ -71,7 +41,7 @@ def run_rollout(cfg: Config, model_dir: Path, env_name: str, episodes: int, out:
     write_trajectories(out, trajectories)
     n = len(trajectories)
     actions = sum(t.num_actions for t in trajectories)
-    log(f"rollout: {n} {env_name} episodes in {elapsed:.1f}s ({n / elapsed:.1f} episodes/s, "
+    log(f"rollout: {n} {setup.name} episodes in {elapsed:.1f}s ({n / elapsed:.1f} episodes/s, "
         f"{actions / elapsed:,.0f} action tok/s, concurrency {cfg.rollout.concurrency})")
     log(f"  reward mean {sum(t.reward for t in trajectories) / n:.3f}, turns mean "
         f"{sum(t.turns for t in trajectories) / n:.2f}, finish {dict(Counter(t.finish_reason for t in trajectories))}")
@@ -79,11 +49,7 @@ def run_rollout(cfg: Config, model_dir: Path, env_name: str, episodes: int, out:
     return trajectories
 
 
-def _latency(cfg: Config) -> ToolLatency:
-    return ToolLatency(cfg.rollout.latency, cfg.rollout.latency_mean_s, cfg.rollout.latency_sigma, cfg.task.seed)
-
-
-def _cycle(tasks: list[Task], n: int) -> list[Task]:
-    """n episodes over a small task set: repeat it, with distinct episode ids."""
-    return [Task(f"{t.task_id}#{i // len(tasks)}", t.prompt, t.answer, t.metadata)
-            for i, t in zip(range(n), tasks * (n // len(tasks) + 1))]
+def rollout_config(cfg: Config, env_name: str | None, tasks_uri: str | None) -> Config:
+    """`cfg` with `env.name` and `env.tasks` replaced by the command line's `--env` and `--tasks` when given."""
+    env = dataclasses.replace(cfg.env, name=env_name or cfg.env.name, tasks=tasks_uri or cfg.env.tasks)
+    return dataclasses.replace(cfg, env=env)

@@ -29,8 +29,9 @@ class Trace:
     """Id of the problem the trace solves."""
     turns: tuple[Turn, ...]
     """user, then alternating assistant/tool turns, ending with an assistant turn without a tool call."""
-    answer: int
-    """The reference answer of the problem (for grading and filtering)."""
+    answer: int | None
+    """The reference integer answer of the problem (for grading and filtering); None for environments
+    without one (style answers are judged, coding answers are graded by hidden tests)."""
 
     def __post_init__(self) -> None:
         validate_turns(self.turns, self.problem_id)

@@ -49,7 +49,7 @@ def render_tokens(trace: Trace, tokenizer) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def trace_from_openai_messages(problem_id: str, messages: list[dict], answer: int) -> Trace:
+def trace_from_openai_messages(problem_id: str, messages: list[dict], answer: int | None) -> Trace:
     """Parse an OpenAI chat transcript (a real teacher's output) into a `Trace`.
 
     Assistant messages may carry `tool_calls` with a function named `python` whose JSON arguments hold
@@ -83,7 +83,7 @@ def trace_from_openai_messages(problem_id: str, messages: list[dict], answer: in
 
 _SCHEMA = pa.schema([
     ("problem_id", pa.string()),
-    ("answer", pa.int64()),
+    ("answer", pa.int64()),  # nullable: None for traces without an integer answer (style, coding)
     ("roles", pa.list_(pa.string())),
     ("contents", pa.list_(pa.string())),
     ("tool_codes", pa.list_(pa.string())),
@@ -117,8 +117,6 @@ def read_traces(path: str | Path) -> list[Trace]:
         for name in ("contents", "tool_codes"):
             if len(rec[name]) != n:
                 raise ValueError(f"{path} row {row}: {name} has {len(rec[name])} entries, roles has {n}")
-        if rec["answer"] is None:
-            raise ValueError(f"{path} row {row}: answer is null")
         turns = tuple(Turn(r, c, code) for r, c, code in zip(rec["roles"], rec["contents"], rec["tool_codes"]))
         try:
             traces.append(Trace(rec["problem_id"], turns, rec["answer"]))

@@ -41,6 +41,8 @@ class EnvEpisode(Protocol):
 
 class Environment(Protocol):
     name: str
+    success_threshold: float
+    """An episode whose reward reaches this counts as solved (evaluation's accuracy, avg@k and pass@k)."""
 
     def start(self, task: Task) -> EnvEpisode:
         """A fresh episode for `task`."""

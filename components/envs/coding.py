@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 from components.contracts.markers import CALL, CALL_END, END, observation_text, prompt_text
+from components.contracts.trace import Trace, Turn
 from components.data.problem_sets import load_tasks
 from components.envs.base import StepResult, Task, ToolLatency
 from components.envs.python_tool import PythonTool
@@ -103,13 +104,29 @@ def coding_spec(task: Task) -> tuple[str, list[str]]:
 def load_coding_tasks(path: str | Path | None = None) -> list[Task]:
     """Coding tasks from JSONL/Parquet rows `{task_id, prompt, answer: {entry_point, tests}, ...}`.
 
-    The default is the small shipped set `data/coding/problems.jsonl`. Every answer is validated.
+    The default is the small shipped set `data/coding/problems.jsonl`. Every answer is validated. Other
+    columns land in `Task.metadata`, e.g. `solution` (a reference solution, needed by `solution_trace`).
     """
     tasks = load_tasks(path or DEFAULT_PROBLEMS, prompt_field="prompt", answer_field="answer",
                        id_field="task_id")
     for task in tasks:
         coding_spec(task)
     return tasks
+
+
+def solution_trace(task: Task) -> Trace:
+    """The SFT trace of a coding task: one answer turn holding the reference solution in a ```python block.
+
+    The solution is the row's `solution` column (`Task.metadata["solution"]`; the shipped set has one per
+    row, tests/envs/test_registry.py runs each against its hidden tests); ValueError naming the task when
+    it is missing. `answer` is None: coding traces are graded by tests, not by an integer.
+    """
+    solution = task.metadata.get("solution")
+    if not isinstance(solution, str) or not solution.strip():
+        raise ValueError(f"task {task.task_id}: field 'solution' (a reference solution string) is missing or "
+                         "empty; the coding SFT teacher needs one per task")
+    answer = f"```python\n{solution.strip()}\n```"
+    return Trace(task.task_id, (Turn("user", task.prompt), Turn("assistant", answer)), None)
 
 
 def extract_solution(turn_text: str) -> str:
@@ -170,6 +187,7 @@ class CodingEnvironment:
     """Function-writing tasks graded by hidden tests (see the module docstring)."""
 
     name = "coding"
+    success_threshold = 1.0  # every hidden test passed
 
     def __init__(self, tasks: list[Task] | None = None, latency: ToolLatency | None = None,
                  reward: Literal["fraction", "all_pass"] = "fraction", timeout_s: float = 5.0,

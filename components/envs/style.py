@@ -153,6 +153,7 @@ class StyleEnvironment:
     """Single-turn style matching; reward = judge score for the preference in force when the episode began."""
 
     name = "style"
+    success_threshold = 0.75  # clearly in style: more than one net marker hit per 10 words (neutral text: 0.5)
 
     def __init__(self, tasks: list[Task] | None = None, judge: StyleJudge | None = None,
                  preferred: str = "cute") -> None:
@@ -167,6 +168,43 @@ class StyleEnvironment:
     def start(self, task: Task) -> StyleEpisode:
         """A fresh episode; it keeps the preference in force now, even if it flips while the episode runs."""
         return StyleEpisode(self, task, self.preferred)
+
+
+def preference_at(phases: tuple[tuple[str, int], ...], step: int) -> str:
+    """The preferred style before policy step `step` (0-based) under `phases` ((style, steps), ...): each phase
+    lasts its number of steps, and the schedule repeats after the last phase."""
+    if not phases:
+        raise ValueError("phases: the preference schedule is empty")
+    if step < 0:
+        raise ValueError(f"step: must be >= 0, got {step}")
+    position = step % sum(steps for _, steps in phases)
+    for style, steps in phases:
+        if position < steps:
+            return style
+        position -= steps
+    raise AssertionError("unreachable: position < total steps")
+
+
+class PreferenceSchedule:
+    """Drives `env.set_preference` from a step schedule; the trainer calls `on_step` before each policy step."""
+
+    def __init__(self, env: StyleEnvironment, phases: tuple[tuple[str, int], ...]) -> None:
+        for i, (style, steps) in enumerate(phases):
+            check_style(style)
+            if steps < 1:
+                raise ValueError(f"phases[{i}]: steps must be >= 1, got {steps}")
+        if not phases:
+            raise ValueError("phases: the preference schedule is empty")
+        self.env, self.phases = env, tuple(phases)
+
+    def on_step(self, step: int) -> tuple[dict[str, float], str | None]:
+        """Set the preference for `step`; returns `{"env/preference": index in STYLES}` and a message when
+        the preference differs from step - 1's (never at step 0). Stateless, so a resumed run agrees."""
+        style = preference_at(self.phases, step)
+        self.env.set_preference(style)
+        previous = preference_at(self.phases, step - 1) if step > 0 else style
+        message = f"env: preference {previous} -> {style} at step {step}" if previous != style else None
+        return {"env/preference": float(STYLES.index(style))}, message
 
 
 class StyleEpisode:

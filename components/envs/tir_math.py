@@ -28,6 +28,7 @@ def last_tool_code(turn_text: str) -> str:
 
 class TIRMathEnvironment:
     name = "tir_math"
+    success_threshold = 1.0  # an exactly correct answer
 
     def __init__(self, tool_timeout_s: float = 5.0, latency: ToolLatency = ToolLatency(),
                  max_output_chars: int = 256) -> None:

@@ -1,0 +1,216 @@
+"""Environments chosen by config: `build_env(cfg)` is the environment named by `cfg.env.name` with its
+training stream, held-out set and per-step hook; `sft_traces(cfg)` is its teacher's SFT data.
+
+`ENVIRONMENTS` is one plain dict keyed by the `env.name` literal (STYLE principle 12).
+
+Training streams are pure functions of (seed, start), so a run resumed from the cursor a checkpoint stores
+continues exactly:
+
+- tir_math, built-in: the synthetic training split of `train.task_seed`, generated in chunks of 4096, ids
+  `rl-{index}`: the trainer's original `task_stream`, so existing runs reproduce bit for bit.
+- every other set (a file or URI in `env.tasks`; the small built-in coding and style sets) is cycled: epoch
+  `e` visits each task once, in an order shuffled by `Random(f"{train.task_seed}:{e}")`, ids
+  `{task_id}@{index}`.
+
+SFT teachers: tir_math's programmatic TIR teacher on the synthetic training split (also when `env.tasks`
+names a real problem set: the programmatic teacher only solves synthetic problems); style's phrase teacher
+(`style_teacher`) over the training prompts; coding's reference solutions (the `solution` column).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from components.config import Config
+from components.contracts.task import Task
+from components.contracts.trace import Trace
+from components.data.problem_sets import load_tasks
+from components.data.tasks import generate_problems
+from components.data.teacher import teacher_trace
+from components.envs.base import Environment, ToolLatency
+from components.envs.coding import CodingEnvironment, load_coding_tasks, solution_trace
+from components.envs.style import LexicalJudge, LLMJudge, PreferenceSchedule, StyleEnvironment, StyleJudge
+from components.envs.style import load_style_tasks
+from components.envs.style_teacher import style_traces
+from components.envs.tir_math import TIRMathEnvironment, tasks_from_problems
+
+SYNTHETIC_CHUNK = 4096
+"""Problems generated at a time by the synthetic stream (changing it changes nothing but speed)."""
+
+Prompts = Callable[[int], Iterator[tuple[int, Task]]]
+StepHook = Callable[[int], tuple[dict[str, float], str | None]]
+
+
+def no_hook(step: int) -> tuple[dict[str, float], str | None]:
+    """The per-step hook of environments that do not change during a run."""
+    return {}, None
+
+
+@dataclass
+class EnvSetup:
+    name: str
+    """The environment's name (`cfg.env.name`)."""
+    env: Environment
+    """The environment rollouts run episodes in."""
+    prompts: Prompts
+    """`prompts(start)`: endless `(index, task)` pairs of the training set from prompt index `start` on; each
+    task id is unique per index."""
+    held_out: Callable[[], list[Task]]
+    """Loads the held-out set; called by `eval_tasks`, so a job that never evaluates never reads it."""
+    hook: StepHook = field(default=no_hook)
+    """What `on_step` runs: the style preference schedule, else `no_hook`."""
+
+    def train_tasks(self, start: int, group_size: int) -> Iterator[Task]:
+        """Endless training tasks from prompt index `start` on (the cursor a checkpoint stores), each prompt
+        `group_size` times (ids suffixed `#g{k}` when group_size > 1), with `metadata["cursor"] = index`."""
+        if start < 0:
+            raise ValueError(f"start: must be >= 0, got {start}")
+        if group_size < 1:
+            raise ValueError(f"group_size: must be >= 1, got {group_size}")
+        return self._grouped(start, group_size)
+
+    def _grouped(self, start: int, group_size: int) -> Iterator[Task]:
+        for index, task in self.prompts(start):
+            for g in range(group_size):
+                suffix = f"#g{g}" if group_size > 1 else ""
+                yield Task(task.task_id + suffix, task.prompt, task.answer, {**task.metadata, "cursor": index})
+
+    def eval_tasks(self) -> list[Task]:
+        """The held-out set: `env.eval_tasks` when set, else the environment's built-in one. For the tiny
+        built-in coding and style sets that is the training set itself (eval and train overlap); real
+        held-out sets come through `env.eval_tasks`."""
+        return self.held_out()
+
+    def on_step(self, step: int) -> tuple[dict[str, float], str | None]:
+        """Called before policy step `step` (0-based count of completed updates): `(metrics, message)`,
+        the message (to log) only when something changed, e.g. the style preference flipped."""
+        return self.hook(step)
+
+
+def synthetic_prompts(kinds: tuple[str, ...], seed: int, operand_max: int, start: int
+                      ) -> Iterator[tuple[int, Task]]:
+    """The built-in tir_math stream from `start` on: training-split problem `index` as task `rl-{index}`."""
+    for offset in itertools.count(start - start % SYNTHETIC_CHUNK, SYNTHETIC_CHUNK):
+        problems = generate_problems(kinds, offset + SYNTHETIC_CHUNK, seed, operand_max, "train")[offset:]
+        for index, p in enumerate(problems, start=offset):
+            if index >= start:
+                yield index, Task(f"rl-{index}", p.question, p.answer, {"kind": p.kind})
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The order in which epoch `epoch` visits the `n` tasks of a cycled set."""
+    order = list(range(n))
+    random.Random(f"{seed}:{epoch}").shuffle(order)  # str seeds hash with SHA-512: stable across processes
+    return order
+
+
+def cycled_prompts(tasks: list[Task], seed: int, start: int) -> Iterator[tuple[int, Task]]:
+    """A finite set cycled from `start` on, reshuffled per epoch (`epoch_order`); ids `{task_id}@{index}`."""
+    n = len(tasks)
+    if n == 0:
+        raise ValueError("tasks: cannot cycle an empty training set")
+    for epoch in itertools.count(start // n):
+        order = epoch_order(n, seed, epoch)
+        for position in range(max(start - epoch * n, 0), n):
+            index, task = epoch * n + position, tasks[order[position]]
+            yield index, Task(f"{task.task_id}@{index}", task.prompt, task.answer, dict(task.metadata))
+
+
+def judge_from(judge: str, model: str) -> StyleJudge:
+    """`lexical` -> `LexicalJudge`; an http(s) base URL -> `LLMJudge(judge, model)`."""
+    if judge == "lexical":
+        return LexicalJudge()
+    if judge.startswith(("http://", "https://")):
+        if not model.strip():
+            raise ValueError(f"env.judge_model: required when env.judge is a URL ({judge})")
+        return LLMJudge(judge, model)
+    raise ValueError(f"env.judge: must be 'lexical' or an http:// or https:// base URL, got {judge!r}")
+
+
+def _latency(cfg: Config) -> ToolLatency:
+    return ToolLatency(cfg.rollout.latency, cfg.rollout.latency_mean_s, cfg.rollout.latency_sigma, cfg.task.seed)
+
+
+def _cycled(tasks: list[Task], cfg: Config) -> Prompts:
+    if not tasks:
+        raise ValueError(f"env.tasks: the training set {cfg.env.tasks or '(built-in)'} holds no tasks")
+    return functools.partial(cycled_prompts, tasks, cfg.train.task_seed)
+
+
+def _tir_math(cfg: Config) -> EnvSetup:
+    env = TIRMathEnvironment(cfg.rollout.tool_timeout_s, _latency(cfg))
+    if cfg.env.tasks:
+        prompts = _cycled(load_tasks(cfg.env.tasks), cfg)
+    else:
+        prompts = functools.partial(synthetic_prompts, cfg.task.kinds, cfg.train.task_seed, cfg.task.operand_max)
+
+    def held_out() -> list[Task]:
+        if cfg.env.eval_tasks:
+            return load_tasks(cfg.env.eval_tasks)
+        return tasks_from_problems(generate_problems(cfg.task.kinds, cfg.task.eval_size, cfg.task.seed,
+                                                     cfg.task.operand_max, "eval"))
+
+    return EnvSetup("tir_math", env, prompts, held_out)
+
+
+def _coding(cfg: Config) -> EnvSetup:
+    tasks = load_coding_tasks(cfg.env.tasks or None)
+    env = CodingEnvironment(tasks, latency=_latency(cfg), timeout_s=cfg.rollout.tool_timeout_s)
+    return EnvSetup("coding", env, _cycled(tasks, cfg), lambda: load_coding_tasks(cfg.env.eval_tasks or None))
+
+
+def _style(cfg: Config) -> EnvSetup:
+    tasks = load_style_tasks(cfg.env.tasks or None)
+    phases = cfg.env.preference_phases
+    env = StyleEnvironment(tasks, judge_from(cfg.env.judge, cfg.env.judge_model), preferred=phases[0][0])
+    return EnvSetup("style", env, _cycled(tasks, cfg), lambda: load_style_tasks(cfg.env.eval_tasks or None),
+                    PreferenceSchedule(env, phases).on_step)
+
+
+def _tir_math_traces(cfg: Config) -> list[Trace]:
+    problems = generate_problems(cfg.task.kinds, cfg.task.train_size, cfg.task.seed, cfg.task.operand_max, "train")
+    return [teacher_trace(p, cfg.task.teacher_mental_max) for p in problems]
+
+
+def _style_traces(cfg: Config) -> list[Trace]:
+    return style_traces(load_style_tasks(cfg.env.tasks or None), cfg.task.train_size, cfg.task.seed)
+
+
+def _coding_traces(cfg: Config) -> list[Trace]:
+    return [solution_trace(task) for task in load_coding_tasks(cfg.env.tasks or None)]
+
+
+@dataclass(frozen=True)
+class EnvKind:
+    build: Callable[[Config], EnvSetup]
+    """Builds the environment with its streams from the config."""
+    teacher: Callable[[Config], list[Trace]]
+    """Writes the SFT traces: tir_math `task.train_size` TIR traces; style `task.train_size` answers of
+    uniformly mixed styles; coding one reference-solution trace per training task."""
+
+
+ENVIRONMENTS: dict[str, EnvKind] = {
+    "tir_math": EnvKind(_tir_math, _tir_math_traces),
+    "coding": EnvKind(_coding, _coding_traces),
+    "style": EnvKind(_style, _style_traces),
+}
+
+
+def _kind(cfg: Config) -> EnvKind:
+    if cfg.env.name not in ENVIRONMENTS:
+        raise ValueError(f"env.name: unknown environment {cfg.env.name!r}; known: {sorted(ENVIRONMENTS)}")
+    return ENVIRONMENTS[cfg.env.name]
+
+
+def build_env(cfg: Config) -> EnvSetup:
+    """The environment `cfg.env.name` names, with its training stream, held-out set and step hook."""
+    return _kind(cfg).build(cfg)
+
+
+def sft_traces(cfg: Config) -> list[Trace]:
+    """The teacher traces SFT imitates for `cfg.env.name` (see `EnvKind.teacher`)."""
+    return _kind(cfg).teacher(cfg)
