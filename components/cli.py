@@ -26,9 +26,16 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--force", action="store_true",
                        help="retrain SFT and RL from scratch (removes this preset's training checkpoints)")
 
-    p_eval = sub.add_parser("eval", help="held-out tool-integrated evaluation of a model directory")
+    p_eval = sub.add_parser("eval", help="held-out evaluation of a model directory on the episode path: accuracy "
+                                         "(greedy), avg@K and pass@K")
     common(p_eval)
-    p_eval.add_argument("--model", type=Path, required=True, help="HF model directory")
+    p_eval.add_argument("--model", type=Path, default=None, help="HF model directory (default: the SFT policy)")
+    p_eval.add_argument("--env", default=None, help="tir_math, coding or style (default: the config's env.name)")
+    p_eval.add_argument("--tasks", default=None, help="held-out problem set, JSONL/Parquet, local or s3:// "
+                                                      "(default: the config's env.eval_tasks, else built-in)")
+    p_eval.add_argument("--samples", type=int, default=1,
+                        help="K sampled episodes per task besides the greedy one, for avg@K and pass@K (default 1: "
+                             "greedy only)")
 
     p_model = sub.add_parser("model", help="model directories")
     model_sub = p_model.add_subparsers(dest="model_command", required=True)
@@ -39,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p_rollout = sub.add_parser("rollout", help="run agent episodes with the SFT policy and write them as Parquet")
     common(p_rollout)
-    p_rollout.add_argument("--env", default="tir_math", help="tir_math, coding or style")
+    p_rollout.add_argument("--env", default=None, help="tir_math, coding or style (default: the config's env.name)")
     p_rollout.add_argument("--episodes", type=int, default=32)
     p_rollout.add_argument("--out", type=Path, required=True, help="output .parquet path")
     p_rollout.add_argument("--model", type=Path, default=None, help="HF model directory (default: the SFT policy)")
@@ -75,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         args.overrides += [f'train.algo="{args.algo}"'] if args.algo else []
         args.overrides += [f"train.max_steps={args.max_steps}"] if args.max_steps is not None else []
+    if args.command in ("eval", "rollout"):
+        args.overrides += [f'env.name="{args.env}"'] if args.env else []
+        tasks_field = "eval_tasks" if args.command == "eval" else "tasks"
+        args.overrides += [f'env.{tasks_field}="{args.tasks}"'] if args.tasks else []
     try:
         cfg = load_config(args.preset, args.overrides)
     except ConfigError as exc:
@@ -100,8 +111,12 @@ def _dispatch(args: argparse.Namespace, cfg, home: Path, parser: argparse.Argume
     if args.command == "run":
         jobs.run_pipeline(cfg, home, force=args.force)
     elif args.command == "eval":
-        report = jobs.run_eval(cfg, args.model, home, "eval")
-        print(f"held-out accuracy: {report.accuracy:.1%} ({report.n} problems)")
+        if args.samples < 1:
+            parser.exit(2, f"sao: --samples must be >= 1, got {args.samples}\n")
+        report = jobs.run_eval(cfg, args.model or jobs.run_sft(cfg, home), home, "eval", args.samples)
+        k = report.samples
+        print(f"{report.env} held-out, {report.n} tasks: accuracy {report.accuracy:.1%} (greedy), "
+              f"avg@{k} {report.avg_at_k:.1%}, pass@{k} {report.pass_at_k:.1%}; report {home / 'reports'}/eval.json")
     elif args.command == "model":
         from components.models import init_model_dir
 
@@ -120,7 +135,7 @@ def _dispatch(args: argparse.Namespace, cfg, home: Path, parser: argparse.Argume
         if args.episodes < 1:
             parser.exit(2, f"sao: --episodes must be >= 1, got {args.episodes}\n")
         model_dir = args.model or jobs.run_sft(cfg, home)
-        run_rollout(cfg, model_dir, args.env, args.episodes, args.out, args.tasks)
+        run_rollout(cfg, model_dir, args.episodes, args.out)
     elif args.command == "engine":
         from components.rollout.server import serve
 

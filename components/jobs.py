@@ -1,13 +1,19 @@
-"""End-to-end jobs behind the CLI (and, later, the Prefect flows): each step reads and writes the run home.
+"""End-to-end jobs behind the CLI (and, later, the Prefect flows): each step reads and writes the run home, and
+publishes what it made to the artifact store when one is configured (`store.uri` or `$SAO_STORE_URI`).
 
-Home layout (`--home`, default `./.sao` or `$SAO_HOME`):
+Home layout (`--home`, default `./.sao` or `$SAO_HOME`); the same keys in the store:
 
-    data/tir_train-<hash>.parquet   teacher traces for SFT (hash of the task config)
-    models/sft-policy/              HF model directory of the SFT policy (complete once `_COMPLETE` exists)
-    reports/sft-eval.json           held-out evaluation of the SFT policy
+    data/sft-<env>-<hash>/          teacher traces for SFT (hash of the env and task config)
+    models/sft-<env>/               HF model directory of the SFT policy (complete once `_COMPLETE` exists)
+    models/<preset>-<algo>-policy/  the trained policy
     checkpoints/<preset>/step-N/    verified training checkpoints (`sao train --resume` continues the newest)
-    runs/<preset>/<algo>.jsonl      metrics of `sao train`, one JSON line per step
-    mlflow.db, mlartifacts/         the MLflow store when no tracking URI is configured
+    reports/<name>.json, .parquet   evaluations: the numbers, and every trajectory
+    runs/<preset>/<algo>.jsonl      metrics of `sao train`, one JSON line per step (home only)
+    mlflow.db, mlartifacts/         the MLflow store when no tracking URI is configured (home only)
+
+A job that finds an artifact missing in the home but complete in the store fetches it (verified against its
+manifest) instead of making it again: `sao train --resume` on a machine with an empty home continues from the
+store alone.
 """
 
 from __future__ import annotations
@@ -15,23 +21,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
+from components.agent.runner import episode_limits
 from components.config import Config, to_dict
-from components.data.tasks import generate_problems
-from components.data.teacher import teacher_trace
+from components.contracts.trajectory import write_trajectories
 from components.data.traces import read_traces, write_traces
-from components.envs.python_tool import PythonTool
-from components.eval.tir_eval import EvalReport, evaluate_tir
+from components.envs.registry import build_env, sft_traces
+from components.eval.evaluate import EvalReport, evaluate
 from components.models import build_policy, build_tokenizer, load_policy, load_tokenizer, save_model_dir
-from components.storage import atomic_dir, is_complete, weights_fingerprint, write_json
+from components.models import stop_token_ids
+from components.rollout.embedded import EmbeddedEngine
+from components.storage import MARKER, ArtifactStore, atomic_dir, is_complete, open_store, resolve_store_uri
+from components.storage import weights_fingerprint, write_json
 from components.training.sft import train_sft
 
 Log = Callable[[str], None]
-_BENCHMARK = "tir_math"  # the held-out set's name in `eval/<benchmark>/accuracy`
 _SFT_TASK_FIELDS = ("kinds", "operand_max", "train_size", "seed", "teacher_mental_max")
 _EVAL_TASK_FIELDS = ("kinds", "operand_max", "eval_size", "seed", "max_turns", "max_new_tokens")
 
@@ -40,23 +48,55 @@ def default_home() -> Path:
     return Path(os.environ.get("SAO_HOME", ".sao"))
 
 
+def artifact_store(cfg: Config, home: Path) -> ArtifactStore | None:
+    """The configured artifact store, or None when it is the run home itself (the default: nothing to copy)."""
+    uri = resolve_store_uri(cfg.store.uri, home)
+    if not uri.startswith("s3://") and Path(uri).resolve() == Path(home).resolve():
+        return None
+    return open_store(uri)
+
+
+def publish(cfg: Config, home: Path, key: str, log: Log = print) -> None:
+    """Copy the complete artifact `home/key` to the store (a no-op when the store is the home)."""
+    store = artifact_store(cfg, home)
+    if store is not None:
+        log(f"store: published {store.put_dir(home / key, key)}")
+
+
+def fetch(cfg: Config, home: Path, key: str, log: Log = print) -> bool:
+    """Fetch the artifact `key` from the store into `home/key` when the store has it complete; True if so."""
+    store = artifact_store(cfg, home)
+    if store is None or not store.is_complete(key):
+        return False
+    local = home / key
+    store.get_dir(key, local)  # verified against the manifest, or it raises
+    (local / MARKER).write_text(json.dumps({"fetched_from": store.uri(key), "completed_at": time.time()}))
+    log(f"store: fetched {store.uri(key)}")
+    return True
+
+
 def build_sft_data(cfg: Config, home: Path, log: Log = print) -> Path:
-    """Generate the teacher traces of the training split; reused when the task config is unchanged."""
-    path = home / "data" / f"tir_train-{fingerprint(sft_recipe(cfg)['task'])}.parquet"
-    if path.exists():
+    """The environment's teacher traces for SFT; reused (or fetched from the store) when the config that
+    shapes them is unchanged."""
+    recipe = sft_recipe(cfg)
+    key = f"data/sft-{cfg.env.name}-{fingerprint({'env': recipe['env'], 'task': recipe['task']})}"
+    path = home / key / "traces.parquet"
+    if is_complete(home / key) or fetch(cfg, home, key, log):
         log(f"data: reusing {path}")
         return path
-    problems = generate_problems(cfg.task.kinds, cfg.task.train_size, cfg.task.seed, cfg.task.operand_max, "train")
-    write_traces(path, [teacher_trace(p, cfg.task.teacher_mental_max) for p in problems])
-    log(f"data: wrote {len(problems)} teacher traces to {path}")
+    traces = sft_traces(cfg)
+    with atomic_dir(home / key) as tmp:
+        write_traces(tmp / "traces.parquet", traces)
+    log(f"data: wrote {len(traces)} {cfg.env.name} teacher traces to {path}")
+    publish(cfg, home, key, log)
     return path
 
 
 def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> Path:
     """Train the SFT policy from scratch (or from `model.path`) and save it as an HF model directory."""
-    out = home / "models" / "sft-policy"
-    recipe = sft_recipe(cfg)
-    if is_complete(out) and not force:
+    key = f"models/sft-{cfg.env.name}"
+    out, recipe = home / key, sft_recipe(cfg)
+    if not force and (is_complete(out) or fetch(cfg, home, key, log)):
         saved = json.loads((out / "sao_sft.json").read_text())
         if saved.get("recipe") == recipe:
             log(f"sft: reusing the complete SFT policy at {out} (--force retrains)")
@@ -73,6 +113,7 @@ def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> P
         save_model_dir(model, tokenizer, tmp)
         write_json(tmp / "sao_sft.json", {"recipe": recipe, "result": asdict(result)})
     log(f"sft: saved {out}")
+    publish(cfg, home, key, log)
     return out
 
 
@@ -80,26 +121,34 @@ def sft_recipe(cfg: Config) -> dict:
     """What an SFT policy depends on; a saved policy is reused only when its recipe equals this."""
     # Only the task fields that shape the teacher traces: the eval set size or turn limits do not change SFT.
     task = {k: v for k, v in to_dict(cfg.task).items() if k in _SFT_TASK_FIELDS}
+    env = {"name": cfg.env.name, "tasks": cfg.env.tasks}
     # JSON round trip so that it compares equal to the copy saved next to the weights (tuples become lists).
-    return json.loads(json.dumps({"model": to_dict(cfg.model), "task": task, "sft": to_dict(cfg.sft)}))
+    return json.loads(json.dumps({"model": to_dict(cfg.model), "env": env, "task": task, "sft": to_dict(cfg.sft)}))
 
 
-def run_eval(cfg: Config, model_dir: Path, home: Path, name: str, log: Log = print) -> EvalReport:
-    """Greedy held-out evaluation with real (sandboxed) tool calls; writes `reports/<name>.json`."""
-    model, tokenizer = load_policy(model_dir), load_tokenizer(model_dir)
-    problems = generate_problems(cfg.task.kinds, cfg.task.eval_size, cfg.task.seed, cfg.task.operand_max, "eval")
-    report = evaluate_tir(model, tokenizer, problems, PythonTool(), cfg.task.max_turns, cfg.task.max_new_tokens)
+def run_eval(cfg: Config, model_dir: Path, home: Path, name: str, samples: int = 1, log: Log = print) -> EvalReport:
+    """Held-out evaluation of `model_dir` in `cfg.env` on the episode path (greedy, plus `samples` sampled
+    episodes per task when > 1); writes `reports/<name>.json` and every trajectory to `reports/<name>.parquet`."""
+    setup = build_env(cfg)
+    setup.on_step(0)  # the environment as a run starts (style: the first preference of the schedule)
+    tasks = setup.eval_tasks()
+    tokenizer = load_tokenizer(model_dir)
+    engine = EmbeddedEngine(load_policy(model_dir), tokenizer, max_batch=cfg.rollout.max_batch).start()
+    try:
+        report = evaluate(engine, tokenizer, setup.env, tasks, episode_limits(cfg), samples,
+                          concurrency=cfg.rollout.max_batch, stop_token_ids=tuple(stop_token_ids(tokenizer)),
+                          seed=cfg.task.seed)
+    finally:
+        engine.shutdown()
+    trajectories = report.greedy + ([t for s in report.sampled for t in s] if samples > 1 else [])
+    write_trajectories(home / "reports" / f"{name}.parquet", trajectories)
     write_json(home / "reports" / f"{name}.json", {
+        **report.summary(),
         "model": str(model_dir),
         "weights": weights_fingerprint(model_dir),
         "eval_task": _eval_task(cfg),
-        "accuracy": report.accuracy,
-        "n": report.n,
-        "tool_calls_mean": report.tool_calls_mean,
-        "finish_reasons": report.finish_reasons,
-        "seconds": report.seconds,
-        "samples": [{"problem": ep.problem.question, "answer": ep.problem.answer, "output": ep.text,
-                     "correct": ep.correct, "finish_reason": ep.finish_reason} for ep in report.episodes[:20]],
+        "samples_text": [{"task": t.prompt_id, "output": tokenizer.decode(t.token_ids[t.prompt_len:]),
+                          "reward": t.reward, "finish_reason": t.finish_reason} for t in report.greedy[:20]],
     })
     return report
 
@@ -113,11 +162,13 @@ def sft_eval(cfg: Config, sft_dir: Path, home: Path, log: Log = print) -> float:
         if saved.get("weights") == weights_fingerprint(sft_dir) and saved.get("eval_task") == _eval_task(cfg):
             log(f"eval: reusing {path} ({saved['accuracy']:.1%})")
             return saved["accuracy"]
-    return run_eval(cfg, sft_dir, home, "sft-eval", log).accuracy
+    return run_eval(cfg, sft_dir, home, "sft-eval", log=log).accuracy
 
 
 def _eval_task(cfg: Config) -> dict:
-    return json.loads(json.dumps({k: v for k, v in to_dict(cfg.task).items() if k in _EVAL_TASK_FIELDS}))
+    """What decides the held-out episodes: the environment and the task fields that shape them."""
+    task = {k: v for k, v in to_dict(cfg.task).items() if k in _EVAL_TASK_FIELDS}
+    return json.loads(json.dumps({"env": to_dict(cfg.env), "task": task}))
 
 
 def fingerprint(data: dict) -> str:
@@ -132,7 +183,11 @@ def run_pipeline(cfg: Config, home: Path, force: bool = False, log: Log = print)
     newest checkpoint (a finished run only re-evaluates). `force` retrains both from scratch; it removes this
     preset's training checkpoints, which is what it was asked to do."""
     if force:
-        shutil.rmtree(home / "checkpoints" / cfg.name, ignore_errors=True)
+        from components.training.trainer import checkpoint_store
+
+        checkpoints = checkpoint_store(cfg, home)
+        for step in checkpoints.steps():
+            checkpoints.store.delete(checkpoints.key(step))
     return run_train(cfg, home, resume=True, force_sft=force, log=log)
 
 
@@ -146,13 +201,14 @@ def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, f
     from components.training.engines import init_single_process_group
     from components.training.trainer import train
 
+    setup = build_env(cfg)
     comm = SOLO
     if launched_world_size() > 1:
         init_single_process_group()
         comm = from_environment()
     if comm.rank != 0:
         sft_dir = Path(comm.broadcast(None))  # waits for rank 0's SFT policy
-        train(cfg, sft_dir, home, NullTracker(), resume=resume, log=lambda _: None)
+        train(cfg, setup, sft_dir, home, NullTracker(), resume=resume, log=lambda _: None)
         return {}
     sft_dir = run_sft(cfg, home, force=force_sft, log=log)
     comm.broadcast(str(sft_dir))  # releases the other ranks (a no-op in one process)
@@ -162,11 +218,12 @@ def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, f
         f"process(es); SFT held-out accuracy {before:.1%}")
     run_name = f"{cfg.name}/{cfg.train.algo}"
     tracker = open_tracker(cfg.tracking, home, run_name, home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl")
-    accuracy_key = f"eval/{_BENCHMARK}/accuracy"
+    accuracy_key = f"eval/{cfg.env.name}/accuracy"
     failed = True
     try:
-        result = train(cfg, sft_dir, home, tracker, resume=resume, log=log)
-        after = run_eval(cfg, result.policy_dir, home, f"{cfg.train.algo}-eval", log)
+        result = train(cfg, setup, sft_dir, home, tracker, resume=resume, log=log)
+        publish(cfg, home, str(result.policy_dir.relative_to(home)), log)
+        after = run_eval(cfg, result.policy_dir, home, f"{cfg.train.algo}-eval", log=log)
         # Logged after training: a resumed run rewinds its tracker first, so nothing it logged is duplicated.
         tracker.log_metrics({accuracy_key: before}, 0)
         tracker.log_metrics({accuracy_key: after.accuracy}, result.version)

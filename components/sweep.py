@@ -1,6 +1,6 @@
 """`sao sweep`: one config trained with N RL seeds from one shared SFT policy, and a table of how each ended.
 
-    home/models/sft-policy/                 the shared SFT policy (trained once, as `sao train` does)
+    home/models/sft-<env>/                  the shared SFT policy (trained once, as `sao train` does)
     home/sweeps/<name>/config.json          the swept config (a re-run with another config is refused)
     home/sweeps/<name>/seed-<k>/            each seed's own run home: checkpoints, metrics, policy, report
     home/sweeps/<name>/seed-<k>/result.json that seed's row, written last (a finished seed is not re-run)
@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from components.config import Config, to_dict
+from components.envs.registry import build_env
 from components.jobs import Log, fingerprint, run_eval, run_sft, sft_eval
 from components.storage import HomeStateError, write_json
 from components.tracking import DiskTracker, mlflow_uri, open_tracker
@@ -73,8 +74,10 @@ def run_sweep(cfg: Config, home: Path, seeds: int, first_seed: int = 1, name: st
         f"table at {root}/results.md")
     results = []
     for seed in range(first_seed, first_seed + seeds):
-        results.append(_run_seed(replace(cfg, train=replace(cfg.train, task_seed=seed)), home, root, sft_dir,
-                                 sft_accuracy, parent, log))
+        # Each seed keeps its checkpoints in its own home: seeds of one config would share one store prefix.
+        seeded = replace(cfg, train=replace(cfg.train, task_seed=seed),
+                         store=replace(cfg.store, uri=str(root / f"seed-{seed}")))
+        results.append(_run_seed(seeded, home, root, sft_dir, sft_accuracy, parent, log))
         _write_table(root, results, sft_accuracy)
     if parent is not None:
         _finish_parent(parent, root, results)
@@ -95,8 +98,9 @@ def _run_seed(cfg: Config, home: Path, root: Path, sft_dir: Path, sft_accuracy: 
                            parent_run_id=parent[1] if parent is not None else None)
     start, failed = time.perf_counter(), True
     try:
-        result = train(cfg, sft_dir, seed_home, tracker, resume=True, log=_every_tenth_step(log, f"[seed {seed}] "))
-        accuracy = run_eval(cfg, result.policy_dir, seed_home, f"{cfg.train.algo}-eval", log).accuracy
+        result = train(cfg, build_env(cfg), sft_dir, seed_home, tracker, resume=True,
+                       log=_every_tenth_step(log, f"[seed {seed}] "))
+        accuracy = run_eval(cfg, result.policy_dir, seed_home, f"{cfg.train.algo}-eval", log=log).accuracy
         tracker.log_metrics({"eval/tir_math/accuracy": accuracy}, result.version)
         failed = False
     finally:

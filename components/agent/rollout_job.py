@@ -3,34 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import time
 from collections import Counter
 from pathlib import Path
 
-from components.agent.runner import AgentRunner, EpisodeLimits
+from components.agent.runner import AgentRunner, episode_limits
 from components.config import Config
 from components.contracts.trajectory import Trajectory, write_trajectories
 from components.envs.registry import build_env
 
 
-def run_rollout(cfg: Config, model_dir: Path, env_name: str | None, episodes: int, out: Path,
-                tasks_uri: str | None = None, log=print) -> list[Trajectory]:
-    """`episodes` episodes of the training stream from its start; `env_name` and `tasks_uri`, when given,
-    override `cfg.env.name` and `cfg.env.tasks` (the config is re-validated, so a bad pair fails here)."""
+def run_rollout(cfg: Config, model_dir: Path, episodes: int, out: Path, log=print) -> list[Trajectory]:
+    """`episodes` episodes of `cfg.env`'s training stream from its start (`sao rollout --env/--tasks` set
+    `env.name` and `env.tasks`)."""
     from components.models import load_policy, load_tokenizer, stop_token_ids
     from components.rollout.embedded import EmbeddedEngine
 
-    cfg = rollout_config(cfg, env_name, tasks_uri)
     setup = build_env(cfg)
     setup.on_step(0)  # the style preference of the schedule's first phase
     env, tasks = setup.env, list(itertools.islice(setup.train_tasks(0, 1), episodes))
     tokenizer = load_tokenizer(model_dir)
     engine = EmbeddedEngine(load_policy(model_dir), tokenizer, max_batch=cfg.rollout.max_batch).start()
-    limits = EpisodeLimits(cfg.task.max_turns, cfg.task.max_new_tokens, cfg.rollout.max_total_tokens,
-                           cfg.rollout.max_wall_s, cfg.algo.temperature)
-    runner = AgentRunner(engine, tokenizer, env, limits, cfg.rollout.concurrency,
+    runner = AgentRunner(engine, tokenizer, env, episode_limits(cfg), cfg.rollout.concurrency,
                          tuple(stop_token_ids(tokenizer)), seed=cfg.task.seed)
     start = time.perf_counter()
     try:
@@ -47,9 +42,3 @@ def run_rollout(cfg: Config, model_dir: Path, env_name: str | None, episodes: in
         f"{sum(t.turns for t in trajectories) / n:.2f}, finish {dict(Counter(t.finish_reason for t in trajectories))}")
     log(f"  wrote {out}")
     return trajectories
-
-
-def rollout_config(cfg: Config, env_name: str | None, tasks_uri: str | None) -> Config:
-    """`cfg` with `env.name` and `env.tasks` replaced by the command line's `--env` and `--tasks` when given."""
-    env = dataclasses.replace(cfg.env, name=env_name or cfg.env.name, tasks=tasks_uri or cfg.env.tasks)
-    return dataclasses.replace(cfg, env=env)

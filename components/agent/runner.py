@@ -49,6 +49,13 @@ class EpisodeLimits:
             raise ValueError(f"limits.max_wall_s: must be > 0, got {self.max_wall_s}")
 
 
+def episode_limits(cfg) -> EpisodeLimits:
+    """The per-episode limits of a config (`components.config.Config`): rollouts use them as they are,
+    evaluation at temperature 0."""
+    return EpisodeLimits(cfg.task.max_turns, cfg.task.max_new_tokens, cfg.rollout.max_total_tokens,
+                         cfg.rollout.max_wall_s, cfg.algo.temperature)
+
+
 class AgentRunner:
     """Runs episodes of `env` against `engine` (anything with `async generate(SamplingRequest)`)."""
 

@@ -94,10 +94,15 @@ class EngineClient:
         self.default_version = version
 
     async def health(self) -> bool:
+        return await self.health_info() is not None
+
+    async def health_info(self, timeout_s: float = 5.0) -> dict | None:
+        """The `/health` JSON (`{}` when the body is empty, as vLLM's is), or None when the server does not
+        answer 200 within `timeout_s`."""
         try:
-            return (await self._http.get("/health")).status_code == 200
+            return health_json(await self._http.get("/health", timeout=timeout_s))
         except httpx.HTTPError:
-            return False
+            return None
 
     async def _post(self, route: str, body: dict) -> dict:
         delay = 0.2
@@ -118,6 +123,26 @@ class EngineClient:
                 raise EngineError(response.status_code, message)
             return response.json() if response.content else {}
         raise AssertionError("unreachable")
+
+
+def health_json(response: httpx.Response) -> dict | None:
+    """A `/health` answer as JSON: None unless HTTP 200, `{}` for an empty or non-JSON body (vLLM's)."""
+    if response.status_code != 200:
+        return None
+    try:
+        data = response.json() if response.content else {}
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def server_failed(exc: BaseException) -> bool:
+    """True when `exc` says the server is dead, hung or crashing (connection error, timeout, HTTP 5xx): the
+    same stateless request may then go to another server. False for the caller's own mistakes (HTTP 4xx), a
+    malformed answer, and a full client connection pool (a client-side limit, not the server's fault)."""
+    if isinstance(exc, EngineError):
+        return exc.status >= 500
+    return isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.PoolTimeout)
 
 
 def parse_completion(data: dict, prompt_ids: list[int], default_version: int) -> SamplingResult:

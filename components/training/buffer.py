@@ -46,6 +46,7 @@ class TrajectoryBuffer:
         self._groups: dict[str, list[Trajectory]] = {}
         self._cond = asyncio.Condition()
         self.admission_waits = 0
+        self.discarded = 0
         self.closed = False
 
     def _oldest_start(self) -> int | None:
@@ -80,6 +81,18 @@ class TrajectoryBuffer:
                     self._ready.extend(self._groups.pop(group_key(trajectory.prompt_id)))
             self._cond.notify_all()
 
+    async def discard(self, trajectory: Trajectory) -> None:
+        """An episode that yields nothing to train on (every engine failed it): its start is given back, so
+        admission control counts only episodes that will arrive. Single-rollout mode only: a group needs
+        all its members."""
+        if self.group_size != 1:
+            raise ValueError("discard: grouped batches need every member of a group; put it instead")
+        async with self._cond:
+            self._start_versions.pop(trajectory.prompt_id, None)
+            self.started -= 1
+            self.discarded += 1
+            self._cond.notify_all()
+
     async def take(self, n: int) -> list[Trajectory]:
         """The next `n` finished trajectories in arrival order (whole groups in grouped mode)."""
         async with self._cond:
@@ -97,6 +110,11 @@ class TrajectoryBuffer:
         async with self._cond:
             self.closed = True
             self._cond.notify_all()
+
+    @property
+    def ready(self) -> int:
+        """Finished trajectories waiting to be taken."""
+        return len(self._ready)
 
     @property
     def in_flight(self) -> int:

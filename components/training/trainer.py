@@ -14,43 +14,44 @@ Both learning rates follow `lr_scale` (warm-up, cosine decay), and a collapse gu
 (`components/training/stability.py`): when the collapse rule fires it restores the newest checkpoint from
 before the collapse as a new policy version. docs/stability.md has the mechanism and the evidence.
 
+The environment and its task stream come in as an `EnvSetup` (components/envs/registry.py, chosen by
+`env.name`); checkpoints go to the artifact store (`store.uri`: the run home, a path or S3).
+
 Departures:
-- the trainer and the embedded engine share one process, each with its own share of the CPU threads;
-- weights move in memory, never through a file;
-- the task stream is the synthetic `tir_math` set.
+- with the embedded engine (`rollout.backend = "embedded"`) the trainer and the engine share one process,
+  each with its own share of the CPU threads, and weights move in memory, never through a file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import copy
 import itertools
 import os
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from components.agent.runner import AgentRunner, EpisodeLimits
+from components.agent.runner import AgentRunner, episode_limits
 from components.config import Config, TrainConfig, to_dict
 from components.contracts.trajectory import Trajectory, to_tensors
-from components.data.tasks import generate_problems
-from components.envs.base import Task, ToolLatency
-from components.envs.tir_math import TIRMathEnvironment
 from components.models import load_tokenizer, save_model_dir, stop_token_ids
-from components.rollout.embedded import EmbeddedEngine
-from components.storage import HomeStateError, atomic_dir, weights_fingerprint
+from components.rollout.backends import EmbeddedRollouts, HttpRollouts, Rollouts
+from components.storage import HomeStateError, atomic_dir, open_store, resolve_store_uri, weights_fingerprint
 from components.tracking import Tracker
 from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.buffer import TrajectoryBuffer
-from components.training.checkpoint import LocalCheckpointStore
+from components.training.checkpoint import CheckpointStore
 from components.training.learner import Learner
 from components.training.schedule import warmup_cosine
 from components.training.stability import Collapse, CollapseDetector
+
+if TYPE_CHECKING:  # the trainer is handed an environment; it imports none
+    from components.envs.registry import EnvSetup
 
 
 @dataclass
@@ -76,26 +77,13 @@ class TrainResult:
 def thread_budget(cfg: Config, cores: int | None = None) -> tuple[int, int]:
     """(engine, trainer) torch CPU threads. torch's thread count is per thread, so the engine thread and the
     trainer thread each get their own share of the cores in async mode; in sync mode they take turns, so
-    each may use every core. Explicit `rollout.engine_threads` / `train.threads` win."""
+    each may use every core; with external engines (`rollout.backend = "http"`) the trainer has them all.
+    Explicit `rollout.engine_threads` / `train.threads` win."""
     cores = cores or len(os.sched_getaffinity(0))
-    if cfg.train.sync:
+    if cfg.train.sync or cfg.rollout.backend == "http":
         return cfg.rollout.engine_threads or cores, cfg.train.threads or cores
     engine = cfg.rollout.engine_threads or max(1, cores // 2)
     return engine, cfg.train.threads or max(1, cores - engine)
-
-
-def task_stream(cfg: Config, start: int, group_size: int) -> Iterator[Task]:
-    """Endless training prompts from `start` on (the cursor a checkpoint stores), each `group_size` times."""
-    chunk = 4096
-    for offset in itertools.count(start - start % chunk, chunk):
-        problems = generate_problems(cfg.task.kinds, offset + chunk, cfg.train.task_seed, cfg.task.operand_max,
-                                     "train")[offset:]
-        for index, p in enumerate(problems, start=offset):
-            if index < start:
-                continue
-            for g in range(group_size):
-                suffix = f"#g{g}" if group_size > 1 else ""
-                yield Task(f"rl-{index}{suffix}", p.question, p.answer, {"kind": p.kind, "cursor": index})
 
 
 def lr_scale(tc: TrainConfig, step: int) -> float:
@@ -113,46 +101,71 @@ def settings_from(cfg: Config) -> AlgoSettings:
                         group_size=cfg.train.group_size if algorithm.grouped else 1)
 
 
-def train(cfg: Config, sft_dir: Path, home: Path, tracker: Tracker, resume: bool = False,
+def checkpoint_store(cfg: Config, home: Path) -> CheckpointStore:
+    """This config's checkpoints: `checkpoints/<name>/step-<n>` in the artifact store (`store.uri`, else
+    `$SAO_STORE_URI`, else the run home)."""
+    store = open_store(resolve_store_uri(cfg.store.uri, home))
+    return CheckpointStore(store, f"checkpoints/{cfg.name}", home / "cache" / "checkpoints")
+
+
+def open_rollouts(cfg: Config, module: torch.nn.Module, tokenizer, home: Path, version: int,
+                  engine_threads: int) -> Rollouts:
+    """Where episodes are generated (`rollout.backend`): the embedded engine on a copy of `module` in this
+    process, or the `rollout.urls` servers, which load each version from `rollout.publish_dir`."""
+    rc = cfg.rollout
+    backends: dict[str, Callable[[], Rollouts]] = {
+        "embedded": lambda: EmbeddedRollouts(module, tokenizer, rc.max_batch, version, engine_threads),
+        "http": lambda: HttpRollouts(list(rc.urls), module, tokenizer, Path(rc.publish_dir or home / "published"),
+                                     rc.server, rc.request_timeout_s, rc.request_retries, version),
+    }
+    return backends[rc.backend]()
+
+
+def train(cfg: Config, setup: EnvSetup, sft_dir: Path, home: Path, tracker: Tracker, resume: bool = False,
           log: Callable[[str], None] = print, detector: CollapseDetector | None = None) -> TrainResult:
-    """Train from `sft_dir`. Under torchrun every rank calls this; rank 0 runs the agent loop and returns the
-    result, the other ranks serve rank 0's steps and return an empty result. `detector` is the collapse rule
-    (default: `CollapseDetector()`, the one definition; tests pass a hair-trigger one)."""
+    """Train from `sft_dir` on `setup`'s environment and task stream. Under torchrun every rank calls this;
+    rank 0 runs the agent loop and returns the result, the other ranks serve rank 0's steps and return an
+    empty result. `detector` is the collapse rule (default: `CollapseDetector()`, the one definition; tests
+    pass a hair-trigger one)."""
     engine_threads, trainer_threads = thread_budget(cfg)
     learner = Learner(cfg, sft_dir, settings_from(cfg), trainer_threads)
     if not learner.is_driver:
         learner.serve()
         return TrainResult(0, 0, None, [])
     try:
-        return asyncio.run(_train(cfg, learner, sft_dir, home, tracker, resume, engine_threads, log,
+        return asyncio.run(_train(cfg, setup, learner, sft_dir, home, tracker, resume, engine_threads, log,
                                   detector or CollapseDetector()))
     finally:
         learner.release()
 
 
-async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, tracker: Tracker, resume: bool,
-                 engine_threads: int, log, detector: CollapseDetector) -> TrainResult:
+async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, home: Path, tracker: Tracker,
+                 resume: bool, engine_threads: int, log, detector: CollapseDetector) -> TrainResult:
     tc = cfg.train
     tokenizer = load_tokenizer(sft_dir)
-    store = LocalCheckpointStore(home / "checkpoints" / cfg.name)
+    store = checkpoint_store(cfg, home)
     step, cursor, origin = 0, 0, weights_fingerprint(sft_dir)
     guard = {"rollbacks": 0, "lr_scale": 1.0}  # the collapse guard's record, carried in checkpoints
     latest = store.latest_step()
     if latest is not None and not resume:
-        raise HomeStateError(f"{store.root} holds checkpoints up to step {latest} of an earlier run: pass --resume "
-                             f"to continue it, or remove that directory to start over")
-    if resume and latest is not None:
-        saved = store.load(latest)
+        raise HomeStateError(f"{store.location} holds checkpoints up to step {latest} of an earlier run: pass "
+                             f"--resume to continue it, or remove them to start over")
+    found = store.load_latest(log) if resume and latest is not None else None
+    if found is not None:
+        latest, saved = found
         if saved["state"].get("origin") != origin:
-            raise HomeStateError(f"{store.root}/step-{latest:08d} was trained from other starting weights than "
-                                 f"{sft_dir}; remove {store.root} to start over from them")
+            raise HomeStateError(f"{store.location}/step-{latest:08d} was trained from other starting weights than "
+                                 f"{sft_dir}; remove {store.location} to start over from them")
         learner.load_state_dicts(saved)
         step, cursor = saved["state"]["step"], saved["state"]["cursor"]
         guard.update(saved["state"].get("guard", {}))
         torch.set_rng_state(saved["state"]["torch_rng"])
         random.setstate(saved["state"]["py_rng"])
         tracker.rewind(step)
-        log(f"train: resumed from {store.root}/step-{latest:08d} (version {step})")
+        log(f"train: resumed from {store.location}/step-{latest:08d} (version {step})")
+    elif latest is not None:
+        raise HomeStateError(f"{store.location}: no checkpoint up to step {latest} loads (see above); remove them "
+                             f"to start over")
 
     def save_checkpoint() -> None:
         store.save(step, {
@@ -165,27 +178,28 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
         save_checkpoint()  # the starting weights: the guard always has a checkpoint to return to
 
     policy = learner.policy
-    engine = EmbeddedEngine(copy.deepcopy(policy.module), tokenizer, max_batch=cfg.rollout.max_batch,
-                            version=step, threads=engine_threads).start()
+    rollouts = open_rollouts(cfg, policy.module, tokenizer, home, step, engine_threads)
     group = learner.settings.group_size
     buffer = TrajectoryBuffer(tc.max_staleness, tc.batch_size, group, tc.admission, version=step)
-    latency = ToolLatency(cfg.rollout.latency, cfg.rollout.latency_mean_s, cfg.rollout.latency_sigma, cfg.task.seed)
-    runner = AgentRunner(engine, tokenizer, TIRMathEnvironment(cfg.rollout.tool_timeout_s, latency),
-                         EpisodeLimits(cfg.task.max_turns, cfg.task.max_new_tokens, cfg.rollout.max_total_tokens,
-                                       cfg.rollout.max_wall_s, cfg.algo.temperature),
-                         cfg.rollout.concurrency, tuple(stop_token_ids(tokenizer)), seed=cfg.task.seed + step)
-    tasks = task_stream(cfg, cursor, group)
+    runner = AgentRunner(rollouts.engine, tokenizer, setup.env, episode_limits(cfg), cfg.rollout.concurrency,
+                         tuple(stop_token_ids(tokenizer)), seed=cfg.task.seed + step)
+    tasks = setup.train_tasks(cursor, group)
+    env_row = _env_step(setup, step, log)  # e.g. the style preference in force from this step on
+    intake = _Intake(buffer, limit=max(2 * cfg.rollout.concurrency, 16))
     stop = asyncio.Event()
-    producer = None if tc.sync else asyncio.create_task(runner.run(tasks, buffer.put, buffer.admit, stop))
+    producer = None if tc.sync else asyncio.create_task(runner.run(tasks, intake.put, buffer.admit, stop))
     tracker.log_params({"config": to_dict(cfg), "resumed_at": step})
     history: list[dict] = []
     lagged: collections.deque = collections.deque()  # weights not yet published (train.sync_lag)
     run_start, idle, loop_s, trajectories = time.perf_counter(), 0.0, 0.0, 0
+    env_step = step
     try:
         while step < tc.max_steps:
+            if step != env_step:
+                env_row, env_step = _env_step(setup, step, log), step
             wait_start = time.perf_counter()
-            if tc.sync:  # generate exactly one batch, wait for all of it
-                await runner.run(itertools.islice(tasks, tc.batch_size), buffer.put)
+            while tc.sync and buffer.ready < tc.batch_size:  # generate one batch, wait for all of it
+                await runner.run(itertools.islice(tasks, tc.batch_size - buffer.ready), intake.put)
             batch = await _take(buffer, tc.batch_size, producer)
             if tc.sync:  # one batch, one policy: task order rather than finish order makes runs reproducible
                 batch.sort(key=lambda t: (t.metadata.get("cursor", 0), t.prompt_id))
@@ -199,12 +213,13 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
             lagged.append((step, _weights(policy)))
             if len(lagged) > tc.sync_lag:  # versions are consecutive: the oldest is `step - sync_lag`
                 version, weights = lagged.popleft()
-                await asyncio.wrap_future(engine.load_weights(weights, version))
+                await rollouts.publish(weights, version)
             await buffer.set_version(step)
             cursor = max(t.metadata.get("cursor", 0) for t in batch) + 1
             row = _row(metrics, batch, step, waited, time.perf_counter() - step_start, idle,
                        time.perf_counter() - run_start)
-            row.update({"trainer/lr_scale": scale, "trainer/rollbacks": float(guard["rollbacks"])})
+            row.update({"trainer/lr_scale": scale, "trainer/rollbacks": float(guard["rollbacks"]), **env_row,
+                        **rollouts.metrics(), "rollout/episodes_dropped": float(buffer.discarded)})
             history.append(row)
             trajectories += len(batch)
             loop_s = time.perf_counter() - run_start
@@ -224,7 +239,7 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
             ending = _guard_ends(guard, tc)
             step += 1  # the restored weights go out as a new version: versions only ever grow
             lagged.clear()
-            await asyncio.wrap_future(engine.load_weights(_weights(policy), step))
+            await rollouts.publish(_weights(policy), step)
             await buffer.set_version(step)
             detector.reset()
             tracker.log_metrics({"trainer/rollbacks": float(guard["rollbacks"]), "trainer/rollback_to": restored},
@@ -239,7 +254,7 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
         await buffer.close()
         if producer is not None:
             await producer
-        engine.shutdown()
+        await rollouts.close()
     out = home / "models" / f"{cfg.name}-{tc.algo}-policy"
     with atomic_dir(out) as tmp:
         save_model_dir(policy.module, tokenizer, tmp)
@@ -247,29 +262,58 @@ async def _train(cfg: Config, learner: Learner, sft_dir: Path, home: Path, track
                        trajectories=trajectories, rollbacks=guard["rollbacks"])
 
 
-def _roll_back(collapse: Collapse, store: LocalCheckpointStore, learner: Learner, guard: dict, tc: TrainConfig,
+def _roll_back(collapse: Collapse, store: CheckpointStore, learner: Learner, guard: dict, tc: TrainConfig,
                log: Callable[[str], None]) -> int | None:
     """The collapse guard (docs/stability.md): load the newest checkpoint from before the collapse's onset into
     the learner and update the guard's record (count, learning-rate factor). Returns the
     restored step, or None when there is none to return to."""
-    good = [s for s in store.steps() if s <= collapse.last_good_step]
-    if not good:
+    found = store.load_latest(log, at_most=collapse.last_good_step)
+    if found is None:
         log(f"train: collapse at step {collapse.step} ({collapse.cause}) and no checkpoint before step "
             f"{collapse.onset} to roll back to; stopping")
         return None
-    learner.load_state_dicts(store.load(good[-1]))
+    restored, saved = found
+    learner.load_state_dicts(saved)
     guard["rollbacks"] += 1
     if not _guard_ends(guard, tc):
         guard["lr_scale"] *= tc.rollback_lr_scale
     log(f"train: collapse at step {collapse.step} ({collapse.cause}); "
         + ("rolling back and stopping" if _guard_ends(guard, tc) else
            f"rolling back, learning rates now x{guard['lr_scale']:g}"))
-    return good[-1]
+    return restored
 
 
 def _guard_ends(guard: dict, tc: TrainConfig) -> bool:
     """After a rollback: does the run end there (`stop`, or more rollbacks than `max_rollbacks`)?"""
     return tc.collapse_guard == "stop" or guard["rollbacks"] > tc.max_rollbacks
+
+
+class _Intake:
+    """Where finished episodes go. An episode every engine failed (`engine_error`: all servers down, or each
+    retry failed) has nothing to train on: it is dropped and its admission slot given back (grouped
+    baselines keep it, since a group needs every member). `limit` such episodes in a row end the run."""
+
+    def __init__(self, buffer: TrajectoryBuffer, limit: int) -> None:
+        self.buffer, self.limit, self.failing = buffer, limit, 0
+
+    async def put(self, trajectory: Trajectory) -> None:
+        if trajectory.finish_reason != "engine_error" or self.buffer.group_size != 1:
+            self.failing = 0
+            await self.buffer.put(trajectory)
+            return
+        await self.buffer.discard(trajectory)
+        self.failing += 1
+        if self.failing >= self.limit:
+            raise RuntimeError(f"rollout: {self.failing} episodes in a row failed on every engine; the last: "
+                               f"{trajectory.metadata.get('error', 'no message')}")
+
+
+def _env_step(setup: EnvSetup, step: int, log: Callable[[str], None]) -> dict[str, float]:
+    """The environment's per-step hook (the style preference schedule); logs what changed."""
+    metrics, message = setup.on_step(step)
+    if message:
+        log(message)
+    return metrics
 
 
 def _weights(policy) -> dict[str, torch.Tensor]:

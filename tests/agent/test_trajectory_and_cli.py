@@ -55,4 +55,4 @@ def test_sao_rollout_writes_inspectable_parquet(tmp_path, sft_policy):
     assert len(trajectories) == 6 and {t.env for t in trajectories} == {"tir_math"}
     bad = subprocess.run([sys.executable, "-m", "components.cli", "rollout", "--env", "chess", "--episodes", "1",
                           "--out", str(out), "--model", str(model_dir)], capture_output=True, text=True)
-    assert bad.returncode != 0 and "env: unknown environment 'chess'" in bad.stderr
+    assert bad.returncode != 0 and "env.name" in bad.stderr and "chess" in bad.stderr

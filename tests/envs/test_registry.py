@@ -13,8 +13,7 @@ from collections import Counter
 
 import pytest
 
-from components.agent.rollout_job import rollout_config
-from components.config import ConfigError, EnvName, load_config
+from components.config import EnvName, load_config
 from components.contracts.markers import END
 from components.contracts.task import Task
 from components.data.tasks import generate_problems
@@ -166,17 +165,6 @@ def test_tool_timeout_and_latency_from_config():
     tir = build_env(config("rollout.tool_timeout_s=2.5", 'rollout.latency="lognormal"', "rollout.latency_mean_s=1.0",
                            "rollout.latency_sigma=0.5")).env
     assert tir.tool.timeout_s == 2.5 and tir.latency == ToolLatency("lognormal", 1.0, 0.5, 0)
-
-
-def test_rollout_config_overrides_env_and_tasks(tmp_path):
-    cfg = config()
-    assert rollout_config(cfg, None, None) == cfg
-    uri = write_set(tmp_path / "c.jsonl", 2)
-    changed = rollout_config(cfg, "style", uri)
-    assert (changed.env.name, changed.env.tasks) == ("style", uri) and changed.task == cfg.task
-    scheduled = config('env.name="style"', 'env.preference_schedule="cute:3"')
-    with pytest.raises(ConfigError, match="env.preference_schedule"):
-        rollout_config(scheduled, "coding", None)  # a style-only field must not silently carry over
 
 
 def test_style_teacher_every_answer_scores_its_own_style():

@@ -51,7 +51,7 @@ def seeded_home(tmp_path: Path, sft_dir: Path) -> Path:
     from components.storage import atomic_dir, write_json
 
     home = tmp_path / "home"
-    with atomic_dir(home / "models" / "sft-policy") as tmp:
+    with atomic_dir(home / "models" / "sft-tir_math") as tmp:
         shutil.copytree(sft_dir, tmp, dirs_exist_ok=True)
         write_json(tmp / "sao_sft.json", {"recipe": sft_recipe(load_config("tiny-cpu"))})
     return home

@@ -42,6 +42,25 @@ def test_capacity_admission_bounds_episodes_started_per_version():
     asyncio.run(scenario())
 
 
+def test_a_discarded_episode_gives_its_admission_slot_back():
+    async def scenario():
+        buffer = TrajectoryBuffer(max_staleness=0, batch_size=2)  # (0 + 0 + 1) * 2 = 2 starts at version 0
+        await buffer.admit(Task("e0", "q"))
+        await buffer.admit(Task("e1", "q"))
+        assert not buffer.admissible()
+        await buffer.discard(_traj("e1"))             # every engine failed e1: it will never arrive
+        assert buffer.started == 1 and buffer.discarded == 1 and buffer.admissible()
+        assert buffer.start_version_counts() == {0: 1} and buffer.ready == 0
+        await buffer.admit(Task("e2", "q"))
+        await buffer.put(_traj("e0"))
+        await buffer.put(_traj("e2"))
+        assert [t.prompt_id for t in await buffer.take(2)] == ["e0", "e2"]
+        with pytest.raises(ValueError, match="group"):
+            await TrajectoryBuffer(max_staleness=0, batch_size=4, group_size=2).discard(_traj("g#g0"))
+
+    asyncio.run(scenario())
+
+
 def test_buffer_rejects_bad_settings():
     with pytest.raises(ValueError, match="rule"):
         TrajectoryBuffer(1, rule="fifo")

@@ -14,8 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from components.envs.registry import build_env
 from components.tracking import NullTracker
 from components.training.trainer import train
+
+
+def train_env(cfg, *args, **kwargs):
+    """The trainer on the config's own environment (`jobs.run_train` does the same)."""
+    return train(cfg, build_env(cfg), *args, **kwargs)
+
 
 STORED = Path(__file__).with_name("learning_curve.json")
 EXACT = ("reward/mean", "rollout/staleness_max")
@@ -30,7 +37,7 @@ def _curve(tiny_cfg, sft_dir, home, threads: int) -> dict[str, list[float]]:
                                 max_steps=8, policy_lr=5e-4, checkpoint_every=0, threads=threads, warmup_steps=0,
                                 min_lr_ratio=1.0, collapse_guard="off"),
                   rollout=replace(tiny_cfg.rollout, concurrency=8, engine_threads=threads))
-    result = train(cfg, sft_dir, home, NullTracker(), log=lambda _: None)
+    result = train_env(cfg, sft_dir, home, NullTracker(), log=lambda _: None)
     return {key: [row[key] for row in result.history] for key in EXACT + CLOSE}
 
 

@@ -2,8 +2,14 @@
 
 import pytest
 
+from components.envs.registry import build_env
 from components.tracking import DiskTracker, NullTracker
 from components.training.trainer import train
+
+
+def train_env(cfg, *args, **kwargs):
+    """The trainer on the config's own environment (`jobs.run_train` does the same)."""
+    return train(cfg, build_env(cfg), *args, **kwargs)
 
 
 def _cfg(tiny_cfg, **train):
@@ -16,12 +22,12 @@ def _cfg(tiny_cfg, **train):
 
 def test_async_sao_run_then_resume_continues_the_version_sequence(tmp_path, tiny_cfg, sft_dir):
     log = []
-    first = train(_cfg(tiny_cfg, max_steps=2), sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"),
-                  log=log.append)
+    first = train_env(_cfg(tiny_cfg, max_steps=2), sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"),
+                      log=log.append)
     assert first.version == 2 and len(first.history) == 2
     assert all(row["rollout/staleness_max"] <= tiny_cfg.train.max_staleness for row in first.history)
-    resumed = train(_cfg(tiny_cfg, max_steps=4), sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"), resume=True,
-                    log=log.append)
+    resumed = train_env(_cfg(tiny_cfg, max_steps=4), sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"),
+                        resume=True, log=log.append)
     assert any("resumed from" in line for line in log)
     assert resumed.version == 4 and len(resumed.history) == 2  # steps 3 and 4, none repeated or skipped
     steps = [r["step"] for r in DiskTracker.read(tmp_path / "m.jsonl") if "step" in r]
@@ -32,7 +38,7 @@ def test_async_sao_run_then_resume_continues_the_version_sequence(tmp_path, tiny
 @pytest.mark.parametrize("algo", ["grpo", "sao-running-mean"])
 def test_sync_mode_and_grouped_algorithms(tmp_path, tiny_cfg, sft_dir, algo):
     cfg = _cfg(tiny_cfg, algo=algo, sync=True, max_steps=1, group_size=2, checkpoint_every=0)
-    result = train(cfg, sft_dir, tmp_path, NullTracker(), log=lambda _: None)
+    result = train_env(cfg, sft_dir, tmp_path, NullTracker(), log=lambda _: None)
     row = result.history[0]
     # Sync mode trains on what the current policy just generated: nothing is stale.
     assert result.version == 1 and row["rollout/staleness_max"] == 0
@@ -41,7 +47,7 @@ def test_sync_mode_and_grouped_algorithms(tmp_path, tiny_cfg, sft_dir, algo):
 def test_deepspeed_backend_single_process(tmp_path, tiny_cfg, sft_dir):
     """Policy and critic as two DeepSpeed engines (ZeRO-2, fp32 on CPU, gloo, world size 1)."""
     cfg = _cfg(tiny_cfg, backend="deepspeed", zero_stage=2, max_steps=2, checkpoint_every=0)
-    result = train(cfg, sft_dir, tmp_path, NullTracker(), log=lambda _: None)
+    result = train_env(cfg, sft_dir, tmp_path, NullTracker(), log=lambda _: None)
     assert result.version == 2
     assert all(row["critic/grad_norm"] > 0 and row["policy/grad_norm"] > 0 for row in result.history)
 
@@ -92,9 +98,9 @@ def test_a_home_with_checkpoints_needs_resume_and_the_same_starting_weights(tmp_
 
     from components.storage import HomeStateError
 
-    train(_cfg(tiny_cfg, max_steps=1), sft_dir, tmp_path, NullTracker(), log=lambda _: None)
+    train_env(_cfg(tiny_cfg, max_steps=1), sft_dir, tmp_path, NullTracker(), log=lambda _: None)
     with pytest.raises(HomeStateError, match="pass --resume"):
-        train(_cfg(tiny_cfg, max_steps=2), sft_dir, tmp_path, NullTracker(), log=lambda _: None)
+        train_env(_cfg(tiny_cfg, max_steps=2), sft_dir, tmp_path, NullTracker(), log=lambda _: None)
     other = tmp_path / "other-sft"
     shutil.copytree(sft_dir, other)
     weights = load_file(other / "model.safetensors")
@@ -102,7 +108,7 @@ def test_a_home_with_checkpoints_needs_resume_and_the_same_starting_weights(tmp_
     weights[name] = weights[name] + torch.ones_like(weights[name])
     save_file(weights, other / "model.safetensors")
     with pytest.raises(HomeStateError, match="other starting weights"):
-        train(_cfg(tiny_cfg, max_steps=2), other, tmp_path, NullTracker(), resume=True, log=lambda _: None)
+        train_env(_cfg(tiny_cfg, max_steps=2), other, tmp_path, NullTracker(), resume=True, log=lambda _: None)
 
 
 def test_sao_train_cli_refuses_to_overwrite_checkpoints(seeded_home, capsys):
@@ -142,7 +148,7 @@ def test_collapse_guard_restores_the_last_good_checkpoint(tmp_path, tiny_cfg, sf
     cfg = _cfg(tiny_cfg, sync=True, max_steps=6, collapse_guard=guard, rollback_lr_scale=0.5, warmup_steps=0,
                min_lr_ratio=1.0)
     log = []
-    result = train(cfg, sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"), log=log.append, detector=_FireAt(3))
+    result = train_env(cfg, sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"), log=log.append, detector=_FireAt(3))
     store = LocalCheckpointStore(tmp_path / "checkpoints" / cfg.name)
     # Fired after step 3: the weights of step 2 come back as version 4 (a new weights generation), saved at once.
     assert any("rolled back to the checkpoint of step 2 as version 4 (rollback 1)" in line for line in log)

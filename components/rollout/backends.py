@@ -1,0 +1,163 @@
+"""Where rollouts run: one small interface the trainer uses for the in-process engine and for external servers.
+
+- `EmbeddedRollouts`: the embedded engine in this process; publishing loads the tensors between decode steps.
+- `HttpRollouts`: `sao engine serve` or vLLM servers over HTTP (`EnginePool`). Publishing writes the weights
+  as an HF model directory `publish_dir/v{version:08d}` (atomically), posts its path to every server, and
+  keeps the last two directories (a server that is reviving may still be loading the previous one). The
+  servers must read `publish_dir` at the same path (same machine or a shared filesystem).
+
+Both run on the caller's asyncio loop: construct them, then call `publish`, `metrics` and `close` from the
+same loop the agent runner generates on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import re
+import shutil
+from pathlib import Path
+from typing import Literal, Protocol
+
+import httpx
+import torch
+from torch import nn
+
+from components.models import save_model_dir
+from components.rollout.client import EngineClient, health_json
+from components.rollout.embedded import EmbeddedEngine
+from components.rollout.pool import EnginePool
+from components.rollout.weights import validate_weights
+from components.storage import atomic_dir
+
+ServerKind = Literal["sao", "vllm"]
+_CLIENT_BACKEND: dict[str, str] = {"sao": "embedded", "vllm": "vllm"}
+_PUBLISHED = re.compile(r"v\d{8}")
+KEEP_PUBLISHED = 2
+
+
+class Rollouts(Protocol):
+    """What the trainer needs from wherever rollouts run."""
+
+    engine: object
+    """What the agent runner calls: `async generate(SamplingRequest) -> SamplingResult`."""
+    version: int
+    """The newest published policy version."""
+
+    async def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Every live engine serves `version` when this returns."""
+
+    def metrics(self) -> dict[str, float]:
+        """At least `rollout/engine_errors`: requests that failed on a dead or crashing engine (cumulative)."""
+
+    async def close(self) -> None: ...
+
+
+class EmbeddedRollouts:
+    """The embedded engine in this process, on a private copy of `module` (it loads weights in place)."""
+
+    def __init__(self, module: nn.Module, tokenizer, max_batch: int, version: int = 0,
+                 threads: int | None = None) -> None:
+        self.engine = EmbeddedEngine(copy.deepcopy(module), tokenizer, max_batch=max_batch, version=version,
+                                     threads=threads).start()
+        self.version = version
+
+    async def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        await asyncio.wrap_future(self.engine.load_weights(weights, version))
+        self.version = version
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/engine_errors": 0.0}
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.engine.shutdown)  # joins the engine thread
+
+
+class HttpRollouts:
+    """Rollouts on external servers: `engine` is an `EnginePool` over `urls` (see the module docstring).
+
+    At construction every server is asked `/health` (blocking, `probe_timeout_s` each); with no answer from
+    any, it refuses to start. A server that does not answer yet is probed again on the first requests. When
+    `version > 0` (a resumed run), the weights of `module_template` are published first as `version`, and no
+    server gets traffic before it serves them. A `sao` server that already serves a version above `version`
+    belongs to another run and is refused. `module_template` is an HF `PreTrainedModel` (saved with
+    `save_pretrained`); a CPU copy of it is kept, so the caller may go on training the original.
+    """
+
+    def __init__(self, urls: list[str], module_template: nn.Module, tokenizer, publish_dir: str | Path,
+                 server: ServerKind = "sao", timeout_s: float = 300.0, retries: int = 1, version: int = 0,
+                 revive_after_s: float = 2.0, probe_timeout_s: float = 5.0) -> None:
+        if not urls:
+            raise ValueError("urls: at least one engine server URL is needed")
+        if server not in _CLIENT_BACKEND:
+            raise ValueError(f"server: expected one of {sorted(_CLIENT_BACKEND)}, got {server!r}")
+        health = {url: _probe(url, probe_timeout_s) for url in urls}
+        if all(info is None for info in health.values()):
+            raise ConnectionError(f"urls: no engine server answers /health at {', '.join(urls)}")
+        for url, info in health.items():
+            served = (info or {}).get("version")
+            if served is not None and served > version:
+                raise ValueError(f"urls: {url} serves version {served}, above the trainer's version {version}: "
+                                 f"restart it from the trainer's starting weights")
+        self.tokenizer = tokenizer
+        self.publish_dir = Path(publish_dir)
+        self.version = version
+        # A CPU copy: publishing loads each version into it and saves it as an HF directory.
+        self._template = copy.deepcopy(module_template).to("cpu").eval()
+        self._published: list[Path] = []
+        self._lock = asyncio.Lock()
+        clients = [EngineClient(url, timeout_s=timeout_s, retries=retries, backend=_CLIENT_BACKEND[server],
+                                default_version=version) for url in urls]
+        self.engine = EnginePool(clients, revive_after_s=revive_after_s, probe_timeout_s=probe_timeout_s)
+        if version > 0:
+            weights = {k: v.detach() for k, v in module_template.state_dict().items()}
+            self.engine.latest = (str(self._write(weights, version)), version)
+        for pool_server, info in zip(self.engine.servers, health.values()):
+            if info is None:
+                self.engine.hold(pool_server, "no answer on /health at start")
+            elif self.engine.latest is not None and info.get("version") != version:
+                self.engine.hold(pool_server, f"waiting for weights v{version}")
+            else:
+                pool_server.version = info.get("version")
+
+    async def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        if version <= self.version:
+            raise ValueError(f"version: {version} must be greater than the published version {self.version}")
+        async with self._lock:
+            path = await asyncio.to_thread(self._write, weights, version)
+            await self.engine.publish(str(path), version)
+            self.version = version
+            await asyncio.to_thread(self._prune)
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/engine_errors": float(self.engine.errors), "rollout/engines_live": float(self.engine.live())}
+
+    async def close(self) -> None:
+        await self.engine.aclose()
+
+    def _write(self, weights: dict[str, torch.Tensor], version: int) -> Path:
+        """Save `weights` as the HF model directory `publish_dir/v{version:08d}` (complete or absent)."""
+        validate_weights(self._template, weights)
+        with torch.no_grad():
+            self._template.load_state_dict(weights, strict=False)
+        path = self.publish_dir / f"v{version:08d}"
+        with atomic_dir(path) as tmp:
+            save_model_dir(self._template, self.tokenizer, tmp)
+        self._published.append(path)
+        return path
+
+    def _prune(self) -> None:
+        """Remove every published directory but the last `KEEP_PUBLISHED` this object wrote."""
+        keep = set(self._published[-KEEP_PUBLISHED:])
+        self._published = self._published[-KEEP_PUBLISHED:]
+        for path in self.publish_dir.iterdir():
+            if _PUBLISHED.fullmatch(path.name) and path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _probe(url: str, timeout_s: float) -> dict | None:
+    """The server's `/health` JSON (`{}` for an empty body), or None when it does not answer 200."""
+    try:
+        return health_json(httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s))
+    except httpx.HTTPError:
+        return None

@@ -1,0 +1,207 @@
+"""Several engine servers behind one `generate`: load spreading, fail-over, and revival with the latest weights.
+
+`EnginePool` is what the agent runner samples from when rollouts run on external servers (`sao engine serve`
+or vLLM). Each request goes to the live server with the fewest requests in flight (ties in turn). Requests
+are stateless (prompt ids in, tokens out), so when a server fails one (connection error, timeout, HTTP 5xx,
+or an `abort` answer from a server shutting down) the server is taken out of traffic and the same request
+is sent to another live server: the episode goes on and is never duplicated. A request the server refuses
+(HTTP 4xx) is the caller's mistake and is raised, not retried.
+
+A server that is down is probed on `/health` again after a back-off (doubling per consecutive failure), and
+before it gets traffic again it is sent the latest published weights: it may have restarted with old ones.
+Everything runs on the caller's asyncio loop; no threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from components.rollout.client import EngineClient, EngineError, server_failed
+from components.rollout.protocol import SamplingRequest, SamplingResult
+
+
+class EnginesDown(RuntimeError):
+    """No server of the pool can take a request; the message names every server and why it is down."""
+
+
+@dataclass
+class Server:
+    """One server of the pool and what the pool knows about it."""
+
+    client: EngineClient
+    """The HTTP client for this server."""
+    up: bool = True
+    """Whether it gets traffic."""
+    in_flight: int = 0
+    """Requests sent and not yet answered."""
+    served: int = 0
+    """Requests it answered."""
+    version: int | None = None
+    """Weights version it serves, as last reported or published (None: unknown, e.g. vLLM before a publish)."""
+    failures: int = 0
+    """Consecutive failures (requests or probes); sets the back-off before the next probe."""
+    retry_at: float = 0.0
+    """`time.monotonic()` after which a down server is probed again."""
+    last_error: str = ""
+    """Why it is down."""
+    epoch: int = 0
+    """Incremented on each revival: a failure of a request sent before it does not take the server down again."""
+    revival: asyncio.Task | None = field(default=None, repr=False)
+    """The probe-and-sync task while one runs."""
+
+    @property
+    def url(self) -> str:
+        return self.client.base_url
+
+
+class EnginePool:
+    """`generate` over several servers (see the module docstring); `publish` sends weights to every live one."""
+
+    def __init__(self, clients: list[EngineClient], revive_after_s: float = 2.0, max_backoff_s: float = 60.0,
+                 probe_timeout_s: float = 5.0) -> None:
+        if not clients:
+            raise ValueError("clients: the pool needs at least one server")
+        if revive_after_s <= 0 or max_backoff_s < revive_after_s:
+            raise ValueError(f"revive_after_s: must be > 0 and <= max_backoff_s ({max_backoff_s}), "
+                             f"got {revive_after_s}")
+        self.servers = [Server(client) for client in clients]
+        self.revive_after_s, self.max_backoff_s, self.probe_timeout_s = revive_after_s, max_backoff_s, probe_timeout_s
+        self.latest: tuple[str, int] | None = None
+        """(path, version) of the newest published weights: what a revived server is sent first."""
+        self.errors = 0
+        """Requests and weight posts that failed on a dead, hung or crashing server (cumulative)."""
+        self._turn = 0  # where the round-robin among equally loaded servers resumes
+
+    async def generate(self, request: SamplingRequest) -> SamplingResult:
+        while True:
+            server = await self._pick()
+            epoch = server.epoch
+            server.in_flight += 1
+            try:
+                result = await server.client.generate(request)
+            except Exception as exc:
+                if not server_failed(exc):
+                    raise
+                self._fail(server, epoch, f"{type(exc).__name__}: {exc}")
+                continue
+            finally:
+                server.in_flight -= 1
+            if result.finish_reason == "abort":  # the server is shutting down; its partial output is discarded
+                self._fail(server, epoch, "aborted a request (shutting down)")
+                continue
+            server.served += 1
+            server.failures = 0
+            return result
+
+    async def publish(self, path: str, version: int) -> None:
+        """Load the weights at `path` as `version` on every live server; a down one gets them when it revives.
+
+        A server that fails the post is taken down (and counted in `errors`); a refusal (HTTP 4xx: bad path
+        or version) is raised.
+        """
+        self.latest = (path, version)
+        live = [s for s in self.servers if s.up]
+
+        async def post(server: Server) -> None:
+            epoch = server.epoch
+            try:
+                await server.client.publish_weights(path, version)
+            except Exception as exc:
+                if not server_failed(exc):
+                    raise
+                self._fail(server, epoch, f"weights v{version}: {type(exc).__name__}: {exc}")
+                return
+            server.version = version
+
+        outcomes = await asyncio.gather(*(post(s) for s in live), return_exceptions=True)
+        for server, outcome in zip(live, outcomes):
+            if isinstance(outcome, BaseException):
+                raise RuntimeError(f"publish v{version} to {server.url}: {outcome}") from outcome
+
+    def hold(self, server: Server, reason: str) -> None:
+        """Take `server` out of traffic until a probe (due at once) finds it alive and it has the latest weights."""
+        server.up, server.last_error, server.retry_at = False, reason, 0.0
+
+    def live(self) -> int:
+        return sum(s.up for s in self.servers)
+
+    async def aclose(self) -> None:
+        tasks = [s.revival for s in self.servers if s.revival is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(s.client.aclose() for s in self.servers))
+
+    # ---- internals --------------------------------------------------------------------------------------
+
+    async def _pick(self) -> Server:
+        """The live server with the fewest requests in flight, ties in turn; waits for running revivals when
+        no server is live, and raises `EnginesDown` when none is left."""
+        while True:
+            self._start_due_revivals()
+            live = [s for s in self.servers if s.up]
+            if live:
+                fewest = min(s.in_flight for s in live)
+                n = len(self.servers)
+                for k in range(n):
+                    server = self.servers[(self._turn + k) % n]
+                    if server.up and server.in_flight == fewest:
+                        self._turn = (self._turn + k + 1) % n
+                        return server
+            running = [s.revival for s in self.servers if s.revival is not None]
+            if not running:
+                raise EnginesDown("every engine server is down: " + "; ".join(
+                    f"{s.url} ({s.last_error or 'down'}; next probe in {max(0.0, s.retry_at - time.monotonic()):.1f} s)"
+                    for s in self.servers))
+            done, _ = await asyncio.wait(running)
+            for task in done:  # a bug in a revival (not a down server) must surface, not loop
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+
+    def _fail(self, server: Server, epoch: int, reason: str) -> None:
+        self.errors += 1
+        if epoch != server.epoch:
+            return  # the request was sent before the server's last revival: it says nothing about the server now
+        if server.up:
+            server.up = False
+            server.failures += 1
+        server.last_error = reason
+        self._back_off(server)
+
+    def _back_off(self, server: Server) -> None:
+        """Next probe after `revive_after_s`, doubled per consecutive failure, at most `max_backoff_s`."""
+        delay = min(self.revive_after_s * 2 ** max(0, server.failures - 1), self.max_backoff_s)
+        server.retry_at = time.monotonic() + delay
+
+    def _start_due_revivals(self) -> None:
+        now = time.monotonic()
+        for server in self.servers:
+            if not server.up and server.revival is None and server.retry_at <= now:
+                server.revival = asyncio.create_task(self._revive(server))
+
+    async def _revive(self, server: Server) -> None:
+        """Probe `/health`; if alive, send it the latest weights (again, if more were published meanwhile), then
+        give it traffic. A failure leaves it down with the reason and a longer back-off."""
+        revived = False
+        try:
+            info = await server.client.health_info(self.probe_timeout_s)
+            if info is None:
+                raise ConnectionError("no answer on /health")
+            server.version = info.get("version")  # the embedded server reports it; vLLM does not
+            while self.latest is not None and server.version != self.latest[1]:
+                path, version = self.latest  # again if more weights were published while these loaded
+                await server.client.publish_weights(path, version)
+                server.version = version
+            server.up, server.last_error, revived = True, "", True
+            server.epoch += 1
+        except (ConnectionError, httpx.HTTPError, EngineError) as exc:
+            server.last_error = f"revival: {type(exc).__name__}: {exc}"
+        finally:
+            server.revival = None
+            if not revived:
+                server.failures += 1
+                self._back_off(server)

@@ -1,0 +1,349 @@
+"""Rollout backends against real servers: the embedded server in this process (uvicorn threads) and a real
+`sao engine serve` child process for the kill test. The models are untrained tiny policies: these tests check
+routing, versions and fail-over, not what the model says."""
+
+import asyncio
+import contextlib
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from components.models import build_policy, build_tokenizer, save_model_dir, token_logprobs
+from components.rollout.backends import EmbeddedRollouts, HttpRollouts
+from components.rollout.client import EngineError
+from components.rollout.embedded import EmbeddedEngine
+from components.rollout.pool import EnginesDown
+from components.rollout.protocol import SamplingRequest
+from components.rollout.server import ServerThread, create_app
+from components.storage import is_complete
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_cfg):
+    """An untrained tiny policy (version 0) and its tokenizer."""
+    tokenizer = build_tokenizer()
+    return build_policy(tiny_cfg.model, tokenizer, seed=0), tokenizer
+
+
+def _version(model, seed: int):
+    """A perturbed copy of `model`: the weights a trainer would publish."""
+    out = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in out.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    return out
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _request(tokenizer, i: int, max_tokens: int = 8) -> SamplingRequest:
+    prompt = tokenizer(f"<|user|>Compute {i}*7+1.<|assistant|>")["input_ids"]
+    return SamplingRequest(prompt, max_tokens=max_tokens, temperature=1.0, seed=i)
+
+
+def _teacher_forced(model, result):
+    ids = torch.tensor([result.prompt_ids + result.token_ids])
+    return token_logprobs(model, ids, 1.0)[0, len(result.prompt_ids):]
+
+
+class _Served:
+    """An embedded engine behind a real uvicorn server on a loopback port, in this process."""
+
+    def __init__(self, app_or_model, tokenizer=None, port: int = 0) -> None:
+        if isinstance(app_or_model, FastAPI):
+            self.engine, app = None, app_or_model
+        else:
+            self.engine = EmbeddedEngine(copy.deepcopy(app_or_model), tokenizer, max_batch=16, threads=1).start()
+            app = create_app(self.engine, "tiny")
+        self._thread = ServerThread(app, port=port)
+        self.url = self._thread.__enter__()
+        self.port = int(self.url.rsplit(":", 1)[1])
+        self.running = True
+
+    def stop(self) -> None:
+        if self.running:
+            self.running = False
+            self._thread.__exit__(None, None, None)
+            if self.engine is not None:
+                self.engine.shutdown()
+
+
+@pytest.fixture
+def serve():
+    """`serve(model, tokenizer, port=0)` or `serve(app)`: a started server, stopped at teardown."""
+    started: list[_Served] = []
+
+    def start(*args, **kwargs) -> _Served:
+        started.append(_Served(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def _scripted(status: int) -> tuple[FastAPI, list[int]]:
+    """A server that is healthy but answers every completion with HTTP `status`; counts the completions."""
+    app, calls = FastAPI(), []
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "version": 0}
+
+    @app.post("/v1/completions")
+    async def completions() -> JSONResponse:
+        calls.append(1)
+        return JSONResponse(status_code=status, content={"error": {"message": f"scripted HTTP {status}"}})
+
+    return app, calls
+
+
+@contextlib.contextmanager
+def _engine_process(model_dir: Path):
+    """`sao engine serve` as a child process we can SIGKILL; yields (process, url) once /health answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "components.cli", "engine", "serve", "--model", str(model_dir),
+                             "--port", str(port), "--threads", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise RuntimeError(f"sao engine serve did not start: {log.read().decode(errors='replace')[-2000:]}")
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_embedded_rollouts_publish_then_generate(tiny):
+    model, tokenizer = tiny
+    v1 = _version(model, seed=1)
+    before = _weights(model)
+
+    async def run():
+        rollouts = EmbeddedRollouts(model, tokenizer, max_batch=4, version=0, threads=1)
+        first = await rollouts.engine.generate(_request(tokenizer, 1))
+        await rollouts.publish(_weights(v1), 1)
+        second = await rollouts.engine.generate(_request(tokenizer, 2))
+        metrics = rollouts.metrics()
+        await rollouts.close()
+        return rollouts.version, first, second, metrics
+
+    version, first, second, metrics = asyncio.run(run())
+    assert version == 1 and metrics == {"rollout/engine_errors": 0.0}
+    assert first.versions == [0] * 8 and second.versions == [1] * 8  # max_tokens=8, no stop tokens
+    torch.testing.assert_close(torch.tensor(second.logprobs), _teacher_forced(v1, second), atol=1e-4, rtol=0)
+    for name, tensor in model.state_dict().items():  # the engine loaded v1 into its own copy, not into `model`
+        assert torch.equal(tensor, before[name]), name
+
+
+def test_requests_spread_over_both_servers(tiny, serve, tmp_path):
+    model, tokenizer = tiny
+    a, b = serve(model, tokenizer), serve(model, tokenizer)
+
+    async def run():
+        rollouts = HttpRollouts([a.url, b.url], model, tokenizer, tmp_path / "published")
+        results = await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(8)))
+        served = [s.served for s in rollouts.engine.servers]
+        await rollouts.close()
+        return results, served
+
+    results, served = asyncio.run(run())
+    # Eight requests sent at once: each goes to the server with fewer in flight, ties alternating (a, b, a, ...).
+    assert served == [4, 4]
+    assert a.engine.stats.generated_tokens == b.engine.stats.generated_tokens == 4 * 8
+    assert [r.prompt_ids for r in results] == [_request(tokenizer, i).prompt_ids for i in range(8)]
+
+
+def test_publish_reaches_every_server_and_keeps_the_last_two_dirs(tiny, serve, tmp_path):
+    model, tokenizer = tiny
+    a, b = serve(model, tokenizer), serve(model, tokenizer)
+    versions = {v: _version(model, seed=v) for v in (1, 2, 3)}
+
+    async def run():
+        rollouts = HttpRollouts([a.url, b.url], model, tokenizer, tmp_path / "published")
+        seen = {}
+        for v, weights in versions.items():
+            await rollouts.publish(_weights(weights), v)
+            reported = [httpx.get(f"{s.url}/health").json()["version"] for s in (a, b)]
+            results = await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(4)))
+            seen[v] = reported, results
+        with pytest.raises(ValueError, match="version: 3 must be greater than the published version 3"):
+            await rollouts.publish(_weights(versions[3]), 3)
+        await rollouts.close()
+        return rollouts.version, seen
+
+    version, seen = asyncio.run(run())
+    assert version == 3
+    for v, (reported, results) in seen.items():
+        assert reported == [v, v]  # the servers' own answer
+        assert all(r.versions == [v] * len(r.token_ids) for r in results)
+    for result in seen[3][1]:  # the tokens really come from v3's weights
+        torch.testing.assert_close(torch.tensor(result.logprobs), _teacher_forced(versions[3], result),
+                                   atol=1e-4, rtol=0)
+    published = sorted(p.name for p in (tmp_path / "published").iterdir())
+    assert published == ["v00000002", "v00000003"]
+    assert all(is_complete(tmp_path / "published" / name) for name in published)
+
+
+def test_server_killed_mid_run_fails_over_without_losing_or_duplicating_requests(tiny, serve, tmp_path):
+    model, tokenizer = tiny
+    model_dir = save_model_dir(model, tokenizer, tmp_path / "policy")
+    local = serve(model, tokenizer)
+    # 200 tokens each with no stop token: several hundred decode steps, far longer than the kill takes.
+    requests = [_request(tokenizer, i, max_tokens=200) for i in range(12)]
+
+    async def run(proc, remote_url):
+        rollouts = HttpRollouts([remote_url, local.url], model, tokenizer, tmp_path / "published",
+                                revive_after_s=60)
+        jobs = [asyncio.create_task(rollouts.engine.generate(r)) for r in requests]
+        async with httpx.AsyncClient() as probe:  # wait until the remote engine holds its 6 requests
+            deadline = time.monotonic() + 30
+            while (await probe.get(f"{remote_url}/health")).json()["in_flight"] < 6:
+                assert time.monotonic() < deadline, "the remote server never received its requests"
+                await asyncio.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        first = await asyncio.gather(*jobs)
+        later = await asyncio.gather(*(rollouts.engine.generate(r) for r in requests[:4]))
+        state = [(s.up, s.served) for s in rollouts.engine.servers]
+        metrics = rollouts.metrics()
+        await rollouts.close()
+        return first, later, state, metrics
+
+    with _engine_process(model_dir) as (proc, remote_url):
+        first, later, state, metrics = asyncio.run(run(proc, remote_url))
+    assert [r.prompt_ids for r in first + later] == [r.prompt_ids for r in requests + requests[:4]]
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 200 for r in first + later)
+    # Round-robin gave the remote requests 0, 2, ..., 10; all six died with it and were answered by the local
+    # server, once each: 12 + 4 answers in all, 6 errors, and the later ones never tried the dead server.
+    assert state == [(False, 0), (True, 16)]
+    assert metrics == {"rollout/engine_errors": 6.0, "rollout/engines_live": 1.0}
+
+
+def test_server_errors_fail_over_but_bad_requests_are_not_retried(tiny, serve, tmp_path):
+    model, tokenizer = tiny
+    crashing_app, crashing_calls = _scripted(500)
+    refusing_app, refusing_calls = _scripted(400)
+    crashing, good, refusing = serve(crashing_app), serve(model, tokenizer), serve(refusing_app)
+
+    async def run():
+        rollouts = HttpRollouts([crashing.url, good.url], model, tokenizer, tmp_path / "a", revive_after_s=60)
+        results = await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(4)))
+        failover = rollouts.metrics(), [s.served for s in rollouts.engine.servers]
+        await rollouts.close()
+        rollouts = HttpRollouts([refusing.url, good.url], model, tokenizer, tmp_path / "b")
+        with pytest.raises(EngineError, match="HTTP 400: scripted HTTP 400") as refused:
+            await rollouts.engine.generate(_request(tokenizer, 0))
+        refusal = rollouts.metrics(), refused.value.status
+        await rollouts.close()
+        return results, failover, refusal
+
+    results, failover, refusal = asyncio.run(run())
+    # Four requests at once: crashing, good, crashing, good (fewest in flight, ties alternating). Both sent to the
+    # crashing server get a 500 and go to the good one; after that the crashing one is down and gets nothing.
+    assert len(results) == 4 and crashing_calls == [1, 1]
+    assert failover == ({"rollout/engine_errors": 2.0, "rollout/engines_live": 1.0}, [0, 4])
+    assert refusing_calls == [1]  # sent once, raised, not retried on the good server
+    assert refusal == ({"rollout/engine_errors": 0.0, "rollout/engines_live": 2.0}, 400)
+
+
+def test_every_server_down_is_a_clear_error(tiny, serve, tmp_path):
+    model, tokenizer = tiny
+    with pytest.raises(ConnectionError, match=r"no engine server answers /health at http://127.0.0.1:9, "):
+        HttpRollouts(["http://127.0.0.1:9", "http://127.0.0.1:10"], model, tokenizer, tmp_path, probe_timeout_s=1)
+    a, b = serve(model, tokenizer), serve(model, tokenizer)
+
+    async def run():
+        rollouts = HttpRollouts([a.url, b.url], model, tokenizer, tmp_path, retries=0, revive_after_s=60)
+        a.stop()
+        b.stop()
+        try:
+            with pytest.raises(EnginesDown) as down:
+                await rollouts.engine.generate(_request(tokenizer, 0))
+            return str(down.value), rollouts.metrics()
+        finally:
+            await rollouts.close()
+
+    message, metrics = asyncio.run(run())
+    assert message.startswith("every engine server is down: ") and a.url in message and b.url in message
+    assert "ConnectError" in message
+    assert metrics == {"rollout/engine_errors": 2.0, "rollout/engines_live": 0.0}
+
+
+def test_revived_server_gets_the_latest_weights_before_traffic(tiny, serve, tmp_path):
+    model, tokenizer = tiny
+    a, b = serve(model, tokenizer), serve(model, tokenizer)
+    v1, v2 = _version(model, seed=1), _version(model, seed=2)
+
+    async def run():
+        rollouts = HttpRollouts([a.url, b.url], model, tokenizer, tmp_path, retries=0, revive_after_s=0.2)
+        await rollouts.publish(_weights(v1), 1)
+        b.stop()
+        await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(2)))  # b fails
+        assert rollouts.engine.servers[1].up is False
+        await rollouts.publish(_weights(v2), 2)  # only a is live
+        restarted = serve(model, tokenizer, port=b.port)  # back on the same port, with version 0's weights
+        assert httpx.get(f"{restarted.url}/health").json()["version"] == 0
+        await asyncio.sleep(0.3)  # past the back-off
+        results = []
+        for _ in range(50):  # until the revived server has answered some requests
+            results += await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(4)))
+            if rollouts.engine.servers[1].served >= 2:
+                break
+        served = [s.served for s in rollouts.engine.servers]
+        await rollouts.close()
+        return restarted, results, served
+
+    restarted, results, served = asyncio.run(run())
+    assert restarted.engine.version == 2 and served[1] >= 2
+    assert restarted.engine.stats.generated_tokens >= 2 * 8
+    # A request served before the revived server had v2 would carry version 0 (what it restarted with).
+    assert all(r.versions == [2] * len(r.token_ids) for r in results)
+
+
+def test_resumed_run_syncs_every_server_before_traffic(tiny, serve, tmp_path):
+    model, tokenizer = tiny
+    v5 = _version(model, seed=5)
+    a, b = serve(model, tokenizer), serve(model, tokenizer)  # started from the starting weights: version 0
+
+    async def run():
+        rollouts = HttpRollouts([a.url, b.url], v5, tokenizer, tmp_path, version=5)
+        assert rollouts.metrics()["rollout/engines_live"] == 0.0  # held until they serve v5
+        results = await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(4)))
+        await rollouts.close()
+        return results
+
+    results = asyncio.run(run())
+    assert a.engine.version == b.engine.version == 5
+    assert all(r.versions == [5] * 8 for r in results)
+    torch.testing.assert_close(torch.tensor(results[0].logprobs), _teacher_forced(v5, results[0]), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match=f"urls: {a.url} serves version 5, above the trainer's version 3"):
+        HttpRollouts([a.url], model, tokenizer, tmp_path, version=3)
