@@ -56,10 +56,11 @@ def artifact_store(cfg: Config, home: Path) -> ArtifactStore | None:
     return open_store(uri)
 
 
-def publish(cfg: Config, home: Path, key: str, log: Log = print) -> None:
-    """Copy the complete artifact `home/key` to the store (a no-op when the store is the home)."""
+def publish(cfg: Config, home: Path, key: str, log: Log = print, again: bool = True) -> None:
+    """Copy the complete artifact `home/key` to the store (a no-op when the store is the home); with
+    `again=False`, only when the store does not hold it complete yet."""
     store = artifact_store(cfg, home)
-    if store is not None:
+    if store is not None and (again or not store.is_complete(key)):
         log(f"store: published {store.put_dir(home / key, key)}")
 
 
@@ -83,6 +84,7 @@ def build_sft_data(cfg: Config, home: Path, log: Log = print) -> Path:
     path = home / key / "traces.parquet"
     if is_complete(home / key) or fetch(cfg, home, key, log):
         log(f"data: reusing {path}")
+        publish(cfg, home, key, log, again=False)
         return path
     traces = sft_traces(cfg)
     with atomic_dir(home / key) as tmp:
@@ -100,6 +102,7 @@ def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> P
         saved = json.loads((out / "sao_sft.json").read_text())
         if saved.get("recipe") == recipe:
             log(f"sft: reusing the complete SFT policy at {out} (--force retrains)")
+            publish(cfg, home, key, log, again=False)
             return out
         log(f"sft: the policy at {out} was trained with another config; retraining")
     traces = read_traces(build_sft_data(cfg, home, log))

@@ -23,3 +23,27 @@ def sft_policy(tiny_cfg):
     problems = generate_problems(tiny_cfg.task.kinds, tiny_cfg.task.train_size, 0, 99, "train")
     train_sft(model, tokenizer, [teacher_trace(p) for p in problems], tiny_cfg.sft, log=lambda _: None)
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """moto's threaded S3 server on a free loopback port: a real HTTP endpoint every process can reach."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(moto_endpoint, monkeypatch):
+    """The AWS environment of a process talking to the moto server (also inherited by subprocesses)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    return moto_endpoint

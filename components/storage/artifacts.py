@@ -88,7 +88,9 @@ def join(*parts: str) -> str:
 
 
 def source_files(local_dir: Path) -> list[tuple[str, Path]]:
-    """(relative posix path, path) of every file under `local_dir`, sorted; refuses reserved top-level names."""
+    """(relative posix path, path) of every file under `local_dir`, sorted. A local completion marker (an
+    `atomic_dir` artifact of the run home) is the source's own state, not content: it is skipped, and the
+    store writes its own last. A top-level `manifest.json` is refused (the store's bookkeeping)."""
     local_dir = Path(local_dir)
     if not local_dir.is_dir():
         raise NotADirectoryError(f"cannot publish {local_dir}: not a directory")
@@ -97,7 +99,9 @@ def source_files(local_dir: Path) -> list[tuple[str, Path]]:
         dirnames.sort()
         for name in sorted(filenames):
             path = Path(dirpath) / name
-            files.append((path.relative_to(local_dir).as_posix(), path))
+            rel = path.relative_to(local_dir).as_posix()
+            if rel != MARKER:
+                files.append((rel, path))
     for rel, path in files:
         if rel in RESERVED:
             raise ValueError(f"cannot publish {local_dir}: {rel} is reserved for the store's own bookkeeping")

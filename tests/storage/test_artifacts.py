@@ -17,34 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.storage import (CorruptArtifact, IncompleteArtifact, LocalStore, StoreError, open_store,
+from components.storage import (CorruptArtifact, IncompleteArtifact, LocalStore, StoreError, atomic_dir, open_store,
                                 resolve_store_uri)
 from components.training.checkpoint import CheckpointStore, LocalCheckpointStore
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def s3_env(moto_endpoint, monkeypatch):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(name, value)
-    return moto_endpoint
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -283,6 +261,12 @@ def test_open_store_settings_and_errors(s3_env, monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="manifest.json is reserved"):
         LocalStore(tmp_path / "store").put_dir(tmp_path / "src", "k")
     (tmp_path / "src" / "manifest.json").unlink()
+    # A complete local artifact (atomic_dir's marker) publishes its content; the store writes its own marker.
+    with atomic_dir(tmp_path / "done") as tmp:
+        (tmp / "w.bin").write_bytes(b"w")
+    local = LocalStore(tmp_path / "store")
+    local.put_dir(tmp_path / "done", "done")
+    assert sorted(p.name for p in local.get_dir("done", tmp_path / "back").iterdir()) == ["w.bin"]
     # S3 failures name the artifact (here: a bucket that does not exist).
     with pytest.raises(StoreError, match="s3://no-such-bucket/p/k"):
         open_store("s3://no-such-bucket/p", retries=0).put_dir(tmp_path / "src", "k")

@@ -167,3 +167,46 @@ def test_collapse_guard_restores_the_last_good_checkpoint(tmp_path, tiny_cfg, sf
         assert result.version == 4 and len(result.history) == 3
         final = load_policy(result.policy_dir).state_dict()
         assert torch.equal(final["lm_head.weight"], good["policy"]["module"]["lm_head.weight"])
+
+
+def test_http_backend_trains_against_a_served_engine(tmp_path, tiny_cfg, sft_dir):
+    """`sao engine serve` started on its own, the trainer on `rollout.backend = "http"`: every step's weights
+    reach the server, which then answers with that version; the metrics are the in-process run's plus the
+    pool's live-server count."""
+    from dataclasses import replace
+
+    import httpx
+
+    from components.rollout.server import serve_subprocess
+
+    with serve_subprocess(sft_dir, threads=1) as url:
+        base = _cfg(tiny_cfg, max_steps=3, collapse_guard="off")
+        cfg = replace(base, rollout=replace(base.rollout, backend="http", urls=(url,),
+                                            publish_dir=str(tmp_path / "published")))
+        result = train_env(cfg, sft_dir, tmp_path / "http", NullTracker(), log=lambda _: None)
+        assert result.version == 3 and httpx.get(f"{url}/health").json()["version"] == 3
+    assert sorted(p.name for p in (tmp_path / "published").iterdir()) == ["v00000002", "v00000003"]
+    assert all(row["rollout/engine_errors"] == 0 and row["rollout/engines_live"] == 1 for row in result.history)
+    embedded = train_env(_cfg(tiny_cfg, max_steps=1, collapse_guard="off"), sft_dir, tmp_path / "embedded",
+                         NullTracker(), log=lambda _: None)
+    assert set(result.history[0]) == set(embedded.history[0]) | {"rollout/engines_live"}
+
+
+@pytest.mark.parametrize("env", ["style", "coding"])
+def test_the_trainer_runs_any_configured_environment(tmp_path, tiny_cfg, sft_dir, env):
+    """The same loop on style (with a preference schedule flipping every step) and coding."""
+    from dataclasses import replace
+
+    base = _cfg(tiny_cfg, max_steps=3, collapse_guard="off")
+    schedule = "cute:1,classical:1" if env == "style" else ""
+    cfg = replace(base, env=replace(base.env, name=env, preference_schedule=schedule))
+    log = []
+    result = train_env(cfg, sft_dir, tmp_path, NullTracker(), log=log.append)
+    assert result.version == 3 and all(0.0 <= row["reward/mean"] <= 1.0 for row in result.history)
+    if env == "style":
+        # Step s's batch was started under on_step(s - 1): cute (index 0), classical (2), cute again.
+        assert [row["env/preference"] for row in result.history] == [0.0, 2.0, 0.0]
+        assert [line for line in log if line.startswith("env:")] == [
+            "env: preference cute -> classical at step 1", "env: preference classical -> cute at step 2"]
+    else:
+        assert "env/preference" not in result.history[0]
