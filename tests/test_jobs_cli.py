@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from components.cli import main
+from components.contracts.trajectory import read_trajectories
 from components.jobs import run_eval, run_sft
 from components.storage import MARKER, atomic_dir, is_complete
 
@@ -32,9 +33,28 @@ def test_sft_job_saves_reuses_and_evaluates(tmp_path, tiny_cfg):
     assert json.loads((model_dir / "sao_sft.json").read_text())["result"]["steps"] == 5
     run_sft(cfg, tmp_path, log=lines.append)
     assert any("reusing the complete SFT policy" in line for line in lines)
-    report = run_eval(cfg, model_dir, tmp_path, "t")
+    report = run_eval(cfg, model_dir, tmp_path, "t", samples=2)
     saved = json.loads((tmp_path / "reports" / "t.json").read_text())
-    assert saved["accuracy"] == report.accuracy and saved["n"] == cfg.task.eval_size
+    assert saved["accuracy"] == report.accuracy and saved["n"] == cfg.task.eval_size == 24
+    # The numbers again, counted by hand from the stored trajectories: 24 greedy ones, then 2 samples per task.
+    stored = read_trajectories(tmp_path / "reports" / "t.parquet")
+    greedy, samples = stored[:24], stored[24:]
+    assert len(samples) == 48 and all(t.prompt_id.endswith(("#s0", "#s1")) for t in samples)
+    solved = {t.prompt_id: t.reward >= 1.0 for t in samples}
+    assert saved["accuracy"] == sum(t.reward >= 1.0 for t in greedy) / 24
+    assert saved["avg@2"] == pytest.approx(sum(solved.values()) / 48)
+    assert saved["pass@2"] == sum(solved[f"{t.prompt_id}#s0"] or solved[f"{t.prompt_id}#s1"] for t in greedy) / 24
+
+
+def test_cli_eval_prints_accuracy_avg_and_pass_at_k(tmp_path, sft_policy, capsys):
+    from components.models import save_model_dir
+
+    model_dir = save_model_dir(*sft_policy, tmp_path / "policy")
+    main(["eval", "--home", str(tmp_path), "--model", str(model_dir), "--samples", "3", "--set", "task.eval_size=6"])
+    saved = json.loads((tmp_path / "reports" / "eval.json").read_text())
+    assert (f"tir_math held-out, 6 tasks: accuracy {saved['accuracy']:.1%} (greedy), avg@3 {saved['avg@3']:.1%}, "
+            f"pass@3 {saved['pass@3']:.1%}") in capsys.readouterr().out
+    assert saved["avg@3"] <= saved["pass@3"]  # a task's share of solved samples is at most 1 if any is solved
 
 
 def test_cli_rejects_bad_config_naming_the_field(capsys):

@@ -184,7 +184,7 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
     runner = AgentRunner(rollouts.engine, tokenizer, setup.env, episode_limits(cfg), cfg.rollout.concurrency,
                          tuple(stop_token_ids(tokenizer)), seed=cfg.task.seed + step)
     tasks = setup.train_tasks(cursor, group)
-    env_row = _env_step(setup, step, log)  # e.g. the style preference in force from this step on
+    env_row = _env_step(setup, step, log, detector)  # e.g. the style preference in force from this step on
     intake = _Intake(buffer, limit=max(2 * cfg.rollout.concurrency, 16))
     stop = asyncio.Event()
     producer = None if tc.sync else asyncio.create_task(runner.run(tasks, intake.put, buffer.admit, stop))
@@ -196,7 +196,7 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
     try:
         while step < tc.max_steps:
             if step != env_step:
-                env_row, env_step = _env_step(setup, step, log), step
+                env_row, env_step = _env_step(setup, step, log, detector), step
             wait_start = time.perf_counter()
             while tc.sync and buffer.ready < tc.batch_size:  # generate one batch, wait for all of it
                 await runner.run(itertools.islice(tasks, tc.batch_size - buffer.ready), intake.put)
@@ -308,11 +308,14 @@ class _Intake:
                                f"{trajectory.metadata.get('error', 'no message')}")
 
 
-def _env_step(setup: EnvSetup, step: int, log: Callable[[str], None]) -> dict[str, float]:
-    """The environment's per-step hook (the style preference schedule); logs what changed."""
+def _env_step(setup: EnvSetup, step: int, log: Callable[[str], None], detector: CollapseDetector) -> dict[str, float]:
+    """The environment's per-step hook (the style preference schedule); logs what changed. A change of the
+    task (a preference flip) drops the reward on purpose: the collapse rule starts over rather than read the
+    drop as a collapse."""
     metrics, message = setup.on_step(step)
     if message:
         log(message)
+        detector.reset()
     return metrics
 
 

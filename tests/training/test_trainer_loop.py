@@ -200,13 +200,14 @@ def test_the_trainer_runs_any_configured_environment(tmp_path, tiny_cfg, sft_dir
     base = _cfg(tiny_cfg, max_steps=3, collapse_guard="off")
     schedule = "cute:1,classical:1" if env == "style" else ""
     cfg = replace(base, env=replace(base.env, name=env, preference_schedule=schedule))
-    log = []
-    result = train_env(cfg, sft_dir, tmp_path, NullTracker(), log=log.append)
+    log, detector = [], _FireAt(99)
+    result = train_env(cfg, sft_dir, tmp_path, NullTracker(), log=log.append, detector=detector)
     assert result.version == 3 and all(0.0 <= row["reward/mean"] <= 1.0 for row in result.history)
     if env == "style":
         # Step s's batch was started under on_step(s - 1): cute (index 0), classical (2), cute again.
         assert [row["env/preference"] for row in result.history] == [0.0, 2.0, 0.0]
         assert [line for line in log if line.startswith("env:")] == [
             "env: preference cute -> classical at step 1", "env: preference classical -> cute at step 2"]
+        assert detector.resets == 2, "a flip drops the reward on purpose: the collapse rule starts over"
     else:
-        assert "env/preference" not in result.history[0]
+        assert "env/preference" not in result.history[0] and detector.resets == 0
