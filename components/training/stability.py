@@ -43,6 +43,7 @@ class CollapseDetector:
     _recent: collections.deque = field(default_factory=collections.deque, repr=False)
     _peak: float = float("-inf")
     _streak_start: int | None = None
+    _hold: int = 0
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.patience < 1 or not 0 < self.drop < 1:
@@ -51,6 +52,9 @@ class CollapseDetector:
 
     def update(self, step: int, reward: float) -> Collapse | None:
         """Feed one step's `reward/mean`; returns a `Collapse` when the rule fires (once per streak)."""
+        if self._hold > 0:  # see `reset`
+            self._hold -= 1
+            return None
         self._recent.append(reward)
         if len(self._recent) > self.window:
             self._recent.popleft()
@@ -69,10 +73,15 @@ class CollapseDetector:
                             f"peak {self._peak:.3f} for {self.patience} steps")
         return None
 
-    def reset(self) -> None:
-        """Forget the history (after a rollback the reward curve starts again from the restored policy)."""
+    def reset(self, hold: int = 0) -> None:
+        """Forget the history (after a rollback the reward curve starts again from the restored policy), and
+        ignore the next `hold` steps: after the task changed (a preference flip), batches still hold episodes
+        started under the old task for up to max_staleness + 1 steps, and their reward would set a peak the
+        new task's curve is then measured against."""
+        if hold < 0:
+            raise ValueError(f"hold: must be >= 0, got {hold}")
         self._recent.clear()
-        self._peak, self._streak_start = float("-inf"), None
+        self._peak, self._streak_start, self._hold = float("-inf"), None, hold
 
 
 def collapsed_on_eval(accuracy: float, start_accuracy: float) -> bool:

@@ -184,7 +184,8 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
     runner = AgentRunner(rollouts.engine, tokenizer, setup.env, episode_limits(cfg), cfg.rollout.concurrency,
                          tuple(stop_token_ids(tokenizer)), seed=cfg.task.seed + step)
     tasks = setup.train_tasks(cursor, group)
-    env_row = _env_step(setup, step, log, detector)  # e.g. the style preference in force from this step on
+    env_row, _ = _env_step(setup, step, log, detector, tc.max_staleness)  # e.g. the style preference from now on
+    regime = step  # the guard never rolls back to weights trained for an earlier task (a preference flip)
     intake = _Intake(buffer, limit=max(2 * cfg.rollout.concurrency, 16))
     stop = asyncio.Event()
     producer = None if tc.sync else asyncio.create_task(runner.run(tasks, intake.put, buffer.admit, stop))
@@ -196,7 +197,11 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
     try:
         while step < tc.max_steps:
             if step != env_step:
-                env_row, env_step = _env_step(setup, step, log, detector), step
+                (env_row, changed), env_step = _env_step(setup, step, log, detector, tc.max_staleness), step
+                if changed and tc.collapse_guard != "off":
+                    regime = step
+                    if store.latest_step() != step:
+                        save_checkpoint()  # the task's starting weights: what the guard may return to
             wait_start = time.perf_counter()
             while tc.sync and buffer.ready < tc.batch_size:  # generate one batch, wait for all of it
                 await runner.run(itertools.islice(tasks, tc.batch_size - buffer.ready), intake.put)
@@ -233,7 +238,7 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
             if tc.collapse_guard == "off":
                 log(f"train: collapse at step {step} ({collapse.cause}); train.collapse_guard=off, continuing")
                 continue
-            restored = _roll_back(collapse, store, learner, guard, tc, log)
+            restored = _roll_back(collapse, store, learner, guard, tc, log, floor=regime)
             if restored is None:
                 break
             ending = _guard_ends(guard, tc)
@@ -263,14 +268,14 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
 
 
 def _roll_back(collapse: Collapse, store: CheckpointStore, learner: Learner, guard: dict, tc: TrainConfig,
-               log: Callable[[str], None]) -> int | None:
-    """The collapse guard (docs/stability.md): load the newest checkpoint from before the collapse's onset into
-    the learner and update the guard's record (count, learning-rate factor). Returns the
-    restored step, or None when there is none to return to."""
+               log: Callable[[str], None], floor: int = 0) -> int | None:
+    """The collapse guard (docs/stability.md): load the newest checkpoint from before the collapse's onset, and
+    not before step `floor` (the current task's start), into the learner and update the guard's record
+    (count, learning-rate factor). Returns the restored step, or None when there is none to return to."""
     found = store.load_latest(log, at_most=collapse.last_good_step)
-    if found is None:
-        log(f"train: collapse at step {collapse.step} ({collapse.cause}) and no checkpoint before step "
-            f"{collapse.onset} to roll back to; stopping")
+    if found is None or found[0] < floor:
+        log(f"train: collapse at step {collapse.step} ({collapse.cause}) and no checkpoint between steps {floor} "
+            f"and {collapse.onset} to roll back to; stopping")
         return None
     restored, saved = found
     learner.load_state_dicts(saved)
@@ -308,15 +313,16 @@ class _Intake:
                                f"{trajectory.metadata.get('error', 'no message')}")
 
 
-def _env_step(setup: EnvSetup, step: int, log: Callable[[str], None], detector: CollapseDetector) -> dict[str, float]:
-    """The environment's per-step hook (the style preference schedule); logs what changed. A change of the
-    task (a preference flip) drops the reward on purpose: the collapse rule starts over rather than read the
-    drop as a collapse."""
+def _env_step(setup: EnvSetup, step: int, log: Callable[[str], None], detector: CollapseDetector,
+              max_staleness: int) -> tuple[dict[str, float], bool]:
+    """The environment's per-step hook (the style preference schedule): (its metrics, whether the task
+    changed), logging the change. A change (a preference flip) drops the reward on purpose: the collapse rule
+    starts over, and skips the next `max_staleness + 1` batches, which still hold episodes of the old task."""
     metrics, message = setup.on_step(step)
     if message:
         log(message)
-        detector.reset()
-    return metrics
+        detector.reset(hold=max_staleness + 1)
+    return metrics, bool(message)
 
 
 def _weights(policy) -> dict[str, torch.Tensor]:

@@ -40,6 +40,22 @@ def test_detector_reset_forgets_the_peak():
     assert _feed(detector, [0.2, 0.2, 0.15], start=3) == []  # new peak 0.2; 0.15 >= 0.1
 
 
+def test_detector_reset_can_hold_off_the_old_task_s_rewards():
+    # A flip of the task before step 3: the first two batches after it still hold old-task episodes (0.9).
+    # Without a hold they set the peak: smoothed .9 at step 4 (peak), .5 at 5 (not below .45), .1 at 6 (streak
+    # starts), .1 at 7: fires at 7. Holding 2 steps, the new task's curve starts from its own level: smoothed
+    # .1, .1, .1 never falls below .05.
+    rewards = [0.9, 0.9, 0.1, 0.1, 0.1, 0.1]
+    plain = CollapseDetector(window=2, drop=0.5, patience=2)
+    plain.reset()
+    assert [step for step, _ in _feed(plain, rewards, start=3)] == [7]
+    held = CollapseDetector(window=2, drop=0.5, patience=2)
+    held.reset(hold=2)
+    assert _feed(held, rewards, start=3) == []
+    with pytest.raises(ValueError, match="hold"):
+        held.reset(hold=-1)
+
+
 def test_detector_refuses_bad_settings():
     with pytest.raises(ValueError, match="drop"):
         CollapseDetector(drop=1.5)

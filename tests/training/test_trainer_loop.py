@@ -124,18 +124,22 @@ def test_sao_train_cli_refuses_to_overwrite_checkpoints(seeded_home, capsys):
 
 
 class _FireAt:
-    """The collapse rule as a test double: fires once, at `step`, blaming everything from `step` on (so the last
-    good checkpoint is `step - 1`). The real rule is tested in test_stability.py; this isolates the guard."""
+    """The collapse rule as a test double: fires once, at `step`, blaming everything from `onset` (default
+    `step`) on, so the last good checkpoint is `onset - 1`. The real rule is tested in test_stability.py; this
+    isolates the guard."""
 
-    def __init__(self, step: int) -> None:
-        self.step, self.resets = step, 0
+    def __init__(self, step: int, onset: int | None = None) -> None:
+        self.step, self.onset, self.resets, self.fired = step, step if onset is None else onset, 0, False
 
     def update(self, step: int, reward: float):
         from components.training.stability import Collapse
 
-        return Collapse(step, step, "test") if step == self.step and not self.resets else None
+        if step != self.step or self.fired:
+            return None
+        self.fired = True
+        return Collapse(step, self.onset, "test")
 
-    def reset(self) -> None:
+    def reset(self, hold: int = 0) -> None:
         self.resets += 1
 
 
@@ -211,3 +215,22 @@ def test_the_trainer_runs_any_configured_environment(tmp_path, tiny_cfg, sft_dir
         assert detector.resets == 2, "a flip drops the reward on purpose: the collapse rule starts over"
     else:
         assert "env/preference" not in result.history[0] and detector.resets == 0
+
+
+def test_the_guard_never_rolls_back_across_a_preference_flip(tmp_path, tiny_cfg, sft_dir):
+    """At a flip the trainer saves the new task's starting weights; a collapse later in that phase rolls back to
+    them at the earliest, never to weights trained for the old preference."""
+    from dataclasses import replace
+
+    base = _cfg(tiny_cfg, max_steps=4, checkpoint_every=0, collapse_guard="stop")
+    cfg = replace(base, env=replace(base.env, name="style", preference_schedule="cute:2,classical:2"))
+    log = []
+    # Fires after step 3, onset 3: the newest good checkpoint is the flip's, step 2 (not 0, the start).
+    result = train_env(cfg, sft_dir, tmp_path / "a", NullTracker(), log=log.append, detector=_FireAt(3))
+    assert "env: preference cute -> classical at step 2" in log
+    assert any("rolled back to the checkpoint of step 2 as version 4" in line for line in log)
+    assert result.version == 4
+    # Onset 2: the last good step, 1, predates the flip; the only checkpoint before it (step 0) is cute's.
+    log = []
+    train_env(cfg, sft_dir, tmp_path / "b", NullTracker(), log=log.append, detector=_FireAt(3, onset=2))
+    assert any("no checkpoint between steps 2 and 2 to roll back to; stopping" in line for line in log)
