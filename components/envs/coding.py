@@ -104,24 +104,33 @@ def coding_spec(task: Task) -> tuple[str, list[str]]:
 def load_coding_tasks(path: str | Path | None = None) -> list[Task]:
     """Coding tasks from JSONL/Parquet rows `{task_id, prompt, answer: {entry_point, tests}, ...}`.
 
-    The default is the small shipped set `data/coding/problems.jsonl`. Every answer is validated. Other
-    columns land in `Task.metadata`, e.g. `solution` (a reference solution, needed by `solution_trace`).
+    The default is the small shipped set `data/coding/problems.jsonl`. Every answer is validated. A
+    `solution` column (a reference solution, needed by `solution_trace`) moves into the answer, which the
+    model never sees and trajectories do not copy; other columns land in `Task.metadata`.
     """
     tasks = load_tasks(path or DEFAULT_PROBLEMS, prompt_field="prompt", answer_field="answer",
                        id_field="task_id")
     for task in tasks:
         coding_spec(task)
-    return tasks
+    return [_solution_into_answer(task) for task in tasks]
+
+
+def _solution_into_answer(task: Task) -> Task:
+    if "solution" not in task.metadata:
+        return task
+    metadata = {k: v for k, v in task.metadata.items() if k != "solution"}
+    return Task(task.task_id, task.prompt, {**task.answer, "solution": task.metadata["solution"]}, metadata)
 
 
 def solution_trace(task: Task) -> Trace:
     """The SFT trace of a coding task: one answer turn holding the reference solution in a ```python block.
 
-    The solution is the row's `solution` column (`Task.metadata["solution"]`; the shipped set has one per
-    row, tests/envs/test_registry.py runs each against its hidden tests); ValueError naming the task when
-    it is missing. `answer` is None: coding traces are graded by tests, not by an integer.
+    The solution is the row's `solution` column (`Task.answer["solution"]` after `load_coding_tasks`; the
+    shipped set has one per row, tests/envs/test_registry.py runs each against its hidden tests);
+    ValueError naming the task when it is missing. `answer` is None: coding traces are graded by tests, not
+    by an integer.
     """
-    solution = task.metadata.get("solution")
+    solution = task.answer.get("solution") if isinstance(task.answer, dict) else None
     if not isinstance(solution, str) or not solution.strip():
         raise ValueError(f"task {task.task_id}: field 'solution' (a reference solution string) is missing or "
                          "empty; the coding SFT teacher needs one per task")

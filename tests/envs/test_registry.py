@@ -205,6 +205,7 @@ def test_coding_reference_solutions_pass_their_hidden_tests():
         answer = traces[task.task_id].turns[1].content
         result = asyncio.run(env.start(task).step(answer + END, truncated=False))
         assert (result.reward, result.info["passed"]) == (1.0, len(task.answer["tests"])), task.task_id
+        assert "solution" not in task.metadata, "reference solutions must not reach trajectories"
     with pytest.raises(ValueError, match="task t: field 'solution'"):
         solution_trace(Task("t", "Write add.", {"entry_point": "add", "tests": ["assert add(1, 1) == 2"]}))
 
