@@ -76,11 +76,15 @@ class LexicalJudge:
     as whole words); words = number of whitespace-separated tokens.
 
         margin = 10 * (hits(preferred) - sum of hits(other styles)) / max(words, 10)
-        score  = 1 / (1 + exp(-margin))
+        score  = max(0, tanh(margin / 2))
 
     i.e. net marker hits per 10 words (texts under 10 words count as 10, so a single marker in a tiny reply
-    does not saturate), squashed by a logistic: a neutral text scores 0.5, the preferred style > 0.5, the
-    other styles < 0.5.
+    does not saturate), squashed into [0, 1): only the preferred style scores above 0; neutral text and the
+    other styles score 0, as "how strongly is this written in the style" would rate them.
+
+    An earlier version scored neutral text 0.5 (a plain logistic of the margin). Online learning found the
+    hedge: after a preference flip the policy learned to write marker-free gibberish, which earns 0.5 under
+    every preference, instead of the new style (docs/production.md).
     """
 
     def hits(self, text: str) -> dict[str, int]:
@@ -92,7 +96,7 @@ class LexicalJudge:
         hits = self.hits(response)
         net = hits[check_style(style)] - sum(n for s, n in hits.items() if s != style)
         margin = 10.0 * net / max(len(response.split()), 10)
-        return 1.0 / (1.0 + math.exp(-margin))
+        return max(0.0, math.tanh(margin / 2))
 
     async def score(self, prompt: str, response: str, style: str) -> float:
         """`score_text(response, style)`; the prompt is not used."""
@@ -153,7 +157,7 @@ class StyleEnvironment:
     """Single-turn style matching; reward = judge score for the preference in force when the episode began."""
 
     name = "style"
-    success_threshold = 0.75  # clearly in style: more than one net marker hit per 10 words (neutral text: 0.5)
+    success_threshold = 0.75  # clearly in style: about 2 net marker hits per 10 words (tanh(1.95 / 2) = 0.75)
 
     def __init__(self, tasks: list[Task] | None = None, judge: StyleJudge | None = None,
                  preferred: str = "cute") -> None:

@@ -42,7 +42,7 @@ PHRASES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     ),
 }
 """Per style: (openers, middles, closers). Every phrase holds at least one marker of its own style and none of
-another, so an answer has >= 3 own hits in <= 10 words: LexicalJudge margin >= 3, score >= 0.95."""
+another, so an answer has >= 3 own hits in <= 10 words: LexicalJudge margin >= 3, score >= tanh(1.5) = 0.905."""
 
 
 def style_answer(style: str, rng: random.Random) -> str:

@@ -169,16 +169,16 @@ def test_tool_timeout_and_latency_from_config():
 
 def test_style_teacher_every_answer_scores_its_own_style():
     # Each phrase holds >= 1 marker of its style and none of another, and an answer has <= 10 words, so the
-    # margin is >= 10 * 3 / 10 = 3: own score >= 1 / (1 + e^-3) = 0.9526, any other style <= 0.0474.
+    # margin is >= 10 * 3 / 10 = 3: own score >= tanh(3 / 2) = 0.9051, any other style 0 (margin <= -3).
     judge = LexicalJudge()
     for style, (openers, middles, closers) in PHRASES.items():
         for parts in itertools.product(openers, middles, closers):
             answer = " ".join(parts)
             assert len(answer) <= MAX_ANSWER_CHARS and len(answer.split()) <= 10, answer
-            assert judge.score_text(answer, style) >= 1 / (1 + math.exp(-3)) - 1e-12, answer
+            assert judge.score_text(answer, style) >= math.tanh(1.5) - 1e-12, answer
             for other in STYLES:
                 if other != style:
-                    assert judge.score_text(answer, other) <= 1 / (1 + math.exp(3)) + 1e-12, (answer, other)
+                    assert judge.score_text(answer, other) == 0.0, (answer, other)
 
 
 def test_style_traces_mix_styles_uniformly():
@@ -191,7 +191,7 @@ def test_style_traces_mix_styles_uniformly():
     for trace in traces[:300]:
         task_id, style, _ = trace.problem_id.split("/")
         assert trace.answer is None and trace.turns[0].content == f"Prompt {task_id[1:]}."
-        assert judge.score_text(trace.turns[1].content, style) > 0.95
+        assert judge.score_text(trace.turns[1].content, style) > 0.9
     with pytest.raises(ValueError, match="style"):
         style_answer("gothic", random.Random(0))
 

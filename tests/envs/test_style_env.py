@@ -37,9 +37,11 @@ def test_lexical_hand_computed():
     text = "Yay~ I love mornings!! nya"
     # cute hits: "yay", "~", "!!", "nya" = 4; 5 words -> denominator 10; margin = 10 * 4 / 10 = 4.
     assert judge.hits(text) == {"cute": 4, "chuunibyou": 0, "classical": 0}
-    assert judge.score_text(text, "cute") == pytest.approx(1 / (1 + math.exp(-4)))  # 0.98201
-    assert judge.score_text(text, "classical") == pytest.approx(1 / (1 + math.exp(4)))  # 0.01799
-    assert judge.score_text("I had toast and coffee.", "cute") == 0.5
+    assert judge.score_text(text, "cute") == pytest.approx(math.tanh(2))  # 0.96403
+    assert judge.score_text(text, "classical") == 0.0  # margin -4: another style scores nothing
+    assert judge.score_text("I had toast and coffee.", "cute") == 0.0  # and so does neutral text
+    # One hit in 20 words: margin 10 * 1 / 20 = 0.5 -> tanh(0.25) = 0.24492.
+    assert judge.score_text("nya " + "word " * 19, "cute") == pytest.approx(math.tanh(0.25))
     # Whole words only, case-insensitive: "thousand", "though", "here" hit nothing; "THOU" does.
     assert judge.hits("A thousand though here") == {"cute": 0, "chuunibyou": 0, "classical": 0}
     assert judge.hits("THOU and My Right Eye") == {"cute": 0, "chuunibyou": 1, "classical": 1}
@@ -79,7 +81,7 @@ def test_truncated_turn_scored_with_length():
     env = StyleEnvironment([TASK])
     cut = reward(env, CUTE[:40], truncated=True)
     assert cut.finish_reason == "length" and cut.done
-    assert cut.reward == pytest.approx(LexicalJudge().score_text(CUTE[:40], "cute")) and cut.reward > 0.5
+    assert cut.reward == pytest.approx(LexicalJudge().score_text(CUTE[:40], "cute")) and cut.reward > 0.75
 
 
 @pytest.fixture(scope="module")
