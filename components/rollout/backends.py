@@ -86,7 +86,7 @@ class HttpRollouts:
 
     def __init__(self, urls: list[str], module_template: nn.Module, tokenizer, publish_dir: str | Path,
                  server: ServerKind = "sao", timeout_s: float = 300.0, retries: int = 1, version: int = 0,
-                 revive_after_s: float = 2.0, probe_timeout_s: float = 5.0) -> None:
+                 revive_after_s: float = 2.0, probe_timeout_s: float = 5.0, max_wait_s: float = 30.0) -> None:
         if not urls:
             raise ValueError("urls: at least one engine server URL is needed")
         if server not in _CLIENT_BACKEND:
@@ -108,7 +108,8 @@ class HttpRollouts:
         self._lock = asyncio.Lock()
         clients = [EngineClient(url, timeout_s=timeout_s, retries=retries, backend=_CLIENT_BACKEND[server],
                                 default_version=version) for url in urls]
-        self.engine = EnginePool(clients, revive_after_s=revive_after_s, probe_timeout_s=probe_timeout_s)
+        self.engine = EnginePool(clients, revive_after_s=revive_after_s, probe_timeout_s=probe_timeout_s,
+                                 max_wait_s=max_wait_s)
         if version > 0:
             weights = {k: v.detach() for k, v in module_template.state_dict().items()}
             self.engine.latest = (str(self._write(weights, version)), version)

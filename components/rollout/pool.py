@@ -62,7 +62,7 @@ class EnginePool:
     """`generate` over several servers (see the module docstring); `publish` sends weights to every live one."""
 
     def __init__(self, clients: list[EngineClient], revive_after_s: float = 2.0, max_backoff_s: float = 60.0,
-                 probe_timeout_s: float = 5.0) -> None:
+                 probe_timeout_s: float = 5.0, max_wait_s: float = 30.0) -> None:
         if not clients:
             raise ValueError("clients: the pool needs at least one server")
         if revive_after_s <= 0 or max_backoff_s < revive_after_s:
@@ -70,6 +70,9 @@ class EnginePool:
                              f"got {revive_after_s}")
         self.servers = [Server(client) for client in clients]
         self.revive_after_s, self.max_backoff_s, self.probe_timeout_s = revive_after_s, max_backoff_s, probe_timeout_s
+        self.max_wait_s = max_wait_s
+        """How long a request waits for a server to come back when all are down, before `EnginesDown`: a
+        short outage (a restart) costs time, not episodes."""
         self.latest: tuple[str, int] | None = None
         """(path, version) of the newest published weights: what a revived server is sent first."""
         self.errors = 0
@@ -139,8 +142,9 @@ class EnginePool:
     # ---- internals --------------------------------------------------------------------------------------
 
     async def _pick(self) -> Server:
-        """The live server with the fewest requests in flight, ties in turn; waits for running revivals when
-        no server is live, and raises `EnginesDown` when none is left."""
+        """The live server with the fewest requests in flight, ties in turn. When no server is live it waits for
+        running revivals and for probes due within `max_wait_s`, and raises `EnginesDown` after that."""
+        deadline = time.monotonic() + self.max_wait_s
         while True:
             self._start_due_revivals()
             live = [s for s in self.servers if s.up]
@@ -153,6 +157,10 @@ class EnginePool:
                         self._turn = (self._turn + k + 1) % n
                         return server
             running = [s.revival for s in self.servers if s.revival is not None]
+            next_probe = min(s.retry_at for s in self.servers)
+            if not running and next_probe <= deadline:
+                await asyncio.sleep(max(next_probe - time.monotonic(), 0.0) + 0.01)
+                continue
             if not running:
                 raise EnginesDown("every engine server is down: " + "; ".join(
                     f"{s.url} ({s.last_error or 'down'}; next probe in {max(0.0, s.retry_at - time.monotonic()):.1f} s)"

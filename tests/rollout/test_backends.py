@@ -298,6 +298,26 @@ def test_every_server_down_is_a_clear_error(tiny, serve, tmp_path):
     assert metrics == {"rollout/engine_errors": 2.0, "rollout/engines_live": 0.0}
 
 
+def test_a_short_outage_of_every_server_costs_time_not_episodes(tiny, serve, tmp_path):
+    """The only server restarts: a request waits for it (probes due within max_wait_s) instead of failing."""
+    model, tokenizer = tiny
+    a = serve(model, tokenizer)
+
+    async def run():
+        rollouts = HttpRollouts([a.url], model, tokenizer, tmp_path, retries=0, revive_after_s=0.2, max_wait_s=20)
+        a.stop()
+        restart = asyncio.get_running_loop().run_in_executor(
+            None, lambda: (time.sleep(1.0), serve(model, tokenizer, port=a.port))[1])
+        result = await rollouts.engine.generate(_request(tokenizer, 0))  # fails on a, then waits for it
+        await restart
+        metrics = rollouts.metrics()
+        await rollouts.close()
+        return result, metrics
+
+    result, metrics = asyncio.run(run())
+    assert len(result.token_ids) > 0 and metrics == {"rollout/engine_errors": 1.0, "rollout/engines_live": 1.0}
+
+
 def test_revived_server_gets_the_latest_weights_before_traffic(tiny, serve, tmp_path):
     model, tokenizer = tiny
     a, b = serve(model, tokenizer), serve(model, tokenizer)
