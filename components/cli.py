@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from components.config import ConfigError, load_config
-from components.storage import HomeStateError
+from components.storage import HomeStateError, StoreError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument("--tasks", default=None, help="held-out problem set, JSONL/Parquet, local or s3:// "
                                                       "(default: the config's env.eval_tasks, else built-in)")
     p_eval.add_argument("--samples", type=int, default=1,
-                        help="K sampled episodes per task besides the greedy one, for avg@K and pass@K (default 1: "
-                             "greedy only)")
+                        help="K > 1: K sampled episodes per task besides the greedy one, for avg@K and pass@K; 1 "
+                             "(default): the greedy episode only")
 
     p_model = sub.add_parser("model", help="model directories")
     model_sub = p_model.add_subparsers(dest="model_command", required=True)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     home = args.home or jobs.default_home()
     try:
         _dispatch(args, cfg, home, parser)
-    except HomeStateError as exc:
+    except (HomeStateError, StoreError) as exc:
         parser.exit(2, f"sao: {exc}\n")
     return 0
 

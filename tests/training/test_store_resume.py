@@ -3,7 +3,9 @@
 import uuid
 
 import boto3
+import pytest
 
+from components.cli import main
 from components.config import load_config
 from components.jobs import run_train
 
@@ -31,3 +33,12 @@ def test_a_run_resumes_from_s3_alone(tmp_path, seeded_home, s3_env):
     assert f"train: resumed from s3://{bucket}/team/checkpoints/tiny-cpu/step-00000002 (version 2)" in log
     keys = {o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=bucket)["Contents"]}
     assert {f"team/checkpoints/tiny-cpu/step-{s:08d}/_COMPLETE" for s in range(5)} <= keys
+
+
+def test_a_store_that_cannot_be_written_is_a_clear_error(seeded_home, s3_env, capsys):
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--home", str(seeded_home), "--max-steps", "1", "--set", 'store.uri="s3://no-such-bucket/x"',
+              "--set", 'tracking.backend="disk"'])
+    assert exit_info.value.code == 2
+    assert "s3://no-such-bucket/x/models/sft-tir_math" in capsys.readouterr().err
