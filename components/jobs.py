@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -35,7 +34,7 @@ from components.eval.evaluate import EvalReport, evaluate
 from components.models import build_policy, build_tokenizer, load_policy, load_tokenizer, save_model_dir
 from components.models import stop_token_ids
 from components.rollout.embedded import EmbeddedEngine
-from components.storage import MARKER, ArtifactStore, atomic_dir, is_complete, open_store, resolve_store_uri
+from components.storage import ArtifactStore, atomic_dir, is_complete, mark_complete, open_store, resolve_store_uri
 from components.storage import weights_fingerprint, write_json
 from components.training.sft import train_sft
 
@@ -71,7 +70,7 @@ def fetch(cfg: Config, home: Path, key: str, log: Log = print) -> bool:
         return False
     local = home / key
     store.get_dir(key, local)  # verified against the manifest, or it raises
-    (local / MARKER).write_text(json.dumps({"fetched_from": store.uri(key), "completed_at": time.time()}))
+    mark_complete(local, fetched_from=store.uri(key))
     log(f"store: fetched {store.uri(key)}")
     return True
 
@@ -132,8 +131,7 @@ def sft_recipe(cfg: Config) -> dict:
 def run_eval(cfg: Config, model_dir: Path, home: Path, name: str, samples: int = 1, log: Log = print) -> EvalReport:
     """Held-out evaluation of `model_dir` in `cfg.env` on the episode path (greedy, plus `samples` sampled
     episodes per task when > 1); writes `reports/<name>.json` and every trajectory to `reports/<name>.parquet`."""
-    setup = build_env(cfg)
-    setup.on_step(0)  # the environment as a run starts (style: the first preference of the schedule)
+    setup = build_env(cfg)  # as a run starts: style prefers the schedule's first style
     tasks = setup.eval_tasks()
     tokenizer = load_tokenizer(model_dir)
     engine = EmbeddedEngine(load_policy(model_dir), tokenizer, max_batch=cfg.rollout.max_batch).start()

@@ -25,6 +25,19 @@ def sft_policy(tiny_cfg):
     return model, tokenizer
 
 
+@pytest.fixture
+def engine(sft_policy):
+    """The embedded engine on a copy of the test policy (the agent and evaluation tests sample from it)."""
+    import copy
+
+    from components.rollout.embedded import EmbeddedEngine
+
+    model, tokenizer = sft_policy
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_batch=16).start()
+    yield engine
+    engine.shutdown()
+
+
 @pytest.fixture(scope="session")
 def moto_endpoint():
     """moto's threaded S3 server on a free loopback port: a real HTTP endpoint every process can reach."""

@@ -21,7 +21,6 @@ def run_rollout(cfg: Config, model_dir: Path, episodes: int, out: Path, log=prin
     from components.rollout.embedded import EmbeddedEngine
 
     setup = build_env(cfg)
-    setup.on_step(0)  # the style preference of the schedule's first phase
     env, tasks = setup.env, list(itertools.islice(setup.train_tasks(0, 1), episodes))
     tokenizer = load_tokenizer(model_dir)
     engine = EmbeddedEngine(load_policy(model_dir), tokenizer, max_batch=cfg.rollout.max_batch).start()

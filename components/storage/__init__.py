@@ -6,10 +6,10 @@
 from components.storage.artifacts import (MANIFEST, ArtifactStore, CorruptArtifact, IncompleteArtifact, LocalStore,
                                           StoreError, open_store, resolve_store_uri)
 from components.storage.local import (MARKER, HomeStateError, atomic_dir, atomic_fill, is_complete,
-                                      weights_fingerprint, write_json)
+                                      mark_complete, weights_fingerprint, write_json)
 
 __all__ = [
     "MANIFEST", "MARKER", "ArtifactStore", "CorruptArtifact", "HomeStateError", "IncompleteArtifact", "LocalStore",
-    "StoreError", "atomic_dir", "atomic_fill", "is_complete", "open_store", "resolve_store_uri",
+    "StoreError", "atomic_dir", "atomic_fill", "is_complete", "mark_complete", "open_store", "resolve_store_uri",
     "weights_fingerprint", "write_json",
 ]

@@ -65,7 +65,12 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     with atomic_fill(path) as tmp:
         yield tmp
-    (path / MARKER).write_text(json.dumps({"completed_at": time.time()}))
+    mark_complete(path)
+
+
+def mark_complete(path: str | Path, **info) -> None:
+    """Write the completion marker of a directory whose content is whole (`info` is recorded in it)."""
+    (Path(path) / MARKER).write_text(json.dumps({**info, "completed_at": time.time()}))
 
 
 def write_json(path: str | Path, data: dict) -> Path:

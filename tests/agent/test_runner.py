@@ -21,14 +21,6 @@ from components.rollout.embedded import EmbeddedEngine
 from components.rollout.server import ServerThread, create_app
 
 
-@pytest.fixture
-def engine(sft_policy):
-    model, tokenizer = sft_policy
-    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_batch=16).start()
-    yield engine
-    engine.shutdown()
-
-
 def _segments(trajectory):
     """Split token ids into (is_action, ids) runs."""
     runs = []

@@ -1,6 +1,5 @@
 """Evaluation on the episode path: accuracy, avg@k and pass@k counted by hand, greedy determinism, real tools."""
 
-import copy
 import math
 
 import pytest
@@ -13,7 +12,6 @@ from components.envs.sandbox import run_python
 from components.envs.tir_math import TIRMathEnvironment, tasks_from_problems
 from components.eval.evaluate import evaluate, score
 from components.models import stop_token_ids
-from components.rollout.embedded import EmbeddedEngine
 
 
 def _trajectory(task_id: str, reward: float) -> Trajectory:
@@ -35,14 +33,6 @@ def test_scores_by_hand():
                  [[_trajectory("a", 0.4)], [_trajectory("b", 0.6)]], 0.5) == (0.5, 0.5, 0.5)
     with pytest.raises(ValueError, match="same number K"):
         score(greedy, [[greedy[0]], [], [greedy[2]]], 1.0)
-
-
-@pytest.fixture
-def engine(sft_policy):
-    model, tokenizer = sft_policy
-    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_batch=32).start()
-    yield engine
-    engine.shutdown()
 
 
 def test_evaluate_counts_what_the_trajectories_show(engine, sft_policy):
