@@ -12,7 +12,7 @@ import asyncio
 from components.contracts.markers import CALL, CALL_END, END, observation_text, prompt_text
 from components.data.tasks import Problem
 from components.envs.base import StepResult, Task, ToolLatency
-from components.envs.grading import grade_answer
+from components.envs.grading import grade_answer, reference_answer
 from components.envs.python_tool import PythonTool
 
 
@@ -57,5 +57,5 @@ class TIRMathEpisode:
             self.tool_calls += 1
             output = await asyncio.to_thread(self.env.tool, code)
             return StepResult(observation_text(output), False)
-        correct = turn_text.endswith(END) and grade_answer(turn_text, int(self.task.answer))
+        correct = turn_text.endswith(END) and grade_answer(turn_text, reference_answer(self.task.answer))
         return StepResult(None, True, float(correct), "stop", {"correct": correct, "tool_calls": self.tool_calls})
