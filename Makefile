@@ -12,8 +12,15 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed on the CPU path (gloo, fp32); GPU machines set DS_ACCELERATOR=cuda in their environment.
 DS_ACCELERATOR ?= cpu
 export DS_ACCELERATOR
+# Prefect keeps its database (flow runs, artifacts, events) beside the run home, so `make prefect-ui` shows the
+# runs of `make run`; no telemetry leaves the machine.
+PREFECT_HOME ?= $(abspath $(SAO_HOME))/prefect
+export PREFECT_HOME
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+export GX_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test test-slow test-vllm bench sweep clean
+.PHONY: setup run test test-slow test-vllm bench sweep prefect-ui mlflow-ui clean
 
 setup: $(STAMP)
 
@@ -25,8 +32,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The whole pipeline as Prefect flows (Prefect's ephemeral API unless PREFECT_API_URL names a server).
 run: $(STAMP)
-	$(VENV)/bin/sao run --preset $(PRESET) --home $(SAO_HOME)
+	$(VENV)/bin/sao pipeline --preset $(PRESET) --home $(SAO_HOME)
+
+# The UIs over what `make run` recorded: Prefect at http://127.0.0.1:4200, MLflow at http://127.0.0.1:5000.
+prefect-ui: $(STAMP)
+	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
+
+mlflow-ui: $(STAMP)
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(abspath $(SAO_HOME))/mlflow.db --host 127.0.0.1 --port 5000
 
 test: $(STAMP)
 	$(PY) -m pytest -q

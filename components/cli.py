@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -20,19 +21,54 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="config override, e.g. --set sft.steps=200 (repeatable)")
 
-    p_run = sub.add_parser("run", help="the embedded pipeline: teacher traces -> SFT -> eval -> SAO training -> "
-                                       "eval (re-running continues where it stopped)")
-    common(p_run)
-    p_run.add_argument("--force", action="store_true",
-                       help="retrain SFT and RL from scratch (removes this preset's training checkpoints)")
+    def flow_command(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        common(p)
+        return p
 
-    p_eval = sub.add_parser("eval", help="held-out evaluation of a model directory on the episode path: accuracy "
-                                         "(greedy), avg@K and pass@K")
+    p_pipeline = flow_command("pipeline", "the whole lifecycle as Prefect flows: distill -> gate -> sft -> "
+                                          "value_pretrain -> train -> evaluate (re-running continues where it stopped)")
+    p_run = flow_command("run", "the same as `sao pipeline` (`make run`)")
+    p_distill = flow_command("distill", "a teacher writes TIR traces, the gate checks them, they become a dataset")
+    p_distill.add_argument("--teacher", default=None,
+                           help="'programmatic' or the /v1 base URL of a chat endpoint with tool calling")
+    p_distill.add_argument("--teacher-model", default=None, help="model name at the teacher endpoint")
+    p_gate = sub.add_parser("gate", help="check a stored dataset (traces or rollout logs, Parquet, local or s3://) "
+                                         "with its Great Expectations suite")
+    common(p_gate)
+    p_gate.add_argument("uri", help="Parquet file or s3:// object")
+    p_gate.add_argument("--kind", choices=("traces", "rollouts"), default="traces")
+    p_sft = flow_command("sft", "supervised fine-tuning on the distilled dataset, then held-out accuracy")
+    p_sft.add_argument("--force", action="store_true", help="retrain even if a policy with this recipe exists")
+    flow_command("value-pretrain", "pretrain the critic on rollouts of the SFT policy (explained variance on "
+                                   "held-out rollouts decides when to stop)")
+    p_style = flow_command("style-shift", "online learning on the style environment while the preference flips: "
+                                          "the critic-based SAO run against the running-mean baseline")
+    p_style.add_argument("--steps-per-phase", type=int, default=60, help="policy updates per preference phase")
+    p_style.add_argument("--algos", default="sao,sao-running-mean", help="comma-separated algorithms to compare")
+    p_compare = sub.add_parser("compare", help="key metrics of MLflow runs side by side, and a plot of their curves")
+    p_compare.add_argument("runs", nargs="+", metavar="RUN", help="MLflow run ids or run names")
+    p_compare.add_argument("--home", type=Path, default=None, help="run home (its mlflow.db; default ./.sao)")
+    p_compare.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the home's)")
+    p_compare.add_argument("--out", type=Path, default=None, help="plot file (default <home>/reports/compare.png)")
+    p_teacher = sub.add_parser("teacher", help="the programmatic solver served as a tool-calling chat endpoint")
+    teacher_sub = p_teacher.add_subparsers(dest="teacher_command", required=True)
+    p_tserve = teacher_sub.add_parser("serve", help="serve /v1/chat/completions (a stand-in teacher for distill)")
+    p_tserve.add_argument("--host", default="127.0.0.1")
+    p_tserve.add_argument("--port", type=int, default=8100)
+    p_tserve.add_argument("--mental-max", type=int, default=0, help="answer a*b < this without a tool call")
+
+    p_eval = sub.add_parser("eval", help="evaluate a checkpoint, a model directory or the SFT policy on the episode "
+                                         "path: accuracy (greedy), avg@K and pass@K; registers scored checkpoints")
     common(p_eval)
-    p_eval.add_argument("--model", type=Path, default=None, help="HF model directory (default: the SFT policy)")
+    p_eval.add_argument("--model", type=Path, default=None,
+                        help="HF model directory (default: the newest checkpoint, else the SFT policy)")
+    p_eval.add_argument("--checkpoint", type=int, default=None, metavar="STEP", help="evaluate checkpoint STEP")
     p_eval.add_argument("--env", default=None, help="tir_math, coding or style (default: the config's env.name)")
-    p_eval.add_argument("--tasks", default=None, help="held-out problem set, JSONL/Parquet, local or s3:// "
-                                                      "(default: the config's env.eval_tasks, else built-in)")
+    p_eval.add_argument("--tasks", default=None, help="problem set or benchmark file, JSONL/Parquet, local or s3:// "
+                                                      "(default: the environment's held-out set)")
+    p_eval.add_argument("--benchmark", default=None,
+                        help="format of --tasks: aime2025, hmmt, beyondaime, imoanswerbench (default: detected)")
     p_eval.add_argument("--samples", type=int, default=1,
                         help="K > 1: K sampled episodes per task besides the greedy one, for avg@K and pass@K; 1 "
                              "(default): the greedy episode only")
@@ -58,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       "grpo-dis, ppo (default: the preset's)")
     p_train.add_argument("--max-steps", type=int, default=None, help="policy updates (default: the preset's)")
     p_train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p_train.add_argument("--critic", type=Path, default=None,
+                         help="pretrained critic directory (from `sao value-pretrain`; sets train.critic_path)")
 
     p_sweep = sub.add_parser("sweep", help="train one config with N RL seeds from one SFT policy; writes a table "
                                            "of final accuracy, collapses and diagnostics (re-running continues)")
@@ -84,8 +122,24 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += [f"train.max_steps={args.max_steps}"] if args.max_steps is not None else []
     if args.command in ("eval", "rollout"):
         args.overrides += [f'env.name="{args.env}"'] if args.env else []
-        tasks_field = "eval_tasks" if args.command == "eval" else "tasks"
-        args.overrides += [f'env.{tasks_field}="{args.tasks}"'] if args.tasks else []
+    if args.command == "rollout":
+        args.overrides += [f'env.tasks="{args.tasks}"'] if args.tasks else []
+    if args.command == "distill":
+        args.overrides += [f'distill.teacher="{args.teacher}"'] if args.teacher else []
+        args.overrides += [f'distill.model="{args.teacher_model}"'] if args.teacher_model else []
+    if args.command == "compare":
+        from components.pipeline.compare import run_compare
+
+        try:
+            run_compare(args.runs, args.home, args.tracking_uri, args.out)
+        except ValueError as exc:
+            parser.exit(2, f"sao: {exc}\n")
+        return 0
+    if args.command == "teacher":
+        from components.data.solver_server import serve_solver
+
+        serve_solver(args.host, args.port, args.mental_max)
+        return 0
     try:
         cfg = load_config(args.preset, args.overrides)
     except ConfigError as exc:
@@ -98,31 +152,116 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # one concise line per step is our progress display
 
     home = args.home or jobs.default_home()
+    from components.data.gates import GateFailed
+    from components.data.teacher_client import TeacherError
+
     try:
-        _dispatch(args, cfg, home, parser)
-    except (HomeStateError, StoreError) as exc:
+        if args.command in FLOW_COMMANDS:
+            _run_flow(args, home, parser)
+        else:
+            _dispatch(args, cfg, home, parser)
+    except (HomeStateError, StoreError, GateFailed, TeacherError) as exc:
         parser.exit(2, f"sao: {exc}\n")
     return 0
 
 
-def _dispatch(args: argparse.Namespace, cfg, home: Path, parser: argparse.ArgumentParser) -> None:
-    from components import jobs
+FLOW_COMMANDS = ("pipeline", "run", "distill", "gate", "sft", "value-pretrain", "train", "eval", "style-shift")
+"""Commands that run a Prefect flow (flows/): Prefect's ephemeral API unless PREFECT_API_URL names a server."""
 
-    if args.command == "run":
-        jobs.run_pipeline(cfg, home, force=args.force)
-    elif args.command == "eval":
+
+def _run_flow(args: argparse.Namespace, home: Path, parser: argparse.ArgumentParser) -> None:
+    params = {"preset": args.preset, "overrides": args.overrides, "home": str(home)}
+    command = args.command
+    if command in ("pipeline", "run"):
+        from flows.pipeline import pipeline
+
+        _print_summary(pipeline(**params), home)
+    elif command == "distill":
+        from flows.distill import distill
+
+        print(f"dataset: {distill(**params)}")
+    elif command == "gate":
+        from flows.gate import gate
+
+        report = gate(args.uri, args.kind, **params)
+        print(f"gate: passed, {report['row_count']} rows")
+    elif command == "sft":
+        from flows.sft import sft
+
+        result = sft(**params, force=args.force)
+        print(f"sft: {result['uri']}, held-out accuracy {result['accuracy']:.1%}")
+    elif command == "value-pretrain":
+        from flows.value_pretrain import value_pretrain
+
+        result = value_pretrain(**params)
+        print(f"critic: {result['uri']}, held-out explained variance {result['ev_cold']:.3f} (cold) -> "
+              f"{result['ev_best']:.3f} (pretrained)")
+    elif command == "train":
+        if int(os.environ.get("RANK", "0")) != 0:  # under torchrun the flow is rank 0's; the others serve its steps
+            from components import jobs
+            from components.config import load_config
+
+            overrides = args.overrides + ([f'train.critic_path="{args.critic}"'] if args.critic else [])
+            jobs.run_train(load_config(args.preset, overrides), home, resume=args.resume)
+            return
+        from flows.train import train
+
+        train(**params, critic_path=str(args.critic or ""), resume=args.resume)
+    elif command == "eval":
+        from flows.evaluate import evaluate
+
         if args.samples < 1:
             parser.exit(2, f"sao: --samples must be >= 1, got {args.samples}\n")
-        report = jobs.run_eval(cfg, args.model or jobs.run_sft(cfg, home), home, "eval", args.samples)
-        k = report.samples
-        print(f"{report.env} held-out, {report.n} tasks: accuracy {report.accuracy:.1%} (greedy), "
-              f"avg@{k} {report.avg_at_k:.1%}, pass@{k} {report.pass_at_k:.1%}; report {home / 'reports'}/eval.json")
-    elif args.command == "model":
+        result = evaluate(**params, model=str(args.model or ""), checkpoint_step=args.checkpoint,
+                          benchmark=args.benchmark or "", tasks=args.tasks or "", samples=args.samples)
+        k = result["samples"]
+        print(f"{result['eval_set']}, {result['n']} tasks: accuracy {result['accuracy']:.1%} (greedy), avg@{k} "
+              f"{result['avg_at_k']:.1%}, pass@{k} {result['pass_at_k']:.1%}; report {result['report']}")
+    elif command == "style-shift":
+        from flows.style_shift import style_shift
+
+        algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+        result = style_shift(**params, steps_per_phase=args.steps_per_phase, algos=algos)
+        print(f"style-shift: {result['report']}")
+
+
+def _print_summary(summary: dict, home: Path) -> None:
+    """The end of `make run`: what came out, and where to look."""
+    def pct(x):
+        return "-" if x is None else f"{x:.1%}"
+
+    def num(x, fmt=".3f"):
+        return "-" if x is None else format(x, fmt)
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home.resolve()}/mlflow.db"
+    print("\n".join([
+        "",
+        "== SAO pipeline ==",
+        f"dataset          {summary['dataset']}",
+        f"SFT policy       {summary['sft_policy']}  held-out accuracy {pct(summary['sft_accuracy'])}",
+        f"critic           {summary['critic'] or '-'}  held-out EV {num(summary['critic_ev_cold'])} cold -> "
+        f"{num(summary['critic_ev_pretrained'])} pretrained; EV at RL step 1 {num(summary['ev_step1'])}",
+        f"SAO              {summary['version']} policy versions, {summary['rollbacks']} rollbacks, "
+        f"{num(summary['trajectories_per_s'], '.1f')} trajectories/s (wall clock), trainer idle "
+        f"{num(summary['trainer_idle'], '.0%')}",
+        f"evaluation       {summary['eval_set']}: accuracy {pct(summary['sft_accuracy'])} after SFT -> "
+        f"{pct(summary['accuracy'])} after SAO",
+        f"registry         {summary['registered'] or '-'} (champion: version {summary['champion'] or '-'})",
+        f"reports          {home / 'reports'}",
+        f"MLflow UI        .venv/bin/mlflow ui --backend-store-uri {uri}   # then http://127.0.0.1:5000",
+        f"Prefect UI       make prefect-ui   # PREFECT_HOME={os.environ.get('PREFECT_HOME', '~/.prefect')}; "
+        "then http://127.0.0.1:4200",
+    ]))
+
+
+def _dispatch(args: argparse.Namespace, cfg, home: Path, parser: argparse.ArgumentParser) -> None:
+    """The commands that are not flows."""
+    from components import jobs
+
+    if args.command == "model":
         from components.models import init_model_dir
 
         print(init_model_dir(cfg.model, args.out, seed=args.seed))
-    elif args.command == "train":
-        jobs.run_train(cfg, home, resume=args.resume)
     elif args.command == "sweep":
         from components.sweep import run_sweep
 

@@ -18,7 +18,6 @@ store alone.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict
@@ -27,70 +26,26 @@ from typing import Callable
 
 from components.agent.runner import episode_limits
 from components.config import Config, to_dict
+from components.contracts.task import Task
 from components.contracts.trajectory import write_trajectories
-from components.data.traces import read_traces, write_traces
-from components.envs.registry import build_env, sft_traces
+from components.data.traces import read_traces
+from components.envs.registry import build_env
 from components.eval.evaluate import EvalReport, evaluate
 from components.models import build_policy, build_tokenizer, load_policy, load_tokenizer, save_model_dir
 from components.models import stop_token_ids
 from components.rollout.embedded import EmbeddedEngine
-from components.storage import ArtifactStore, atomic_dir, is_complete, mark_complete, open_store, resolve_store_uri
+from components.pipeline.distill import data_recipe, run_distill
+from components.pipeline.store import fetch, fingerprint, publish  # noqa: F401 (fingerprint: for callers)
+from components.storage import atomic_dir, is_complete
 from components.storage import weights_fingerprint, write_json
 from components.training.sft import train_sft
 
 Log = Callable[[str], None]
-_SFT_TASK_FIELDS = ("kinds", "operand_max", "train_size", "seed", "teacher_mental_max")
 _EVAL_TASK_FIELDS = ("kinds", "operand_max", "eval_size", "seed", "max_turns", "max_new_tokens")
 
 
 def default_home() -> Path:
     return Path(os.environ.get("SAO_HOME", ".sao"))
-
-
-def artifact_store(cfg: Config, home: Path) -> ArtifactStore | None:
-    """The configured artifact store, or None when it is the run home itself (the default: nothing to copy)."""
-    uri = resolve_store_uri(cfg.store.uri, home)
-    if not uri.startswith("s3://") and Path(uri).resolve() == Path(home).resolve():
-        return None
-    return open_store(uri)
-
-
-def publish(cfg: Config, home: Path, key: str, log: Log = print, again: bool = True) -> None:
-    """Copy the complete artifact `home/key` to the store (a no-op when the store is the home); with
-    `again=False`, only when the store does not hold it complete yet."""
-    store = artifact_store(cfg, home)
-    if store is not None and (again or not store.is_complete(key)):
-        log(f"store: published {store.put_dir(home / key, key)}")
-
-
-def fetch(cfg: Config, home: Path, key: str, log: Log = print) -> bool:
-    """Fetch the artifact `key` from the store into `home/key` when the store has it complete; True if so."""
-    store = artifact_store(cfg, home)
-    if store is None or not store.is_complete(key):
-        return False
-    local = home / key
-    store.get_dir(key, local)  # verified against the manifest, or it raises
-    mark_complete(local, fetched_from=store.uri(key))
-    log(f"store: fetched {store.uri(key)}")
-    return True
-
-
-def build_sft_data(cfg: Config, home: Path, log: Log = print) -> Path:
-    """The environment's teacher traces for SFT; reused (or fetched from the store) when the config that
-    shapes them is unchanged."""
-    recipe = sft_recipe(cfg)
-    key = f"data/sft-{cfg.env.name}-{fingerprint({'env': recipe['env'], 'task': recipe['task']})}"
-    path = home / key / "traces.parquet"
-    if is_complete(home / key) or fetch(cfg, home, key, log):
-        log(f"data: reusing {path}")
-        publish(cfg, home, key, log, again=False)
-        return path
-    traces = sft_traces(cfg)
-    with atomic_dir(home / key) as tmp:
-        write_traces(tmp / "traces.parquet", traces)
-    log(f"data: wrote {len(traces)} {cfg.env.name} teacher traces to {path}")
-    publish(cfg, home, key, log)
-    return path
 
 
 def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> Path:
@@ -104,7 +59,7 @@ def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> P
             publish(cfg, home, key, log, again=False)
             return out
         log(f"sft: the policy at {out} was trained with another config; retraining")
-    traces = read_traces(build_sft_data(cfg, home, log))
+    traces = read_traces(run_distill(cfg, home, log))
     tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else build_tokenizer()
     model = build_policy(cfg.model, tokenizer, seed=cfg.sft.seed)
     n_params = sum(p.numel() for p in model.parameters())
@@ -120,19 +75,20 @@ def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> P
 
 
 def sft_recipe(cfg: Config) -> dict:
-    """What an SFT policy depends on; a saved policy is reused only when its recipe equals this."""
-    # Only the task fields that shape the teacher traces: the eval set size or turn limits do not change SFT.
-    task = {k: v for k, v in to_dict(cfg.task).items() if k in _SFT_TASK_FIELDS}
-    env = {"name": cfg.env.name, "tasks": cfg.env.tasks}
+    """What an SFT policy depends on (its dataset's recipe, the model and SFT settings); a saved policy is reused
+    only when its recipe equals this."""
     # JSON round trip so that it compares equal to the copy saved next to the weights (tuples become lists).
-    return json.loads(json.dumps({"model": to_dict(cfg.model), "env": env, "task": task, "sft": to_dict(cfg.sft)}))
+    return json.loads(json.dumps({"model": to_dict(cfg.model), **data_recipe(cfg), "sft": to_dict(cfg.sft)}))
 
 
-def run_eval(cfg: Config, model_dir: Path, home: Path, name: str, samples: int = 1, log: Log = print) -> EvalReport:
-    """Held-out evaluation of `model_dir` in `cfg.env` on the episode path (greedy, plus `samples` sampled
-    episodes per task when > 1); writes `reports/<name>.json` and every trajectory to `reports/<name>.parquet`."""
+def run_eval(cfg: Config, model_dir: Path, home: Path, name: str, samples: int = 1, log: Log = print,
+             tasks: list[Task] | None = None, eval_set: str | None = None) -> EvalReport:
+    """Evaluation of `model_dir` in `cfg.env` on the episode path (greedy, plus `samples` sampled episodes per task
+    when > 1): on `tasks` (a benchmark, named `eval_set`) or the environment's held-out set; writes
+    `reports/<name>.json` and every trajectory to `reports/<name>.parquet`."""
     setup = build_env(cfg)  # as a run starts: style prefers the schedule's first style
-    tasks = setup.eval_tasks()
+    tasks = tasks if tasks is not None else setup.eval_tasks()
+    log(f"eval: {len(tasks)} {eval_set or cfg.env.name + ' held-out'} tasks x {samples} sample(s), {model_dir}")
     tokenizer = load_tokenizer(model_dir)
     engine = EmbeddedEngine(load_policy(model_dir), tokenizer, max_batch=cfg.rollout.max_batch).start()
     try:
@@ -147,7 +103,7 @@ def run_eval(cfg: Config, model_dir: Path, home: Path, name: str, samples: int =
         **report.summary(),
         "model": str(model_dir),
         "weights": weights_fingerprint(model_dir),
-        "eval_task": _eval_task(cfg),
+        "eval_task": _eval_task(cfg) if eval_set is None else {"benchmark": eval_set},
         "samples_text": [{"task": t.prompt_id, "output": tokenizer.decode(t.token_ids[t.prompt_len:]),
                           "reward": t.reward, "finish_reason": t.finish_reason} for t in report.greedy[:20]],
     })
@@ -172,11 +128,6 @@ def _eval_task(cfg: Config) -> dict:
     return json.loads(json.dumps({"env": to_dict(cfg.env), "task": task}))
 
 
-def fingerprint(data: dict) -> str:
-    """Short sha256 of JSON data (keys sorted): names what a config produced."""
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
-
-
 def run_pipeline(cfg: Config, home: Path, force: bool = False, log: Log = print) -> dict:
     """`sao run` (`make run`): SFT, held-out eval, RL with `cfg.train.algo`, held-out eval.
 
@@ -192,9 +143,12 @@ def run_pipeline(cfg: Config, home: Path, force: bool = False, log: Log = print)
     return run_train(cfg, home, resume=True, force_sft=force, log=log)
 
 
-def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, force_sft: bool = False) -> dict:
-    """`sao train`: bootstrap the SFT policy if needed, train with `cfg.train.algo`, evaluate before and after.
-    Metrics go to `runs/<preset>/<algo>.jsonl` and to MLflow (`tracking.*`).
+def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, force_sft: bool = False,
+              parent_run_id: str | None = None, on_checkpoint=None, evaluate: bool = True) -> dict:
+    """`sao train`: bootstrap the SFT policy if needed, train with `cfg.train.algo` (the critic from
+    `train.critic_path` when set), evaluate before and after on the held-out set (`evaluate=False`: the caller evaluates).
+    Metrics go to `runs/<preset>/<algo>.jsonl` and to MLflow (`tracking.*`, nested under `parent_run_id`);
+    `on_checkpoint(step, uri)` is called for every complete checkpoint.
 
     Under torchrun, rank 0 does everything above while the other ranks only join the training steps."""
     from components.tracking import NullTracker, mlflow_uri, open_tracker
@@ -213,17 +167,21 @@ def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, f
         return {}
     sft_dir = run_sft(cfg, home, force=force_sft, log=log)
     comm.broadcast(str(sft_dir))  # releases the other ranks (a no-op in one process)
-    before = sft_eval(cfg, sft_dir, home, log)
+    before = sft_eval(cfg, sft_dir, home, log) if evaluate else None
     log(f"train: {cfg.train.algo}, {cfg.train.max_steps} steps x {cfg.train.batch_size} trajectories, "
-        f"{'sync' if cfg.train.sync else 'async'}, backend {cfg.train.backend}, {comm.world} "
-        f"process(es); SFT held-out accuracy {before:.1%}")
+        f"{'sync' if cfg.train.sync else 'async'}, backend {cfg.train.backend}, {comm.world} process(es)"
+        + (f"; SFT held-out accuracy {before:.1%}" if evaluate else ""))
     run_name = f"{cfg.name}/{cfg.train.algo}"
-    tracker = open_tracker(cfg.tracking, home, run_name, home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl")
+    jsonl = home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl"
+    tracker = open_tracker(cfg.tracking, home, run_name, jsonl, parent_run_id=parent_run_id)
     accuracy_key = f"eval/{cfg.env.name}/accuracy"
     failed = True
     try:
-        result = train(cfg, setup, sft_dir, home, tracker, resume=resume, log=log)
+        result = train(cfg, setup, sft_dir, home, tracker, resume=resume, log=log, on_checkpoint=on_checkpoint)
         publish(cfg, home, str(result.policy_dir.relative_to(home)), log)
+        if not evaluate:
+            failed = False
+            return _summary(result, tracker, jsonl, cfg.train.batch_size)
         after = run_eval(cfg, result.policy_dir, home, f"{cfg.train.algo}-eval", log=log)
         # Logged after training: a resumed run rewinds its tracker first, so nothing it logged is duplicated.
         tracker.log_metrics({accuracy_key: before}, 0)
@@ -235,4 +193,21 @@ def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, f
         f"versions ({result.policy_dir})")
     log(f"reports: {home / 'reports'}; metrics: {home / 'runs' / cfg.name}"
         + (f", MLflow at {mlflow_uri(cfg.tracking, home)}" if cfg.tracking.backend == "mlflow" else ""))
-    return {"before": before, "after": after.accuracy, "version": result.version, "rollbacks": result.rollbacks}
+    return {"before": before, "after": after.accuracy, **_summary(result, tracker, jsonl, cfg.train.batch_size)}
+
+
+def _summary(result, tracker, jsonl: Path, batch_size: int) -> dict:
+    """What a training run hands on: version, rollbacks, the policy, its MLflow run, and from the run's JSON lines
+    (the whole run, across resumes): explained variance at step 1, trajectories/s over wall-clock time, trainer
+    idle fraction."""
+    from components.tracking import DiskTracker
+
+    rows = [r for r in DiskTracker.read(jsonl) if "step" in r] if jsonl.exists() else []
+    steps = [r for r in rows if "reward/mean" in r["metrics"]]
+    rate = None
+    if len(steps) >= 2 and steps[-1]["time"] > steps[0]["time"]:
+        rate = (len(steps) - 1) * batch_size / (steps[-1]["time"] - steps[0]["time"])
+    return {"version": result.version, "rollbacks": result.rollbacks, "policy_dir": result.policy_dir,
+            "run_id": getattr(tracker, "run_id", None), "trajectories_per_s": rate,
+            "idle_frac": steps[-1]["metrics"].get("trainer/idle_frac") if steps else None,
+            "explained_variance_step1": steps[0]["metrics"].get("critic/explained_variance") if steps else None}

@@ -49,6 +49,11 @@ class FanOut:
     def __init__(self, *trackers: Tracker) -> None:
         self.trackers = trackers
 
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run id of the first tracker that has one (None without MLflow)."""
+        return next((t.run_id for t in self.trackers if getattr(t, "run_id", None)), None)
+
     def log_params(self, params: dict) -> None:
         for t in self.trackers:
             t.log_params(params)

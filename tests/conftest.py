@@ -60,3 +60,23 @@ def s3_env(moto_endpoint, monkeypatch):
                         "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(name, value)
     return moto_endpoint
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """One Prefect test harness for the session (a temporary database and API server, ~11 s to start): flows run
+    against it in this process, and subprocesses reach it through `PREFECT_API_URL` (`prefect_env`)."""
+    import flows  # noqa: F401  (offline settings before prefect is imported)
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture
+def prefect_env(prefect_api):
+    """The environment of a subprocess that runs flows against the session's harness."""
+    import os
+
+    return {**os.environ, "PREFECT_API_URL": prefect_api}

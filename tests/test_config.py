@@ -84,7 +84,7 @@ def test_int_becomes_float_and_arrays_become_tuples():
 def test_unknown_keys_are_refused_by_path():
     with pytest.raises(ConfigError, match=r"^train\.bogus: unknown field \(expected one of \['adam_beta2', "):
         _load("train.bogus=1")
-    with pytest.raises(ConfigError, match=r"^bogus: unknown field \(expected one of \['algo', 'env', 'model', "):
+    with pytest.raises(ConfigError, match=r"^bogus: unknown field \(expected one of \['algo', 'distill', 'env', 'model', "):
         _load("bogus=1")
     with pytest.raises(ConfigError, match=r"^store\.url: unknown field \(expected one of \['uri'\]\)$"):
         _load('store.url="/x"')

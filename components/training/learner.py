@@ -20,6 +20,7 @@ import torch
 
 from components.config import Config
 from components.models import ValueModel, freeze_attention, load_policy
+from components.models.value import HEAD_FILE
 from components.storage import HomeStateError
 from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.collective import (
@@ -29,6 +30,26 @@ from components.training.collective import (
     take_rows,
 )
 from components.training.engines import ENGINES
+
+
+def initial_critic(policy: torch.nn.Module, critic_path: str) -> ValueModel:
+    """The critic RL starts from: the pretrained one at `critic_path` (`train.critic_path`, a `ValueModel.save`
+    directory), which must match the policy's hidden and vocabulary sizes; or, when the path is empty, the
+    policy's decoder with a fresh head. A resumed run then restores the critic from its checkpoint."""
+    if not critic_path:
+        return ValueModel.from_policy(policy)
+    path = Path(critic_path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"train.critic_path: {path} is not a directory")
+    if not (path / HEAD_FILE).is_file():
+        raise FileNotFoundError(f"train.critic_path: {path} has no {HEAD_FILE} (not a ValueModel.save directory)")
+    critic = ValueModel.load(path)
+    for name in ("hidden_size", "vocab_size"):
+        theirs, ours = getattr(critic.backbone.config, name), getattr(policy.config, name)
+        if theirs != ours:
+            raise ValueError(f"train.critic_path: the critic at {path} has {name}={theirs}, the policy has "
+                             f"{name}={ours}")
+    return critic
 
 
 class Learner:
@@ -47,7 +68,7 @@ class Learner:
             kwargs["zero_stage"] = tc.zero_stage
         self.critic = None
         if self.algorithm.uses_critic:
-            critic_model = ValueModel.from_policy(policy_model)
+            critic_model = initial_critic(policy_model, tc.critic_path)
             if self.algorithm.freeze_critic_attention:
                 freeze_attention(critic_model)
             self.critic = make_engine(critic_model, tc.critic_lr, **kwargs)

@@ -53,6 +53,9 @@ from components.training.stability import Collapse, CollapseDetector
 if TYPE_CHECKING:  # the trainer is handed an environment; it imports none
     from components.envs.registry import EnvSetup
 
+OnCheckpoint = Callable[[int, str], None]
+"""Called with (step, URI) once a checkpoint is complete in the store."""
+
 
 @dataclass
 class TrainResult:
@@ -122,11 +125,13 @@ def open_rollouts(cfg: Config, module: torch.nn.Module, tokenizer, home: Path, v
 
 
 def train(cfg: Config, setup: EnvSetup, sft_dir: Path, home: Path, tracker: Tracker, resume: bool = False,
-          log: Callable[[str], None] = print, detector: CollapseDetector | None = None) -> TrainResult:
+          log: Callable[[str], None] = print, detector: CollapseDetector | None = None,
+          on_checkpoint: OnCheckpoint | None = None) -> TrainResult:
     """Train from `sft_dir` on `setup`'s environment and task stream. Under torchrun every rank calls this;
     rank 0 runs the agent loop and returns the result, the other ranks serve rank 0's steps and return an
     empty result. `detector` is the collapse rule (default: `CollapseDetector()`, the one definition; tests
-    pass a hair-trigger one)."""
+    pass a hair-trigger one). `on_checkpoint(step, uri)` is called after each checkpoint is complete in the
+    store (the train flow emits `sao.checkpoint.saved` from it)."""
     engine_threads, trainer_threads = thread_budget(cfg)
     learner = Learner(cfg, sft_dir, settings_from(cfg), trainer_threads)
     if not learner.is_driver:
@@ -134,13 +139,14 @@ def train(cfg: Config, setup: EnvSetup, sft_dir: Path, home: Path, tracker: Trac
         return TrainResult(0, 0, None, [])
     try:
         return asyncio.run(_train(cfg, setup, learner, sft_dir, home, tracker, resume, engine_threads, log,
-                                  detector or CollapseDetector()))
+                                  detector or CollapseDetector(), on_checkpoint or (lambda step, uri: None)))
     finally:
         learner.release()
 
 
 async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, home: Path, tracker: Tracker,
-                 resume: bool, engine_threads: int, log, detector: CollapseDetector) -> TrainResult:
+                 resume: bool, engine_threads: int, log, detector: CollapseDetector,
+                 on_checkpoint: OnCheckpoint) -> TrainResult:
     tc = cfg.train
     tokenizer = load_tokenizer(sft_dir)
     store = checkpoint_store(cfg, home)
@@ -168,11 +174,12 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
                              f"to start over")
 
     def save_checkpoint() -> None:
-        store.save(step, {
+        uri = store.save(step, {
             **learner.state_dicts(),
             "state": {"step": step, "cursor": cursor, "world_size": learner.comm.world, "origin": origin,
                       "guard": dict(guard), "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()},
         })
+        on_checkpoint(step, uri)
 
     if latest is None and tc.collapse_guard != "off":
         save_checkpoint()  # the starting weights: the guard always has a checkpoint to return to

@@ -69,7 +69,7 @@ def test_two_process_deepspeed_matches_one_process(stored_batch):
         assert torch.allclose(a["params"], b["params"], atol=1e-4), (algo, (a["params"] - b["params"]).abs().max())
 
 
-def test_sao_train_under_torchrun_checkpoints_and_resumes(seeded_home):
+def test_sao_train_under_torchrun_checkpoints_and_resumes(seeded_home, prefect_env):
     """`torchrun --nproc-per-node 2 -m components.cli train`: rank 0 runs the agent loop; a resumed run
     continues the version sequence; a checkpoint of 2 ranks refuses to resume in 1 process."""
     from components.tracking import DiskTracker
@@ -79,13 +79,14 @@ def test_sao_train_under_torchrun_checkpoints_and_resumes(seeded_home):
     args = ["-m", "components.cli", "train", "--home", str(home), "--set", "train.batch_size=4",
             "--set", "train.checkpoint_every=2", "--set", "rollout.concurrency=4", "--set", "task.eval_size=8",
             "--set", 'tracking.backend="disk"']
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env = {**prefect_env, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # rank 0 runs the train flow
     launch = [str(torchrun), "--standalone", "--nproc-per-node", "2"]
     for steps, resume in ((2, []), (4, ["--resume"])):
         done = subprocess.run(launch + args + ["--max-steps", str(steps)] + resume, capture_output=True, text=True,
                               timeout=600, env=env)
         assert done.returncode == 0, done.stderr[-4000:]
-    assert "resumed from" in done.stdout and "2 process(es)" in done.stdout
+    output = done.stdout + done.stderr  # the flow's log lines go through Prefect's logger
+    assert "resumed from" in output and "2 process(es)" in output
     records = DiskTracker.read(home / "runs" / "tiny-cpu" / "sao.jsonl")
     assert [r["step"] for r in records if "policy/loss" in r.get("metrics", {})] == [1, 2, 3, 4]
     saved = torch.load(home / "checkpoints" / "tiny-cpu" / "step-00000004" / "state.pt", weights_only=False)

@@ -35,7 +35,7 @@ def test_a_run_resumes_from_s3_alone(tmp_path, seeded_home, s3_env):
     assert {f"team/checkpoints/tiny-cpu/step-{s:08d}/_COMPLETE" for s in range(5)} <= keys
 
 
-def test_a_store_that_cannot_be_written_is_a_clear_error(seeded_home, s3_env, capsys):
+def test_a_store_that_cannot_be_written_is_a_clear_error(seeded_home, s3_env, capsys, prefect_api):
 
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--home", str(seeded_home), "--max-steps", "1", "--set", 'store.uri="s3://no-such-bucket/x"',

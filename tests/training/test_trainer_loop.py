@@ -52,7 +52,7 @@ def test_deepspeed_backend_single_process(tmp_path, tiny_cfg, sft_dir):
     assert all(row["critic/grad_norm"] > 0 and row["policy/grad_norm"] > 0 for row in result.history)
 
 
-def test_kill_9_then_resume_gives_a_contiguous_version_sequence(seeded_home):
+def test_kill_9_then_resume_gives_a_contiguous_version_sequence(seeded_home, prefect_env):
     """`sao train` is SIGKILLed after its second checkpoint; `--resume` finishes with versions 1..N, none twice."""
     import signal
     import subprocess
@@ -65,7 +65,7 @@ def test_kill_9_then_resume_gives_a_contiguous_version_sequence(seeded_home):
     args = [sys.executable, "-m", "components.cli", "train", "--home", str(home), "--max-steps", "6",
             "--set", 'train.backend="torch"', "--set", "train.batch_size=4", "--set", "train.checkpoint_every=1",
             "--set", "rollout.concurrency=4", "--set", "task.eval_size=16"]
-    child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=prefect_env)
     checkpoints = home / "checkpoints" / "tiny-cpu"
     deadline = time.monotonic() + 240
     while not is_complete(checkpoints / "step-00000002"):
@@ -73,7 +73,7 @@ def test_kill_9_then_resume_gives_a_contiguous_version_sequence(seeded_home):
         time.sleep(0.05)
     child.send_signal(signal.SIGKILL)
     child.wait()
-    done = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=600, env=prefect_env)
     assert done.returncode == 0, done.stderr[-3000:]
     records = DiskTracker.read(home / "runs" / "tiny-cpu" / "sao.jsonl")
     assert [r["step"] for r in records if "policy/loss" in r.get("metrics", {})] == list(range(1, 7))
@@ -111,7 +111,7 @@ def test_a_home_with_checkpoints_needs_resume_and_the_same_starting_weights(tmp_
         train_env(_cfg(tiny_cfg, max_steps=2), other, tmp_path, NullTracker(), resume=True, log=lambda _: None)
 
 
-def test_sao_train_cli_refuses_to_overwrite_checkpoints(seeded_home, capsys):
+def test_sao_train_cli_refuses_to_overwrite_checkpoints(seeded_home, capsys, prefect_api):
     from components.cli import main
     from components.training.checkpoint import LocalCheckpointStore
 

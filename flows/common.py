@@ -1,0 +1,66 @@
+"""What every flow does first: the config from a preset and overrides, the run home, a logger that reaches both
+the terminal and the Prefect UI, and an MLflow run for the stage.
+
+Flow parameters are plain typed values (preset name, `key=value` overrides, home path), so the Prefect UI shows
+them as editable fields and a deployment can set them. Tasks never cache (`NO_CACHE`): their inputs are configs,
+traces and models, and the stages decide reuse themselves from the artifact store (a retried flow run resumes
+from what is complete there, not from Prefect's result cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from components.config import Config, load_config
+from components.pipeline.mlflow_runs import NullRun, stage_run
+
+from prefect import get_run_logger
+from prefect.cache_policies import NO_CACHE  # noqa: F401  (re-exported for the flows)
+
+
+@dataclass
+class Context:
+    cfg: Config
+    home: Path
+    log: object
+    """`log(message)`: Prefect's run logger (terminal and UI)."""
+
+
+def context(preset: str, overrides: list[str] | None, home: str | None) -> Context:
+    """The flow's config, home and logger. Config errors surface before any work, naming the field."""
+    from components.jobs import default_home
+
+    cfg = load_config(preset, list(overrides or []))
+    logger = get_run_logger()
+    return Context(cfg, Path(home) if home else default_home(), logger.info)
+
+
+@contextmanager
+def tracked(ctx: Context, stage: str, parent_run_id: str | None) -> Iterator[NullRun]:
+    """An MLflow run for `stage` (nested under the pipeline's run when given), FAILED if the body raises."""
+    run = stage_run(ctx.cfg, ctx.home, stage, parent_run_id)
+    failed = True
+    try:
+        yield run
+        failed = False
+    finally:
+        run.finish(failed)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """A list of dicts as a markdown table (the artifacts' headline numbers)."""
+    if not rows:
+        return "_nothing_"
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(_cell(r.get(k)) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)

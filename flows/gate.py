@@ -1,0 +1,47 @@
+"""`gate`: a Great Expectations suite over a stored dataset, distilled traces or rollout logs (Parquet, local or
+s3://). A failing gate fails the flow with a report naming each failing expectation and its first offending rows;
+the report is also the run's artifact."""
+
+from __future__ import annotations
+
+import io
+from typing import Literal
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+
+from flows.common import NO_CACHE, context
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def read_dataset(kind: str, uri: str) -> list:
+    """Traces or trajectories from a Parquet file or object (I/O: retried)."""
+    from components.contracts.trajectory import read_trajectories
+    from components.data.problem_sets import read_bytes
+    from components.data.traces import read_traces
+
+    data = io.BytesIO(read_bytes(uri))
+    return read_traces(data) if kind == "traces" else read_trajectories(data)
+
+
+@task(cache_policy=NO_CACHE)
+def check(cfg, kind: str, rows: list):
+    from components.data.gates import check_rollouts
+    from components.pipeline.distill import gate_traces
+
+    if kind == "traces":
+        return gate_traces(cfg, rows)
+    return check_rollouts(rows, max_tokens=cfg.rollout.max_total_tokens)
+
+
+@flow(name="gate")
+def gate(uri: str, kind: Literal["traces", "rollouts"] = "traces", preset: str = "tiny-cpu",
+         overrides: list[str] | None = None, home: str | None = None) -> dict:
+    """Returns the report as a dict; raises `GateFailed` when an expectation fails."""
+    ctx = context(preset, overrides, home)
+    report = check(ctx.cfg, kind, read_dataset(kind, uri))
+    create_markdown_artifact(key=f"gate-{kind}", markdown=f"# Gate ({kind}, {uri}): {report.summary()}\n\n"
+                                                          f"{report.markdown()}")
+    ctx.log(f"gate: {report.summary()}")
+    report.raise_if_failed()
+    return report.to_dict()

@@ -1,0 +1,62 @@
+"""`pipeline`: the whole lifecycle, each stage a subflow under one MLflow parent run.
+
+    distill -> gate -> sft -> value_pretrain -> train (critic from value_pretrain) -> evaluate (registry)
+
+Every stage is skipped when its output for the same inputs is already complete in the store, and training resumes
+from its newest checkpoint, so re-running a failed or killed pipeline continues where it stopped.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from components.config import to_dict
+from components.pipeline.mlflow_runs import pipeline_run
+from components.pipeline.store import fingerprint
+from flows.common import context, markdown_table
+from flows.distill import distill
+from flows.evaluate import evaluate
+from flows.sft import sft
+from flows.train import train
+from flows.value_pretrain import value_pretrain
+
+
+@flow(name="pipeline")
+def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: str | None = None) -> dict:
+    """Returns the headline numbers of every stage."""
+    ctx = context(preset, overrides, home)
+    params = {"preset": preset, "overrides": list(overrides or []), "home": str(ctx.home)}
+    parent = pipeline_run(ctx.cfg, ctx.home, fingerprint({"config": to_dict(ctx.cfg), "home": str(ctx.home)}))
+    failed = True
+    try:
+        dataset = distill(**params, parent_run_id=parent.run_id)
+        policy = sft(**params, parent_run_id=parent.run_id)
+        uses_critic = _uses_critic(ctx.cfg)
+        critic = value_pretrain(**params, parent_run_id=parent.run_id) if uses_critic else None
+        trained = train(**params, critic_path=critic["critic_dir"] if critic else "", resume=True,
+                        evaluate=False, parent_run_id=parent.run_id)
+        scored = evaluate(**params, checkpoint_step=trained["checkpoint_step"], parent_run_id=parent.run_id)
+        summary = {
+            "dataset": dataset, "sft_policy": policy["uri"], "sft_accuracy": policy["accuracy"],
+            "critic": critic["uri"] if critic else None,
+            "critic_ev_cold": critic["ev_cold"] if critic else None,
+            "critic_ev_pretrained": critic["ev_best"] if critic else None,
+            "ev_step1": trained.get("explained_variance_step1"),
+            "version": trained["version"], "rollbacks": trained["rollbacks"],
+            "trajectories_per_s": trained["trajectories_per_s"], "trainer_idle": trained["idle_frac"],
+            "accuracy": scored["accuracy"], "eval_set": scored["eval_set"],
+            "registered": scored.get("registered"), "champion": scored.get("champion"),
+        }
+        parent.log_metrics({k: float(v) for k, v in summary.items() if isinstance(v, (int, float))})
+        failed = False
+    finally:
+        parent.finish(failed)
+    create_markdown_artifact(key="pipeline", markdown=markdown_table([summary]))
+    return summary
+
+
+def _uses_critic(cfg) -> bool:
+    from components.training.algorithms import ALGORITHMS
+
+    return ALGORITHMS[cfg.train.algo].uses_critic

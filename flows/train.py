@@ -1,0 +1,57 @@
+"""`train`: the long-running asynchronous SAO run (or a baseline: `train.algo`).
+
+Checkpoints go to the store every `train.checkpoint_every` steps; each complete one emits the Prefect event
+`sao.checkpoint.saved` (payload: step, uri, preset, env), which a deployment trigger turns into an `evaluate` run.
+Re-running with `resume=True` continues from the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from prefect.events import emit_event
+
+from components import jobs
+from components.config import Config
+from flows.common import context, markdown_table
+
+CHECKPOINT_EVENT = "sao.checkpoint.saved"
+
+
+def checkpoint_event(cfg: Config, step: int, uri: str) -> dict:
+    """The event's fields: the checkpoint as the resource, the training run as a related resource."""
+    return {
+        "event": CHECKPOINT_EVENT,
+        "resource": {"prefect.resource.id": f"sao.checkpoint.{cfg.name}.{cfg.env.name}.{step}",
+                     "prefect.resource.name": uri},
+        "related": [{"prefect.resource.id": f"sao.training.{cfg.name}.{cfg.env.name}",
+                     "prefect.resource.role": "training-run"}],
+        "payload": {"step": step, "uri": uri, "preset": cfg.name, "env": cfg.env.name, "algo": cfg.train.algo},
+    }
+
+
+@flow(name="train")
+def train(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: str | None = None,
+          critic_path: str = "", resume: bool = False, evaluate: bool = True,
+          parent_run_id: str | None = None) -> dict:
+    """Returns the final version, the policy's directory, the newest checkpoint step and throughput."""
+    ctx = context(preset, overrides, home)
+    cfg = ctx.cfg
+    if critic_path:
+        cfg = replace(cfg, train=replace(cfg.train, critic_path=critic_path))
+
+    def on_checkpoint(step: int, uri: str) -> None:
+        emit_event(**checkpoint_event(cfg, step, uri))
+
+    result = jobs.run_train(cfg, ctx.home, resume=resume, log=ctx.log, parent_run_id=parent_run_id,
+                            on_checkpoint=on_checkpoint, evaluate=evaluate)
+    from components.training.trainer import checkpoint_store
+
+    result["checkpoint_step"] = checkpoint_store(cfg, ctx.home).latest_step()
+    result["policy_dir"] = str(result.get("policy_dir", ""))
+    create_markdown_artifact(key="train", markdown=markdown_table([{
+        k: result.get(k) for k in ("version", "before", "after", "rollbacks", "checkpoint_step",
+                                   "trajectories_per_s")}]))
+    return result
