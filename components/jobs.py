@@ -1,9 +1,11 @@
-"""End-to-end jobs behind the CLI (and, later, the Prefect flows): each step reads and writes the run home, and
-publishes what it made to the artifact store when one is configured (`store.uri` or `$SAO_STORE_URI`).
+"""The jobs the flows (flows/) and the CLI run: SFT, evaluation and training. Each reads and writes the run home,
+and publishes what it made to the artifact store when one is configured (`store.uri` or `$SAO_STORE_URI`);
+the other stages are in components/pipeline.
 
 Home layout (`--home`, default `./.sao` or `$SAO_HOME`); the same keys in the store:
 
-    data/sft-<env>-<hash>/          teacher traces for SFT (hash of the env and task config)
+    data/sft-<env>-<hash>/          gated teacher traces for SFT (hash of the env, task and teacher config)
+    models/critic-<env>-<hash>/     the pretrained critic (components/pipeline/critic.py)
     models/sft-<env>/               HF model directory of the SFT policy (complete once `_COMPLETE` exists)
     models/<preset>-<algo>-policy/  the trained policy
     checkpoints/<preset>/step-N/    verified training checkpoints (`sao train --resume` continues the newest)
@@ -126,21 +128,6 @@ def _eval_task(cfg: Config) -> dict:
     """What decides the held-out episodes: the environment and the task fields that shape them."""
     task = {k: v for k, v in to_dict(cfg.task).items() if k in _EVAL_TASK_FIELDS}
     return json.loads(json.dumps({"env": to_dict(cfg.env), "task": task}))
-
-
-def run_pipeline(cfg: Config, home: Path, force: bool = False, log: Log = print) -> dict:
-    """`sao run` (`make run`): SFT, held-out eval, RL with `cfg.train.algo`, held-out eval.
-
-    Re-running continues: a complete SFT policy with the same recipe is reused and training resumes from its
-    newest checkpoint (a finished run only re-evaluates). `force` retrains both from scratch; it removes this
-    preset's training checkpoints, which is what it was asked to do."""
-    if force:
-        from components.training.trainer import checkpoint_store
-
-        checkpoints = checkpoint_store(cfg, home)
-        for step in checkpoints.steps():
-            checkpoints.store.delete(checkpoints.key(step))
-    return run_train(cfg, home, resume=True, force_sft=force, log=log)
 
 
 def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, force_sft: bool = False,

@@ -41,10 +41,9 @@ def model_to_score(cfg, home, model: str, checkpoint_step: int | None, log) -> t
         return Path(model), None, Path(model).name
     store = checkpoint_store(cfg, home)
     step = checkpoint_step if checkpoint_step is not None else store.latest_step()
+    sft_dir = jobs.run_sft(cfg, home, log=log)  # reused when complete; a checkpoint is rebuilt on its config
     if step is None:
-        sft_dir = jobs.run_sft(cfg, home, log=log)
         return sft_dir, None, "sft"
-    sft_dir = jobs.run_sft(cfg, home, log=log)
     return export_checkpoint(cfg, home, step, sft_dir, log), store.store.uri(store.key(step)), f"step-{step}"
 
 

@@ -74,9 +74,19 @@ def prefect_api():
         yield PREFECT_API_URL.value()
 
 
+DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What `init_single_process_group` sets in this process when a test trains in process: a subprocess that
+inherited them would take itself for a rank of this process's group (and its port is taken)."""
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a subprocess, without the torch.distributed variables of this process."""
+    import os
+
+    return {**{k: v for k, v in os.environ.items() if k not in DIST_VARS}, **extra}
+
+
 @pytest.fixture
 def prefect_env(prefect_api):
     """The environment of a subprocess that runs flows against the session's harness."""
-    import os
-
-    return {**os.environ, "PREFECT_API_URL": prefect_api}
+    return child_env(PREFECT_API_URL=prefect_api)

@@ -10,6 +10,7 @@ from components.cli import main
 from components.contracts.trajectory import read_trajectories
 from components.jobs import run_eval, run_sft
 from components.storage import MARKER, atomic_dir, is_complete
+from tests.conftest import child_env
 
 
 def test_atomic_dir_is_complete_only_after_success(tmp_path):
@@ -80,7 +81,7 @@ def preset_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("preset-home")
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "components.cli", "pipeline", "--home", str(home)],
-                         capture_output=True, text=True, timeout=1800)
+                         capture_output=True, text=True, timeout=1800, env=child_env())
     assert out.returncode == 0, out.stderr[-3000:]
     print(f"sao run: {time.perf_counter() - start:.0f} s")
     return home

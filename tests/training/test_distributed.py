@@ -3,7 +3,6 @@ learner splits rows over ranks and must reproduce the single-process step (losse
 
 import copy
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 from components.contracts.trajectory import write_trajectories
 from components.models import save_model_dir
 from components.training.collective import shard_rows
+from tests.conftest import child_env
 
 ALGOS = ("sao", "sao-running-mean", "grpo")
 WORKER = Path(__file__).with_name("dp_worker.py")
@@ -43,7 +43,7 @@ def stored_batch(sft_policy, grouped_trajectories, tmp_path_factory):
 
 
 def _run(command: list[str], out: Path) -> dict:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
+    env = child_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(Path.cwd()))
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return torch.load(out)
