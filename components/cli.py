@@ -240,7 +240,9 @@ def _print_summary(summary: dict, home: Path) -> None:
         f"dataset          {summary['dataset']}",
         f"SFT policy       {summary['sft_policy']}  held-out accuracy {pct(summary['sft_accuracy'])}",
         f"critic           {summary['critic'] or '-'}  held-out EV {num(summary['critic_ev_cold'])} cold -> "
-        f"{num(summary['critic_ev_pretrained'])} pretrained; EV at RL step 1 {num(summary['ev_step1'])}",
+        f"{num(summary['critic_ev_pretrained'])} pretrained; RL's critic starts "
+        f"{'from it' if summary['critic_warm_start'] else 'cold (value_pretrain.warm_start = false)'}, EV at "
+        f"step 1 {num(summary['ev_step1'])}",
         f"SAO              {summary['version']} policy versions, {summary['rollbacks']} rollbacks, "
         f"{num(summary['trajectories_per_s'], '.1f')} trajectories/s (wall clock), trainer idle "
         f"{num(summary['trainer_idle'], '.0%')}",

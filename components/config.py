@@ -370,6 +370,9 @@ class ValuePretrainConfig:
     """AdamW learning rate of the pretraining; 0: `train.critic_lr`."""
     seed: int = 0
     """Seed of the held-out split, the minibatch order, the value head's init and the rollout sampling."""
+    warm_start: bool = True
+    """The pipeline starts RL's critic from the pretrained one (as `train.critic_path`). tiny-cpu sets false: there
+    the pretrained critic slowed learning (README, "Value-model pretraining"); the stage still runs and reports."""
 
     def __post_init__(self) -> None:
         held = self.held_out_episodes

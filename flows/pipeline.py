@@ -34,14 +34,15 @@ def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, home:
         policy = sft(**params, parent_run_id=parent.run_id)
         uses_critic = _uses_critic(ctx.cfg)
         critic = value_pretrain(**params, parent_run_id=parent.run_id) if uses_critic else None
-        trained = train(**params, critic_path=critic["critic_dir"] if critic else "", resume=True,
+        warm = critic is not None and ctx.cfg.value_pretrain.warm_start
+        trained = train(**params, critic_path=critic["critic_dir"] if warm else "", resume=True,
                         evaluate=False, parent_run_id=parent.run_id)
         scored = evaluate(**params, checkpoint_step=trained["checkpoint_step"], parent_run_id=parent.run_id)
         summary = {
             "dataset": dataset, "sft_policy": policy["uri"], "sft_accuracy": policy["accuracy"],
             "critic": critic["uri"] if critic else None,
             "critic_ev_cold": critic["ev_cold"] if critic else None,
-            "critic_ev_pretrained": critic["ev_best"] if critic else None,
+            "critic_ev_pretrained": critic["ev_best"] if critic else None, "critic_warm_start": warm,
             "ev_step1": trained.get("explained_variance_step1"),
             "version": trained["version"], "rollbacks": trained["rollbacks"],
             "trajectories_per_s": trained["trajectories_per_s"], "trainer_idle": trained["idle_frac"],

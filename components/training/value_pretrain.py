@@ -152,7 +152,7 @@ def value_pretrain_recipe(cfg: Config, sft_dir: Path) -> dict:
     algo = {k: getattr(cfg.algo, k) for k in ("gamma", "lam_critic", "value_clip", "temperature")}
     rollout = {k: getattr(cfg.rollout, k) for k in ("max_total_tokens", "max_wall_s", "tool_timeout_s")}
     recipe = {"model": to_dict(cfg.model), "env": to_dict(cfg.env), "task": to_dict(cfg.task),
-              "value_pretrain": to_dict(cfg.value_pretrain), "algo": algo, "rollout": rollout,
+              "value_pretrain": {k: v for k, v in to_dict(cfg.value_pretrain).items() if k != "warm_start"}, "algo": algo, "rollout": rollout,
               "training": training, "sft_weights": weights_fingerprint(sft_dir)}
     # JSON round trip so that it compares equal to the copy saved next to the weights (tuples become lists).
     return json.loads(json.dumps(recipe))

@@ -15,7 +15,7 @@ SMALL = ["--set", "sft.steps=20", "--set", "sft.batch_size=16", "--set", "sft.wa
          "--set", "task.train_size=200", "--set", "task.eval_size=8", "--set", "train.max_steps=4",
          "--set", "train.batch_size=4", "--set", "rollout.concurrency=4", "--set", "train.checkpoint_every=2",
          "--set", "value_pretrain.episodes=16", "--set", "value_pretrain.max_epochs=2",
-         "--set", 'train.backend="torch"']
+         "--set", 'train.backend="torch"', "--set", "value_pretrain.warm_start=true"]
 BUCKET = "pipeline"
 
 
@@ -86,6 +86,7 @@ def test_mlflow_holds_a_parent_run_with_a_run_per_stage(pipeline_home):
     assert inputs[0].dataset.source.find(f"s3://{BUCKET}/sao/data/") >= 0
     assert "config.train.algo" in parents[0].data.params  # the config as parameters
     train_run = next(c for c in children if "sao.stage" not in c.data.tags)
+    assert "/models/critic-tir_math-" in train_run.data.params["config.train.critic_path"]  # started warm
     assert [m.step for m in client.get_metric_history(train_run.info.run_id, "policy/loss")] == [1, 2, 3, 4]
     # The scored checkpoint is a registered version of the policy and of the critic, both pointing into S3.
     for kind in ("policy", "critic"):
