@@ -38,6 +38,7 @@ run: $(STAMP)
 
 # The UIs over what `make run` recorded: Prefect at http://127.0.0.1:4200, MLflow at http://127.0.0.1:5000.
 prefect-ui: $(STAMP)
+	mkdir -p $(PREFECT_HOME)
 	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
 
 mlflow-ui: $(STAMP)
