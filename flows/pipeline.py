@@ -49,7 +49,7 @@ def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, home:
             "accuracy": scored["accuracy"], "eval_set": scored["eval_set"],
             "registered": scored.get("registered"), "champion": scored.get("champion"),
         }
-        parent.log_metrics({k: float(v) for k, v in summary.items() if isinstance(v, (int, float))})
+        parent.log_metrics({f"pipeline/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))})
         failed = False
     finally:
         parent.finish(failed)
