@@ -29,7 +29,7 @@ from components.config import Config, to_dict
 from components.envs.registry import build_env
 from components.jobs import Log, fingerprint, run_eval, run_sft, sft_eval
 from components.storage import HomeStateError, write_json
-from components.tracking import DiskTracker, mlflow_uri, open_tracker
+from components.tracking import DiskTracker, mlflow_experiment, open_tracker
 from components.training.stability import CollapseDetector, collapsed_on_eval
 
 
@@ -185,12 +185,7 @@ def _parent_run(cfg: Config, home: Path, name: str) -> tuple | None:
     `tracking.backend=disk`."""
     if cfg.tracking.backend == "disk":
         return None
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(mlflow_uri(cfg.tracking, home))
-    found = client.get_experiment_by_name(cfg.tracking.experiment)
-    experiment = found.experiment_id if found else client.create_experiment(
-        cfg.tracking.experiment, artifact_location=(home.resolve() / "mlartifacts").as_uri())
+    client, experiment = mlflow_experiment(cfg.tracking, home)
     runs = client.search_runs([experiment], filter_string=f"tags.`sao.sweep` = '{name}'", max_results=1)
     run = runs[0] if runs else client.create_run(experiment, run_name=f"sweep/{name}", tags={"sao.sweep": name})
     return client, run.info.run_id

@@ -131,19 +131,10 @@ class MlflowTracker:
         self._logged: set[tuple[str, int]] = set()
 
     def log_params(self, params: dict) -> None:
-        from mlflow.entities import Param
-
-        flat = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
-        for chunk in _chunks(flat, 100):
-            self.client.log_batch(self.run_id, params=chunk)
+        log_params_batched(self.client, self.run_id, params)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        points = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        for chunk in _chunks(points, 1000):
-            self.client.log_batch(self.run_id, metrics=chunk)
+        log_metrics_batched(self.client, self.run_id, metrics, step)
         self._logged.update((k, step) for k in metrics)
 
     def rewind(self, step: int) -> None:
@@ -174,6 +165,36 @@ class MlflowTracker:
 
     def close(self, failed: bool = False) -> None:
         self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+
+
+def log_params_batched(client: Any, run_id: str, params: dict) -> None:
+    """Nested params, flattened to dotted keys, in as few `log_batch` calls as MLflow allows."""
+    from mlflow.entities import Param
+
+    flat = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
+    for chunk in _chunks(flat, 100):
+        client.log_batch(run_id, params=chunk)
+
+
+def log_metrics_batched(client: Any, run_id: str, metrics: dict[str, float], step: int) -> None:
+    """One step's metrics in as few `log_batch` calls as MLflow allows (never one call per point)."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    points = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+    for chunk in _chunks(points, 1000):
+        client.log_batch(run_id, metrics=chunk)
+
+
+def mlflow_experiment(config: TrackingConfig, home: Path) -> tuple[Any, str]:
+    """(MlflowClient, experiment id) of `tracking.experiment`, created with its artifacts under the home."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_uri(config, home))
+    found = client.get_experiment_by_name(config.experiment)
+    experiment = found.experiment_id if found else client.create_experiment(
+        config.experiment, artifact_location=(Path(home).resolve() / "mlartifacts").as_uri())
+    return client, experiment
 
 
 def _chunks(items: list, size: int) -> list[list]:

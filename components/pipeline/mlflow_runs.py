@@ -9,12 +9,11 @@ With `tracking.backend = "disk"` every call is a no-op (`NullRun`): the JSON lin
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from components.config import Config, to_dict
-from components.tracking import flatten, mlflow_uri
+from components.tracking import log_metrics_batched, log_params_batched, mlflow_experiment
 
 PIPELINE_TAG = "sao.pipeline"
 STAGE_TAG = "sao.stage"
@@ -49,19 +48,10 @@ class StageRun(NullRun):
         self.client, self.run_id = client, run_id
 
     def log_params(self, params: dict) -> None:
-        from mlflow.entities import Param
-
-        flat = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
-        for i in range(0, len(flat), 100):  # log_batch takes at most 100 params
-            self.client.log_batch(self.run_id, params=flat[i:i + 100])
+        log_params_batched(self.client, self.run_id, params)
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        points = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        for i in range(0, len(points), 1000):
-            self.client.log_batch(self.run_id, metrics=points[i:i + 1000])
+        log_metrics_batched(self.client, self.run_id, metrics, step)
 
     def log_dataset(self, rows: list[dict], source: str, name: str, context: str = "training") -> None:
         """A dataset input (name, digest of its rows, source URI) shown on the run's page."""
@@ -84,22 +74,12 @@ class StageRun(NullRun):
         self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
 
 
-def _client_and_experiment(cfg: Config, home: Path) -> tuple[Any, str]:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(mlflow_uri(cfg.tracking, home))
-    found = client.get_experiment_by_name(cfg.tracking.experiment)
-    experiment = found.experiment_id if found else client.create_experiment(
-        cfg.tracking.experiment, artifact_location=(Path(home).resolve() / "mlartifacts").as_uri())
-    return client, experiment
-
-
 def pipeline_run(cfg: Config, home: Path, key: str) -> NullRun:
     """The pipeline's parent run for `key` (the pipeline's recipe): found again when a run with this key is still
     open or failed (a retried flow continues under it), else a new one with the config as parameters."""
     if cfg.tracking.backend == "disk":
         return NullRun()
-    client, experiment = _client_and_experiment(cfg, home)
+    client, experiment = mlflow_experiment(cfg.tracking, home)
     runs = client.search_runs([experiment], filter_string=f"tags.`{PIPELINE_TAG}` = '{key}'",
                               order_by=["attributes.start_time DESC"], max_results=1)
     if runs and runs[0].info.status != "FINISHED":
@@ -115,7 +95,7 @@ def stage_run(cfg: Config, home: Path, stage: str, parent_run_id: str | None = N
     """A new run for `stage` (nested under `parent_run_id` when given), with the config as parameters."""
     if cfg.tracking.backend == "disk":
         return NullRun()
-    client, experiment = _client_and_experiment(cfg, home)
+    client, experiment = mlflow_experiment(cfg.tracking, home)
     tags = {STAGE_TAG: stage}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
