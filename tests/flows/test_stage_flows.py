@@ -75,11 +75,13 @@ def test_the_style_shift_flow_reports_reward_per_phase_for_each_algorithm(tmp_pa
 def test_the_checkpoint_event_names_the_checkpoint_and_its_training_run():
     from flows.train import CHECKPOINT_EVENT, checkpoint_event
 
-    event = checkpoint_event(load_config("tiny-cpu"), 40, "s3://b/sao/checkpoints/tiny-cpu/step-00000040")
+    event = checkpoint_event(load_config("tiny-cpu", ["train.max_steps=80"]), 40,
+                             "s3://b/sao/checkpoints/tiny-cpu/step-00000040", ["train.max_steps=80"], "/runs/a")
     assert event["event"] == CHECKPOINT_EVENT == "sao.checkpoint.saved"
     assert event["resource"]["prefect.resource.id"] == "sao.checkpoint.tiny-cpu.tir_math.40"
     assert event["payload"] == {"step": 40, "uri": "s3://b/sao/checkpoints/tiny-cpu/step-00000040",
-                                "preset": "tiny-cpu", "env": "tir_math", "algo": "sao"}
+                                "preset": "tiny-cpu", "env": "tir_math", "algo": "sao",
+                                "overrides": ["train.max_steps=80"], "home": "/runs/a"}
 
 
 def test_distill_progress_logs_each_tenth_once():

@@ -1,0 +1,37 @@
+"""The command of a GPU job of the `train` deployments: `torchrun --nproc-per-node=N -m flows.ranks`.
+
+A worker starts one container (or pod) per flow run and names the run in `PREFECT__FLOW_RUN_ID`. torchrun starts one
+process per GPU there: rank 0 executes the flow run exactly as Prefect's own `python -m prefect.engine` does (states,
+logs, artifacts, the checkpoint events), and every other rank joins its training as a DeepSpeed rank, with the
+config rebuilt from the flow run's parameters (the same split `sao train` makes under torchrun). Only the `train`
+flow runs on several ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+from pathlib import Path
+
+
+def main() -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
+        return
+    import flows  # noqa: F401  (offline settings before prefect is imported)
+    from prefect.flow_engine import load_flow_run
+
+    from components import jobs
+    from components.config import load_config
+
+    params = load_flow_run(flow_run_id=os.environ["PREFECT__FLOW_RUN_ID"]).parameters
+    overrides = list(params.get("overrides") or [])
+    if params.get("critic_path"):
+        overrides.append(f'train.critic_path="{params["critic_path"]}"')
+    home = Path(params["home"]) if params.get("home") else jobs.default_home()
+    jobs.run_train(load_config(params.get("preset", "tiny-cpu"), overrides), home,
+                   resume=bool(params.get("resume", False)), evaluate=bool(params.get("evaluate", True)))
+
+
+if __name__ == "__main__":
+    main()
