@@ -20,7 +20,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export GX_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test test-slow test-ops test-vllm bench sweep server deploy worker prefect-ui mlflow-ui clean
+.PHONY: setup run test test-slow test-ops test-vllm infra-check bench sweep server deploy worker prefect-ui mlflow-ui clean
 
 setup: $(STAMP)
 
@@ -64,6 +64,11 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# Static checks of infra/ and dashboards/ (no Docker engine needed): compose through the real Compose binary,
+# Dockerfiles through hadolint, Prometheus rules and scrape targets, Grafana provisioning, DeepSpeed configs, presets.
+infra-check: $(STAMP)
+	$(PY) -m components.ops.infra_check
 
 # A real Prefect server, `make deploy` and a process worker running deployments; the report in headless Chromium
 # (Debian's chromium package, installed here when missing).

@@ -11,7 +11,8 @@ from components.config import ConfigError, load_config
 from components.storage import HomeStateError, StoreError
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and flag (the runbooks' commands are checked against it: tests/ops/test_runbooks.py)."""
     parser = argparse.ArgumentParser(prog="sao", description="SAO: single-rollout asynchronous RL for LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -51,6 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     p_compare.add_argument("--home", type=Path, default=None, help="run home (its mlflow.db; default ./.sao)")
     p_compare.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the home's)")
     p_compare.add_argument("--out", type=Path, default=None, help="plot file (default <home>/reports/compare.png)")
+    p_report = sub.add_parser("report", help="MLflow runs side by side in one self-contained HTML file (default: "
+                                             "the newest 3 finished training runs of the experiment)")
+    p_report.add_argument("runs", nargs="*", metavar="RUN", help="MLflow run ids or run names")
+    p_report.add_argument("--home", type=Path, default=None, help="run home (its mlflow.db; default ./.sao)")
+    p_report.add_argument("--experiment", default=None, help="where to look without RUN (default: sao)")
+    p_report.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the home's)")
+    p_report.add_argument("--out", type=Path, default=None, help="HTML file (default <home>/reports/report.html)")
+    p_registry = sub.add_parser("registry", help="registered policy and critic versions: aliases (champion, "
+                                                 "candidate), checkpoint, score, evaluation set, source")
+    p_registry.add_argument("--name", default=None, help="one registered model (default: all)")
+    p_registry.add_argument("--home", type=Path, default=None, help="run home (its mlflow.db; default ./.sao)")
+    p_registry.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the home's)")
     p_teacher = sub.add_parser("teacher", help="the programmatic solver served as a tool-calling chat endpoint")
     teacher_sub = p_teacher.add_subparsers(dest="teacher_command", required=True)
     p_tserve = teacher_sub.add_parser("serve", help="serve /v1/chat/completions (a stand-in teacher for distill)")
@@ -94,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       "grpo-dis, ppo (default: the preset's)")
     p_train.add_argument("--max-steps", type=int, default=None, help="policy updates (default: the preset's)")
     p_train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p_train.add_argument("--rollback-to", type=int, default=None, metavar="STEP",
+                         help="delete the checkpoints after STEP, then resume from STEP (docs/runbooks)")
     p_train.add_argument("--critic", type=Path, default=None,
                          help="pretrained critic directory (from `sao value-pretrain`; sets train.critic_path)")
 
@@ -115,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--max-batch", type=int, default=64, help="sequences decoded together at most")
     p_serve.add_argument("--threads", type=int, default=None,
                          help="torch CPU threads (default: torch's); leave cores free for clients on the same host")
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "train":
         args.overrides += [f'train.algo="{args.algo}"'] if args.algo else []
@@ -135,6 +154,16 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.exit(2, f"sao: {exc}\n")
         return 0
+    if args.command == "report":
+        from components.eval.report import run_report
+
+        try:
+            run_report(args.runs, args.home, args.experiment, args.out, args.tracking_uri)
+        except ValueError as exc:
+            parser.exit(2, f"sao: {exc}\n")
+        return 0
+    if args.command == "registry":
+        return _registry(args, parser)
     if args.command == "teacher":
         from components.data.solver_server import serve_solver
 
@@ -156,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     from components.data.teacher_client import TeacherError
 
     try:
+        if args.command == "train" and args.rollback_to is not None:
+            args.resume = True
+            if int(os.environ.get("RANK", "0")) == 0:  # one rank deletes, before the others are released
+                _rollback(cfg, home, args.rollback_to, parser)
         if args.command in FLOW_COMMANDS:
             _run_flow(args, home, parser)
         else:
@@ -163,6 +196,39 @@ def main(argv: list[str] | None = None) -> int:
     except (HomeStateError, StoreError, GateFailed, TeacherError) as exc:
         parser.exit(2, f"sao: {exc}\n")
     return 0
+
+
+def _registry(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from mlflow.tracking import MlflowClient
+
+    from components.config import TrackingConfig
+    from components.jobs import default_home
+    from components.pipeline.model_registry import versions_table
+    from components.tracking import mlflow_uri
+
+    client = MlflowClient(args.tracking_uri or mlflow_uri(TrackingConfig(), args.home or default_home()))
+    try:
+        rows = versions_table(client, args.name)
+    except ValueError as exc:
+        parser.exit(2, f"sao: {exc}\n")
+    if not rows:
+        print("registry: no registered model yet (evaluate registers each scored checkpoint)")
+        return 0
+    keys = list(rows[0])
+    widths = {k: max(len(k), *(len(r[k]) for r in rows)) for k in keys}
+    for line in [{k: k for k in keys}, *rows]:
+        print("  ".join(line[k].ljust(widths[k]) for k in keys).rstrip())
+    return 0
+
+
+def _rollback(cfg, home: Path, step: int, parser: argparse.ArgumentParser) -> None:
+    from components.training.trainer import checkpoint_store
+
+    try:
+        deleted = checkpoint_store(cfg, home).discard_after(step, print)
+    except ValueError as exc:
+        parser.exit(2, f"sao: {exc}\n")
+    print(f"train: rolled back to step {step} ({len(deleted)} newer checkpoint(s) deleted); resuming")
 
 
 FLOW_COMMANDS = ("pipeline", "run", "distill", "gate", "sft", "value-pretrain", "train", "eval", "style-shift")

@@ -333,6 +333,11 @@ class TrainConfig:
     """Training engine: DeepSpeed (ZeRO, CPU fp32 / GPU bf16) or plain torch AdamW."""
     zero_stage: Annotated[int, Field(ge=0, le=2)] = 0
     """DeepSpeed ZeRO stage (0-2)."""
+    deepspeed_config: str = ""
+    """DeepSpeed JSON file merged over the built-in config (`infra/deepspeed/*.json`; a relative path is taken
+    from the working directory): its keys win (`zero_optimization`, whose stage replaces `zero_stage`, `bf16`,
+    ...); lr, betas, weight decay and gradient clipping stay the fields above unless it sets them. Empty: the
+    built-in config. Backend deepspeed only."""
     checkpoint_every: NonNegativeInt = 10
     """Steps between checkpoints (0: only at the end)."""
     task_seed: int = 1
@@ -346,6 +351,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require("://" not in self.critic_path, "train.critic_path",
                  f"must be a local directory (fetch remote artifacts first), got {self.critic_path!r}")
+        _require(not self.deepspeed_config or self.backend == "deepspeed", "train.deepspeed_config",
+                 f"needs train.backend = 'deepspeed', got {self.backend!r}")
         _require(self.sync or not self.sync_lag, "train.sync_lag", "needs train.sync = true (async runs lag anyway)")
         if self.algo in ("grpo", "grpo-dis"):
             _require(self.batch_size % self.group_size == 0, "train.batch_size",
@@ -394,6 +401,12 @@ class TrackingConfig:
     """MLflow tracking URI. Empty: `$MLFLOW_TRACKING_URI` if set, else `sqlite:///<home>/mlflow.db`."""
     experiment: str = "sao"
     """MLflow experiment name."""
+    prometheus_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """Port of the trainer's Prometheus exporter (`/metrics`, docs/metrics.md), on rank 0 only. 0:
+    `$SAO_PROMETHEUS_PORT` if set, else no exporter."""
+    prometheus_addr: str = ""
+    """Address the exporter listens on (`0.0.0.0` for a Prometheus on another host or in a container). Empty:
+    `$SAO_PROMETHEUS_ADDR` if set, else 127.0.0.1."""
 
     def __post_init__(self) -> None:
         _require(bool(self.experiment.strip()), "tracking.experiment", "must not be empty")

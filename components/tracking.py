@@ -2,7 +2,8 @@
 batches, one call per step with every metric of that step, never one call per point (DESIGN section 6).
 
 `DiskTracker` writes JSON lines under the run home (the local record every run keeps); `MlflowTracker` logs
-to any MLflow tracking URI (sqlite under the home by default); `FanOut` sends each call to several.
+to any MLflow tracking URI (sqlite under the home by default); `FanOut` sends each call to several. The
+Prometheus exporter (components/prometheus.py) is one more tracker, opened when a port is set.
 """
 
 from __future__ import annotations
@@ -218,15 +219,35 @@ def mlflow_uri(config: TrackingConfig, home: Path) -> str:
     return config.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(home).resolve()}/mlflow.db"
 
 
+def prometheus_port(config: TrackingConfig) -> int:
+    """`tracking.prometheus_port`, else `$SAO_PROMETHEUS_PORT`, else 0 (no exporter)."""
+    raw = os.environ.get("SAO_PROMETHEUS_PORT", "").strip()
+    if config.prometheus_port or not raw:
+        return config.prometheus_port
+    if not raw.isdigit() or int(raw) > 65535:
+        raise ValueError(f"SAO_PROMETHEUS_PORT: expected a port number (0-65535), got {raw!r}")
+    return int(raw)
+
+
 def open_tracker(config: TrackingConfig, home: Path, run_name: str, jsonl: Path,
                  parent_run_id: str | None = None) -> Tracker:
     """The JSON lines under the home, plus MLflow unless `tracking.backend = "disk"` (nested under
-    `parent_run_id` when given)."""
-    disk = DiskTracker(jsonl)
-    if config.backend == "disk":
-        return disk
-    home = Path(home).resolve()
-    lineage = hashlib.sha256(f"{home}|{run_name}".encode()).hexdigest()[:16]
-    mlflow = MlflowTracker(mlflow_uri(config, home), config.experiment, run_name, lineage,
-                           artifact_root=(home / "mlartifacts").as_uri(), parent_run_id=parent_run_id)
-    return FanOut(disk, mlflow)
+    `parent_run_id` when given), plus the Prometheus exporter when a port is set (`prometheus_port`). Only the
+    process that drives training opens one (rank 0 under torchrun: jobs.run_train gives the others a
+    NullTracker), so one exporter serves the run. The exporter starts first: a port in use fails the run before
+    an MLflow run is created."""
+    port = prometheus_port(config)
+    exporter: list[Tracker] = []
+    if port:
+        from components.prometheus import PrometheusTracker
+
+        addr = config.prometheus_addr or os.environ.get("SAO_PROMETHEUS_ADDR", "").strip() or "127.0.0.1"
+        exporter.append(PrometheusTracker(port, addr))
+    trackers: list[Tracker] = [DiskTracker(jsonl)]
+    if config.backend == "mlflow":
+        home = Path(home).resolve()
+        lineage = hashlib.sha256(f"{home}|{run_name}".encode()).hexdigest()[:16]
+        trackers.append(MlflowTracker(mlflow_uri(config, home), config.experiment, run_name, lineage,
+                                      artifact_root=(home / "mlartifacts").as_uri(), parent_run_id=parent_run_id))
+    trackers += exporter  # last: the records of the step are written before it is served
+    return trackers[0] if len(trackers) == 1 else FanOut(*trackers)

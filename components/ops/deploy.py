@@ -91,8 +91,9 @@ async def apply_pools(pools: list[dict]) -> list[str]:
 
 
 def deploy_all(prefect_file: Path = PREFECT_FILE, root: Path = ROOT) -> None:
-    """`prefect --no-prompt deploy --all` from the repository root; SAO_ROOT is the process pool's directory."""
-    env = {**os.environ, "SAO_ROOT": str(root)}
+    """`prefect --no-prompt deploy --all` from the repository root. The process pool's runs cd to `$SAO_ROOT`: this
+    checkout unless the environment names another (the compose worker's `/opt/sao`)."""
+    env = {"SAO_ROOT": str(root), **os.environ}
     cmd = [str(Path(sys.executable).with_name("prefect")), "--no-prompt", "deploy", "--all",
            "--prefect-file", str(prefect_file)]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)

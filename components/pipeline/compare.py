@@ -35,11 +35,16 @@ def resolve_runs(client: Any, names: list[str]) -> list[Any]:
     return runs
 
 
+def metric_history(client: Any, run: Any, key: str) -> list[Any]:
+    """The run's points of metric `key` in step order (empty when it never logged it)."""
+    return sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+
+
 def summarise(client: Any, run: Any, tail: int = 10) -> dict[str, float | None]:
     """The run's key metrics (mean of the last `tail` points) and its evaluation metrics (last point)."""
     row: dict[str, float | None] = {}
     for key in KEY_METRICS:
-        history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+        history = metric_history(client, run, key)
         row[key] = fmean(m.value for m in history[-tail:]) if history else None
     for key, value in sorted(run.data.metrics.items()):
         if key.startswith("eval/"):
@@ -67,7 +72,7 @@ def plot(client: Any, runs: list[Any], labels: list[str], out: Path) -> Path:
     fig, axes = plt.subplots(2, 2, figsize=(10, 6))
     for ax, key in zip(axes.flat, PLOTTED):
         for run, label in zip(runs, labels):
-            history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+            history = metric_history(client, run, key)
             if history:
                 ax.plot([m.step for m in history], [m.value for m in history], label=label, linewidth=1)
         ax.set(title=key, xlabel="policy step")

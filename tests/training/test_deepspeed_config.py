@@ -1,0 +1,106 @@
+"""`train.deepspeed_config`: a DeepSpeed JSON file merged over the built-in config, on real CPU engines."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from components.config import ConfigError, load_config
+from components.training.engines import DeepSpeedEngine
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path: Path, data: dict, name: str = "ds.json") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def _linear(weight: list[float]) -> torch.nn.Linear:
+    layer = torch.nn.Linear(len(weight), 1, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([weight]))
+    return layer
+
+
+def test_file_wins_for_its_keys_and_the_sao_fields_keep_the_rest(tmp_path):
+    """The file sets ZeRO-2, gradient_clipping 0.5 and Adam's eps 0.1; lr 2e-3 and betas (0.9, 0.9) come from
+    the SAO fields. loss = w . x with x = [1, 1] gives g = [1, 1], |g| = sqrt(2). Clipping to 0.5 scales g by
+    0.5 / sqrt(2): g' = [0.35355, 0.35355]. Adam's first step (bias-corrected m = g', sqrt(v) = |g'|) moves each
+    weight by -lr * g' / (|g'| + eps) = -2e-3 * 0.35355 / 0.45355 = -1.55903e-3. (SAO's clip 1.0 would give
+    -1.75221e-3, no clip -1.81818e-3, eps 1e-8 -2e-3.)"""
+    path = _write(tmp_path, {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5,
+                             "optimizer": {"params": {"eps": 0.1}}})
+    engine = DeepSpeedEngine(_linear([1.0, -2.0]), lr=2e-3, grad_clip=1.0, zero_stage=0, beta2=0.9,
+                             config_file=path)
+    assert engine.zero_stage == 2 and engine.engine.zero_optimization_stage() == 2
+    assert engine.engine.gradient_clipping() == 0.5
+    group = engine.optimizer.param_groups[0]
+    assert (group["lr"], tuple(group["betas"]), group["eps"]) == (2e-3, (0.9, 0.9), 0.1)
+
+    norm = engine.backward_step(engine.module(torch.ones(1, 2)).sum())
+    assert float(norm) == pytest.approx(math.sqrt(2), rel=1e-5)
+    step = -2e-3 * (0.5 / math.sqrt(2)) / (0.5 / math.sqrt(2) + 0.1)
+    assert engine.module.weight.detach()[0].tolist() == pytest.approx([1.0 + step, -2.0 + step], abs=1e-7)
+
+
+def test_the_file_may_set_the_learning_rate_and_schedules_scale_it(tmp_path):
+    """optimizer.params.lr in the file replaces the SAO field and is the base the schedule scales:
+    0.25 x 4e-3 = 1e-3."""
+    path = _write(tmp_path, {"optimizer": {"params": {"lr": 4e-3}}})
+    engine = DeepSpeedEngine(_linear([1.0]), lr=2e-3, config_file=path)
+    assert engine.base_lr == 4e-3
+    engine.set_lr_scale(0.25)
+    assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+def test_the_repository_zero2_bf16_file_builds_a_bf16_zero2_engine():
+    engine = DeepSpeedEngine(_linear([1.0, 2.0]), lr=1e-3, config_file=str(REPO / "infra/deepspeed/zero2-bf16.json"))
+    assert engine.zero_stage == 2 and engine.module.weight.dtype == torch.bfloat16
+    assert engine.base_lr == 1e-3 and engine.engine.gradient_clipping() == 1.0  # not in the file: SAO's
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"zero_optimization": {"stage": 3}},
+     r"train\.deepspeed_config: .*ds\.json: zero_optimization\.stage: ZeRO stage 3 is not supported here \(0-2\)"),
+    ({"zero_optimization": {"stagee": 2}}, r"train\.deepspeed_config: .*zero_optimization\.stagee: Extra inputs"),
+    ({"bf16": {"enabeld": True}}, r"train\.deepspeed_config: .*bf16\.enabeld: Extra inputs"),
+    ({"zero_optimisation": {"stage": 2}}, r"zero_optimisation: unknown DeepSpeed key"),
+    ({"gradient_accumulation_steps": 4}, r"gradient_accumulation_steps: must be 1 \(the learner .*\), got 4"),
+    ({"scheduler": {"type": "WarmupLR"}}, r"scheduler: may not be set \(the learning-rate schedule is"),
+    ({"fp16": {"enabled": True}}, r"fp16\.enabled: fp16 is not supported"),
+])
+def test_bad_files_are_refused_naming_the_field(tmp_path, data, message):
+    with pytest.raises(ValueError, match=message):
+        DeepSpeedEngine(_linear([1.0]), lr=1e-3, config_file=_write(tmp_path, data))
+
+
+def test_a_missing_or_broken_file_names_the_field(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"train\.deepspeed_config: no such file .*nope\.json"):
+        DeepSpeedEngine(_linear([1.0]), lr=1e-3, config_file=str(tmp_path / "nope.json"))
+    (tmp_path / "bad.json").write_text("{stage: 2")
+    with pytest.raises(ValueError, match=r"train\.deepspeed_config: .*bad\.json is not valid JSON"):
+        DeepSpeedEngine(_linear([1.0]), lr=1e-3, config_file=str(tmp_path / "bad.json"))
+
+
+def test_the_config_field_needs_the_deepspeed_backend():
+    message = r"^train\.deepspeed_config: needs train\.backend = 'deepspeed', got 'torch'$"
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny-cpu", ['train.backend="torch"', 'train.deepspeed_config="x.json"'])
+
+
+def test_the_learner_passes_the_file_to_both_engines(tmp_path):
+    """Policy and critic both get ZeRO-2 and the file's clip, each keeping its own learning rate."""
+    from components.models import init_model_dir
+    from components.training.trainer import settings_from
+    from components.training.learner import Learner
+
+    path = _write(tmp_path, {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.25})
+    cfg = load_config("tiny-cpu", [f'train.deepspeed_config="{path}"', "train.zero_stage=0"])
+    model_dir = init_model_dir(cfg.model, tmp_path / "policy")
+    learner = Learner(cfg, model_dir, settings_from(cfg), threads=1)
+    for engine, lr in ((learner.policy, cfg.train.policy_lr), (learner.critic, cfg.train.critic_lr)):
+        assert (engine.zero_stage, engine.engine.gradient_clipping(), engine.base_lr) == (2, 0.25, lr)
