@@ -3,13 +3,12 @@ from disk and says whether every plot drew, whether anything was fetched from th
 logged an error; then the page's screenshot must be an image, not a blank.
 
 Needs Chromium (Debian: `apt-get install chromium`, or the smaller `chromium-headless-shell`); skipped without it.
-`SAO_UPDATE_SCREENSHOT=1` also writes the screenshot to docs/images/report.png (the README's picture).
+The README's picture (docs/images/report.png) is a real report, not this test's: see the README's Operations section.
 """
 
 import base64
 import io
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -23,7 +22,6 @@ from tests.eval.test_report import log_run
 pytestmark = pytest.mark.browser
 
 WIDTH = 1400
-SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "images" / "report.png"
 CHECK_PLOTS = """JSON.stringify([...document.querySelectorAll('figure.plot')].map(f => {
   const svg = f.querySelector('svg.chart'), box = svg && svg.getBBox(), rect = svg && svg.getBoundingClientRect();
   return {metric: f.dataset.metric, nodata: !!f.querySelector('.nodata'),
@@ -158,9 +156,6 @@ def test_every_plot_draws_in_chromium_offline_and_without_console_errors(report,
 
     (tmp_path / "report.png").write_bytes(png)
     image = Image.open(io.BytesIO(png))
-    if os.environ.get("SAO_UPDATE_SCREENSHOT") == "1":  # 256 colours: the same picture at 2/5 of the bytes
-        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-        image.quantize(256).save(SCREENSHOT, optimize=True)
     assert image.size == (WIDTH, height) and height > 1500
     pixels = np.asarray(image.convert("RGB"))
     assert pixels.std() > 10, "a blank page"

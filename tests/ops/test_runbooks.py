@@ -19,11 +19,12 @@ EXPECTED = {"README.md", "training-collapse.md", "stuck-buffer-dead-engine.md", 
 
 
 def _code(text: str) -> list[str]:
-    """Command lines: fenced code blocks' lines and inline `...` spans, continuation lines joined."""
+    """Command lines: fenced code blocks' lines (continuations joined), and inline `...` spans that carry a flag
+    (a bare `sao rollout` in a sentence names a command, it is not a command line)."""
     blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S)
     lines = [ln.strip() for block in blocks for ln in block.replace("\\\n", " ").splitlines()]
     inline = re.findall(r"(?<!`)`([^`\n]+)`(?!`)", re.sub(r"```.*?```", "", text, flags=re.S))
-    return [ln for ln in lines + [s.strip() for s in inline] if ln]
+    return [ln for ln in lines + [s.strip() for s in inline if " --" in s] if ln]
 
 
 def _commands(paths: list[Path], program: str) -> list[tuple[str, list[str]]]:
@@ -34,7 +35,7 @@ def _commands(paths: list[Path], program: str) -> list[tuple[str, list[str]]]:
             text = text.split("\n## Operations", 1)[-1].split("\n## ", 1)[0] if "\n## Operations" in text else ""
         for line in _code(text):
             if line.startswith(program + " "):
-                found.append((f"{path.name}: {line}", shlex.split(line)[1:]))
+                found.append((f"{path.name}: {line}", shlex.split(line, comments=True)[1:]))
     return found
 
 
