@@ -73,7 +73,7 @@ infra-check: $(STAMP)
 # A real Prefect server, `make deploy` and a process worker running deployments; the report in headless Chromium
 # (Debian's chromium package, installed here when missing).
 test-ops: $(STAMP)
-	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 	$(PY) -m pytest -q -m "server or browser" tests/ops tests/eval
 
 # vLLM (PyPI's CPU build) needs its own venv: it pins transformers < 5.20, and the project uses 5.2x.
