@@ -101,6 +101,25 @@ def deploy_all(prefect_file: Path = PREFECT_FILE, root: Path = ROOT) -> None:
         raise DeployError(f"prefect deploy failed ({done.returncode}):\n{done.stdout[-4000:]}{done.stderr[-4000:]}")
 
 
+async def registered() -> list[str]:
+    """One line per deployment on the server: flow/name, pool, schedules, triggers (what `make deploy` prints)."""
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        flows = {f.id: f.name for f in await client.read_flows()}
+        automations = await client.read_automations()
+        lines = []
+        for d in sorted(await client.read_deployments(), key=lambda d: (flows.get(d.flow_id, ""), d.name)):
+            schedules = ", ".join(s.schedule.cron for s in d.schedules if getattr(s.schedule, "cron", None))
+            triggered = any(getattr(action, "deployment_id", None) == d.id
+                            for a in automations for action in a.actions)
+            name = f"{flows.get(d.flow_id, '?')}/{d.name}"
+            line = (f"  {name:<32} {d.work_pool_name:<15}" + (f" cron {schedules}" if schedules else "")
+                    + (" on sao.checkpoint.saved" if triggered else ""))
+            lines.append(line.rstrip())
+    return lines
+
+
 def main() -> int:
     import flows  # noqa: F401  (offline settings before prefect is imported)
 
@@ -115,8 +134,8 @@ def main() -> int:
     except DeployError as exc:
         print(f"sao: deploy: {exc}", file=sys.stderr)
         return 2
-    print(f"deployments: every deployment of {PREFECT_FILE.relative_to(ROOT)} registered at "
-          f"{os.environ['PREFECT_API_URL']}")
+    lines = asyncio.run(registered())
+    print(f"deployments ({len(lines)}) at {os.environ['PREFECT_API_URL']}:", *lines, sep="\n")
     return 0
 
 
