@@ -104,3 +104,12 @@ def test_make_run_sao_gains_ten_points_over_sft(preset_home):
     before, after = _accuracy(preset_home, "sft-eval"), _accuracy(preset_home, final.stem)
     print(f"sao: {before:.1%} -> {after:.1%}")
     assert after - before >= 0.10
+
+
+def test_sao_registry_lists_nothing_yet_and_names_an_unknown_model(tmp_path, capsys):
+    assert main(["registry", "--home", str(tmp_path)]) == 0
+    assert "no registered model yet" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["registry", "--home", str(tmp_path), "--name", "tiny-cpu-tir_math-policy"])
+    assert exc.value.code == 2
+    assert "sao: --name: no registered model 'tiny-cpu-tir_math-policy'" in capsys.readouterr().err

@@ -33,3 +33,17 @@ def test_a_score_on_another_eval_set_never_displaces_the_champion(client):
     # 0.99 on another set is not comparable with 0.5 on heldout-a: champion stays version 1.
     assert (other.champion, other.promoted, other.previous_score) == ("1", False, None)
     assert str(client.get_model_version_by_alias("p", "candidate").version) == "2"
+
+
+def test_the_versions_table_shows_aliases_checkpoints_and_scores_newest_first(client):
+    from components.pipeline.model_registry import versions_table
+
+    promote(client, "p", "/store/step-10", None, 0.7, "heldout", {"sao.checkpoint": "step-10"})
+    promote(client, "p", "/store/step-20", None, 0.6, "heldout", {"sao.checkpoint": "step-20"})
+    rows = versions_table(client)
+    assert [(r["version"], r["aliases"], r["checkpoint"], r["score"], r["source"]) for r in rows] == [
+        ("2", "candidate", "step-20", "0.6", "/store/step-20"),
+        ("1", "champion", "step-10", "0.7", "/store/step-10")]
+    assert versions_table(client, "p") == rows
+    with pytest.raises(ValueError, match="--name: no registered model 'q'"):
+        versions_table(client, "q")

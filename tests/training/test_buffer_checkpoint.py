@@ -116,3 +116,21 @@ def test_checkpoints_are_verified_and_incomplete_ones_ignored(tmp_path):
     (tmp_path / "step-00000002" / "policy.pt").write_bytes(b"corrupted")
     with pytest.raises(CorruptArtifact, match="policy.pt has 9 bytes"):
         store.load(2)
+
+
+def test_a_rollback_deletes_the_checkpoints_after_a_verified_step_and_only_then(tmp_path):
+    store = LocalCheckpointStore(tmp_path)
+    for step in (0, 5, 10, 15):
+        store.save(step, {"policy": {"w": torch.full((2,), float(step))}})
+    log: list[str] = []
+    assert store.discard_after(5, log.append) == [10, 15]
+    assert store.steps() == [0, 5] and not (tmp_path / "step-00000015").exists()
+    assert log == ["checkpoint: deleted step 15 (rolled back to step 5)",
+                   "checkpoint: deleted step 10 (rolled back to step 5)"]
+    with pytest.raises(ValueError, match=r"--rollback-to: no complete checkpoint at step 7 .* complete: \[0, 5\]"):
+        store.discard_after(7, log.append)
+    # a target that does not verify deletes nothing
+    (tmp_path / "step-00000000" / "policy.pt").write_bytes(b"corrupted")
+    with pytest.raises(CorruptArtifact):
+        store.discard_after(0, log.append)
+    assert store.steps() == [0, 5]
