@@ -480,8 +480,10 @@ def check_infra(root: Path) -> list[str]:
     root = Path(root).resolve()
     model, compose_problems = compose_model(root)
     with_model = (check_compose, check_prometheus, check_grafana, check_dockerfiles)
+    from components.ops.k8s_check import check_k8s
+
     return (check_parse(root) + compose_problems + [p for check in with_model for p in check(root, model)]
-            + check_dashboards(root) + check_deepspeed(root) + check_presets(root))
+            + check_dashboards(root) + check_deepspeed(root) + check_presets(root) + check_k8s(root))
 
 
 def main(argv: list[str] | None = None) -> int:
