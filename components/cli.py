@@ -183,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     home = args.home or jobs.default_home()
     from components.data.gates import GateFailed
     from components.data.teacher_client import TeacherError
+    from components.rollout.pool import EnginesDown
+
+    model = getattr(args, "model", None)
+    if model is not None and not (Path(model) / "tokenizer.json").is_file():
+        parser.exit(2, f"sao: --model: {model} is not a model directory (no tokenizer.json; `sao model init` "
+                       f"writes one)\n")
 
     try:
         if args.command == "train" and args.rollback_to is not None:
@@ -193,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             _run_flow(args, home, parser)
         else:
             _dispatch(args, cfg, home, parser)
-    except (HomeStateError, StoreError, GateFailed, TeacherError) as exc:
+    except (HomeStateError, StoreError, GateFailed, TeacherError, EnginesDown, ConnectionError) as exc:
         parser.exit(2, f"sao: {exc}\n")
     return 0
 

@@ -113,3 +113,13 @@ def test_sao_registry_lists_nothing_yet_and_names_an_unknown_model(tmp_path, cap
         main(["registry", "--home", str(tmp_path), "--name", "tiny-cpu-tir_math-policy"])
     assert exc.value.code == 2
     assert "sao: --name: no registered model 'tiny-cpu-tir_math-policy'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["eval"], ["rollout", "--out", "x.parquet"]])
+def test_a_model_flag_without_a_model_directory_is_refused_naming_it(tmp_path, capsys, command):
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--home", str(tmp_path), "--model", str(tmp_path / "nonexistent")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"sao: --model: {tmp_path / 'nonexistent'} is not a model directory (no tokenizer.json" in err
+    assert "Traceback" not in err
