@@ -79,6 +79,15 @@ DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADD
 inherited them would take itself for a rank of this process's group (and its port is taken)."""
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on now (for a server a test starts)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """This process's environment for a subprocess, without the torch.distributed variables of this process."""
     import os

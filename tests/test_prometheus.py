@@ -1,10 +1,11 @@
 """The trainer's Prometheus exporter over real loopback HTTP: series names, labels, values, and its wiring."""
 
 import math
-import socket
 
 import httpx
 import pytest
+
+from tests.conftest import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from components.config import TrackingConfig
@@ -14,11 +15,6 @@ from components.tracking import DiskTracker, FanOut, open_tracker, prometheus_po
 CONFIG = {"config": {"name": "tiny-cpu", "train": {"algo": "sao"}, "env": {"name": "tir_math"}}, "resumed_at": 0}
 RUN = {"preset": "tiny-cpu", "algo": "sao", "env": "tir_math"}
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

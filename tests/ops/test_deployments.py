@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import child_env
+from tests.conftest import child_env, free_port
 
 pytestmark = pytest.mark.server
 
@@ -26,11 +25,6 @@ TINY = ["sft.steps=20", "sft.batch_size=16", "sft.warmup_steps=2", "task.train_s
         'tracking.backend="disk"']
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
@@ -58,7 +52,7 @@ def _make(target: str, env: dict) -> subprocess.CompletedProcess:
 def deployed(tmp_path_factory):
     """(API URL, run home, log dir): a server with every deployment registered and a process worker polling."""
     logs = tmp_path_factory.mktemp("logs")
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = child_env(PREFECT_HOME=str(tmp_path_factory.mktemp("prefect-home")), PREFECT_API_URL=api,
                     PREFECT_SERVER_PORT=str(port), SAO_HOME=str(tmp_path_factory.mktemp("sao-home")))

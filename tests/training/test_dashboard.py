@@ -8,7 +8,6 @@ by a real engine server over HTTP; the trainer's `/metrics` and the engine's `/m
 import copy
 import json
 import re
-import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from components.rollout.embedded import EmbeddedEngine
 from components.rollout.server import ServerThread, create_app
 from components.tracking import open_tracker
 from components.training.trainer import train
+from tests.conftest import free_port
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "sao-training.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -39,11 +39,6 @@ def _scrape(url: str) -> list:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_dashboard_has_a_fixed_uid_and_a_templated_datasource():
@@ -65,7 +60,7 @@ def test_dashboard_has_a_fixed_uid_and_a_templated_datasource():
 
 def test_every_dashboard_series_is_scraped_from_a_real_run(tmp_path, tiny_cfg, sft_dir, sft_policy):
     model, tokenizer = sft_policy
-    port = _free_port()
+    port = free_port()
     engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_batch=16, threads=1).start()
     live: list[dict] = []
     try:
