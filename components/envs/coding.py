@@ -5,13 +5,13 @@ Python tool calls (run in the sandbox exactly like TIR) as often as it likes; it
 `<|end|>`) holds the solution: the last ```python (or ```py / bare ```) fenced block of that turn, else the
 whole text of the turn before `<|end|>`.
 
-Grading is one sandbox call running a harness that execs the solution, then each test in its own
-try/except under a per-test alarm, with the solution's stdout/stderr sent to /dev/null. The harness writes
-one result line, `@@SAO-RESULT-<nonce>@@{json}`, on a duplicate of the original stdout taken before the
-solution ran; the nonce is fresh per grading. No such line, or more than one, counts as 0 passed, so a
-solution cannot pass by printing a fake result. (The harness shares a process with the solution, so a
-solution that deliberately introspects the harness, or returns objects whose `__eq__` always holds, can
-still cheat; the sandbox contains the code, it does not make grading adversarially sound.)
+Grading is one sandbox call (`coding_harness.harness_program`, where the design is described): the hidden
+tests run in one process (the runner), the solution in another (a fresh interpreter that never holds the
+tests), and the tests call the solution's entry point through a pipe that carries only plain data. The
+runner writes one result line, `@@SAO-RESULT-<nonce>@@{json}`, on its stdout, which the solution's process
+cannot reach; the nonce is fresh per grading. No such line, or more than one, counts as 0 passed. So a
+solution can neither read the tests, nor fake a pass (printing a result, `os._exit(0)`, `sys.exit`, patching
+builtins or `assert`), nor return an object whose `__eq__` always holds.
 
 Reward: `fraction` = passed / total; `all_pass` = 1.0 when every test passes, else 0.0.
 """
@@ -30,62 +30,12 @@ from components.contracts.markers import CALL, CALL_END, END, observation_text, 
 from components.contracts.trace import Trace, Turn
 from components.data.problem_sets import load_tasks
 from components.envs.base import StepResult, Task, ToolLatency
+from components.envs.coding_harness import RESULT_MARKER, harness_program
 from components.envs.python_tool import PythonTool
 from components.envs.sandbox import SandboxError, run_python
 
 DEFAULT_PROBLEMS = Path(__file__).resolve().parents[2] / "data" / "coding" / "problems.jsonl"
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
-_MARKER = "@@SAO-RESULT-{nonce}@@"
-
-# Runs inside the sandbox; `_CONFIG` (a JSON string) is prepended. Everything the harness needs after the
-# solution ran is bound before it runs, so a solution that rebinds os.write or json.dumps changes nothing.
-_HARNESS = r'''
-import json as _json, os as _os, signal as _signal, sys as _sys
-
-
-class _Timeout(BaseException):
-    pass
-
-
-def _alarm(signum, frame):
-    raise _Timeout()
-
-
-def _main(cfg, write=_os.write, dumps=_json.dumps, setitimer=_signal.setitimer, exit=_os._exit):
-    out = _os.dup(1)
-    null = _os.open(_os.devnull, _os.O_WRONLY)
-    _os.dup2(null, 1)
-    _os.dup2(null, 2)
-    _sys.stdout = _sys.stderr = open(_os.devnull, "w")
-    _signal.signal(_signal.SIGALRM, _alarm)
-    namespace = {"__name__": "__solution__"}
-
-    def attempt(source, name):
-        try:
-            try:
-                setitimer(_signal.ITIMER_REAL, cfg["limit_s"])
-                exec(compile(source, name, "exec"), namespace)
-                return None
-            finally:
-                setitimer(_signal.ITIMER_REAL, 0)
-        except _Timeout:
-            return "timeout"
-        except BaseException as exc:  # SystemExit too: the solution must not end the harness
-            return (type(exc).__name__ + ": " + str(exc))[:160]
-
-    tests = cfg["tests"]
-    error = attempt(cfg["solution"], "<solution>")
-    if error is None and not callable(namespace.get(cfg["entry_point"])):
-        error = "entry point %r is not defined" % cfg["entry_point"]
-    results = [error] * len(tests) if error else [attempt(t, "<test %d>" % i) for i, t in enumerate(tests)]
-    passed = sum(r is None for r in results)
-    line = cfg["marker"] + dumps({"passed": passed, "total": len(tests), "errors": results}) + "\n"
-    write(out, line.encode())
-    exit(0)  # skip the solution's atexit handlers and threads
-
-
-_main(_json.loads(_CONFIG))
-'''
 
 
 def coding_spec(task: Task) -> tuple[str, list[str]]:
@@ -145,13 +95,6 @@ def extract_solution(turn_text: str) -> str:
     return blocks[-1] if blocks else text
 
 
-def harness_program(solution: str, entry_point: str, tests: list[str], limit_s: float, nonce: str) -> str:
-    """The sandbox program that grades `solution` against `tests` and prints one marked result line."""
-    config = {"solution": solution, "entry_point": entry_point, "tests": tests, "limit_s": limit_s,
-              "marker": _MARKER.format(nonce=nonce)}
-    return f"_CONFIG = {json.dumps(config)!r}\n{_HARNESS}"
-
-
 @dataclass(frozen=True)
 class Grade:
     passed: int
@@ -166,7 +109,7 @@ class Grade:
 
 def parse_harness_output(stdout: str, nonce: str, total: int) -> Grade:
     """The grade in the harness's stdout; 0 passed with an error unless there is exactly one valid line."""
-    marker = _MARKER.format(nonce=nonce)
+    marker = RESULT_MARKER.format(nonce=nonce)
     lines = [line[len(marker):] for line in stdout.splitlines() if line.startswith(marker)]
     if len(lines) != 1:
         return Grade(0, total, f"expected one result line, found {len(lines)}")

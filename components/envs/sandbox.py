@@ -9,16 +9,21 @@ Isolation layers (strongest configuration, used when the caller is root and
 ``unshare`` works; the ``isolation`` field of every result lists what was
 actually applied):
 
-1. **Namespaces** -- the child runs under ``unshare --net --pid --fork --mount
-   --mount-proc --kill-child``: a new network namespace (only a downed
+1. **Namespaces and a sealed root** -- the child runs under ``unshare --net
+   --pid --fork --mount --kill-child``: a new network namespace (only a downed
    loopback, so no network at all, not even to the host's 127.0.0.1), a new
    PID namespace (the code cannot see or signal any process of the host,
    including the caller; when the program ends every process it left behind
-   is killed by the kernel) and a private mount namespace with a fresh
-   ``/proc``.  Inside it, private size-limited tmpfs mounts cover ``/tmp``,
-   ``/var/tmp``, ``/dev/shm`` and the working directory, so the code cannot
-   read other temporary files, nor fill the host's disk, and anything it
-   writes vanishes with the namespace.
+   is killed by the kernel) and a private mount namespace.  In it the
+   bootstrap (still root; ``sandbox_seal.seal_root``) builds a minimal
+   read-only root on a tmpfs -- the interpreter, its standard library
+   (without site-/dist-packages) and the shared libraries they load (the
+   plan of ``sandbox_rootfs.rootfs_plan``), ``/dev/{null,zero,random,urandom}``,
+   a fresh ``/proc`` (``/proc/sys`` read-only), a two-line ``/etc/passwd``,
+   size-limited tmpfs ``/tmp``, ``/var/tmp``, ``/dev/shm`` and working
+   directory -- and ``pivot_root``s into it, detaching the host's root: the
+   repository, the hidden tests, ``/etc``, ``/root``, ``/home``, ``/sys`` and
+   the host's temporary directories are not reachable at all.
 2. **Unprivileged user** -- a small bootstrap (passed with ``-c``) drops to
    ``nobody`` (uid/gid looked up with :mod:`pwd`, default 65534) in the order
    setgroups -> setresgid -> setresuid, verifies that the drop cannot be
@@ -45,9 +50,18 @@ actually applied):
    PYTHONIOENCODING; the interpreter runs with ``-I -S -B -X utf8`` (isolated
    mode, no ``site``; ``exit``/``quit`` are provided by the bootstrap).  The
    program is delivered in a file, never on the command line.
-6. **Audit hook** (always installed, second layer): refuses creating non-UNIX
+6. **Seccomp filter** (``sandbox_seal.install_seccomp``, both modes): the
+   program process refuses (EPERM) unshare, setns, clone with CLONE_NEW*
+   flags, mount and the new mount API, pivot_root, chroot, ptrace,
+   process_vm_*, pidfd_getfd, keyctl and friends, bpf, perf_event_open,
+   userfaultfd, io_uring, kexec, module loading, *_handle_at, acct,
+   non-default personality and sockets of any family but AF_UNIX; clone3
+   gets ENOSYS (glibc falls back to clone); another ABI (i386, x32) kills the
+   process.  On an architecture without a syscall table the result says
+   ``NO-SECCOMP(...)`` and a ``RuntimeWarning`` is issued once.
+7. **Audit hook** (always installed, third layer): refuses creating non-UNIX
    sockets and connect/bind/sendto/sendmsg/DNS look-ups from Python code.
-7. **Bounded output** -- stdout/stderr go to files (bounded by RLIMIT_FSIZE)
+8. **Bounded output** -- stdout/stderr go to files (bounded by RLIMIT_FSIZE)
    in a root-only per-call directory (under ``/dev/shm`` with namespaces,
    where the program cannot see it; the default temp dir otherwise); only the
    first ``max_output_bytes`` of each are read back (``output_truncated``).
@@ -76,10 +90,8 @@ from __future__ import annotations
 
 import math
 import os
-import pwd
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -89,6 +101,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from components.envs.sandbox_host import _NOBODY_GID, _NOBODY_UID, SANDBOX_PYTHON, SANDBOX_PYTHON_REASON
+from components.envs.sandbox_rootfs import rootfs_plan
 from components.envs.sandbox_proc import (
     _pidfd_open,
     _wait_exit_nowait,
@@ -120,7 +134,7 @@ _BASE_ENV = {
     "PYTHONDONTWRITEBYTECODE": "1",
     "PYTHONIOENCODING": "utf-8",
 }
-_UNSHARE_FLAGS = ("--net", "--pid", "--fork", "--mount", "--mount-proc", "--kill-child")
+_UNSHARE_FLAGS = ("--net", "--pid", "--fork", "--mount", "--kill-child")
 _STDERR_TAIL_BYTES = 4096
 #: RAM-backed base for the per-call host directory in namespace mode.
 _FAST_TMP = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK) else None
@@ -149,61 +163,6 @@ class SandboxResult:
     output_truncated: bool = False
     isolation: str = ""
     wall_s: float = 0.0
-
-
-# --------------------------------------------------------------------------
-# Interpreter resolution (once, at import)
-# --------------------------------------------------------------------------
-
-
-def _executable_by_others(path: str) -> bool:
-    """True when a user that is neither owner nor in the group can run path."""
-    real = os.path.realpath(path)
-    try:
-        st = os.stat(real)
-    except OSError:
-        return False
-    if not stat.S_ISREG(st.st_mode) or not st.st_mode & stat.S_IXOTH:
-        return False
-    parent = os.path.dirname(real)
-    while True:
-        try:
-            if not os.stat(parent).st_mode & stat.S_IXOTH:
-                return False
-        except OSError:
-            return False
-        up = os.path.dirname(parent)
-        if up == parent:
-            return True
-        parent = up
-
-
-def _resolve_interpreter() -> tuple[str, str]:
-    candidates = ["/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3"]
-    for cand in candidates:
-        if _executable_by_others(cand):
-            return cand, f"system interpreter {cand} (executable by unprivileged users)"
-    return sys.executable, (
-        f"no python3 executable by unprivileged users among {candidates}; using "
-        f"sys.executable ({sys.executable}); after the drop to 'nobody' it may fail "
-        "to import modules"
-    )
-
-
-#: Interpreter used for the sandboxed program (module-level, resolved once;
-#: may be reassigned before calling run_python).
-SANDBOX_PYTHON, SANDBOX_PYTHON_REASON = _resolve_interpreter()
-
-
-def _nobody_ids() -> tuple[int, int]:
-    try:
-        pw = pwd.getpwnam("nobody")
-        return pw.pw_uid, pw.pw_gid
-    except KeyError:
-        return 65534, 65534
-
-
-_NOBODY_UID, _NOBODY_GID = _nobody_ids()
 
 
 # --------------------------------------------------------------------------
@@ -262,13 +221,26 @@ def _warn_degraded(reason: str) -> None:
     )
 
 
+_warned_about: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    with _probe_lock:
+        if key in _warned_about:
+            return
+        _warned_about.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 # --------------------------------------------------------------------------
 # Bootstrap (runs inside the child; passed with -c, so nothing the sandboxed
 # user can write is ever executed with privileges)
 # --------------------------------------------------------------------------
 
 # The child side lives in sandbox_child.py; its text is passed with -c.
-_BOOTSTRAP = (Path(__file__).with_name("sandbox_child.py")).read_text()
+# sandbox_seal.py (the sealed root and the seccomp filter) comes first: the child calls its functions.
+_BOOTSTRAP = Path(__file__).with_name("sandbox_seal.py").read_text() + "\n" + \
+    Path(__file__).with_name("sandbox_child.py").read_text()
 
 
 # --------------------------------------------------------------------------
@@ -329,6 +301,11 @@ def run_python(
     is_root = os.geteuid() == 0
     uid, gid = (_NOBODY_UID, _NOBODY_GID) if is_root else (os.getuid(), os.getgid())
     python = SANDBOX_PYTHON
+    if use_ns:
+        try:
+            plan, plan_report = rootfs_plan(python)
+        except OSError as exc:
+            raise SandboxError(f"cannot plan the sandbox's root file system: {exc}") from exc
     tmpfs_bytes = max(MIN_TMPFS_BYTES, 2 * max_file_bytes)
 
     start = time.monotonic()
@@ -361,6 +338,7 @@ def run_python(
             min(max_file_bytes, 2**62),
             max_processes, MAX_OPEN_FILES, tmpfs_bytes, os.getpid(),
         )]
+        argv += [plan, plan_report] if use_ns else ["{}", ""]
         if use_ns:
             assert unshare is not None
             argv = [unshare, *_UNSHARE_FLAGS, "--", *argv]
@@ -441,6 +419,8 @@ def run_python(
         memory_exceeded = any(
             marker in err_text for marker in (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc")
         )
+        if report is not None and "NO-SECCOMP" in report:
+            _warn_once("no-seccomp", f"SAO sandbox runs WITHOUT its seccomp filter: {report}")
         if use_ns:
             isolation = f"namespaces(net,pid,mount);{report or 'killed-before-ready'}"
         else:

@@ -7,6 +7,8 @@ self-contained because it is never imported.
 """
 
 import os, sys
+
+
 def _sandbox_main():
     a = sys.argv[1:]
     ns = a[0] == "ns"
@@ -39,33 +41,21 @@ def _sandbox_main():
         libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
         prctl = libc.prctl
     except BaseException:
-        libc = prctl = None
+        libc = prctl = ctypes = None
         report.append("ctypes-unavailable")
 
-    # ---- namespaces: private tmpfs mounts (we are root in a new mount ns) ----
+    # ---- namespaces: the sealed root (we are root in a new mount namespace; sandbox_seal.py) ----
     if ns:
-        mounted = []
-        flags = 2 | 4  # MS_NOSUID | MS_NODEV
-        if libc is not None:
-            for d in ("/tmp", "/var/tmp", "/dev/shm"):
-                if os.path.isdir(d) and not os.path.islink(d):
-                    opts = "size=%d,mode=1777" % tmpfs_bytes
-                    if libc.mount(b"tmpfs", d.encode(), b"tmpfs", flags, opts.encode()) == 0:
-                        mounted.append(d)
+        if libc is None:
+            fail("cannot seal the file system without ctypes")
         try:
-            os.makedirs(work, exist_ok=True)
-        except OSError as e:
-            fail("cannot create working directory: %r" % (e,))
-        if libc is not None:
-            opts = "size=%d,mode=700,uid=%d,gid=%d" % (tmpfs_bytes, uid, gid)
-            if libc.mount(b"tmpfs", work.encode(), b"tmpfs", flags, opts.encode()) == 0:
-                mounted.append("workdir")
-        report.append("tmpfs=" + ("+".join(mounted) if mounted else "none"))
-        if "workdir" not in mounted and root:
-            try:
-                os.chown(work, uid, gid)
-            except OSError as e:
-                fail("cannot chown working directory: %r" % (e,))
+            import json
+            libc.syscall.restype = ctypes.c_long
+            report.extend(seal_root(libc, ctypes, json.loads(a[13]), os.path.dirname(src_path), work,
+                                    uid, gid, tmpfs_bytes))
+            report.append(a[14])
+        except (OSError, ValueError, KeyError) as e:
+            fail("cannot seal the file system: %r" % (e,))
     try:
         os.chdir(work)
     except OSError as e:
@@ -205,6 +195,10 @@ def _sandbox_main():
     except (OSError, ValueError) as e:
         fail("cannot set resource limits: %r" % (e,))
     report.append("rlimits")
+    try:
+        report.append(install_seccomp(libc, ctypes))
+    except (OSError, KeyError, AttributeError, TypeError) as e:
+        report.append("NO-SECCOMP(%s)" % (e,))
 
     strict = not ns
     net_events = frozenset(("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",

@@ -98,12 +98,13 @@ def test_infinite_loops_time_out_per_test():
     result = grade(loops_on_negatives)
     assert result.info["passed"] == 2 and result.info["test_errors"][1] == "timeout"
     assert grade("while True:\n    pass\ndef add(a, b):\n    return a + b").reward == 0.0
-    # Swallowing the per-test alarm only reaches the sandbox's wall-clock limit.
+    # Swallowing the per-test alarm: the runner kills the solution's process after the test's limit plus a
+    # grace period, and that test and every later one time out.
     stubborn = ("def add(a, b):\n    while True:\n        try:\n            while True:\n                pass\n"
                 "        except BaseException:\n            pass")
     t0 = time.monotonic()
     result = grade(stubborn)
-    assert (result.reward, result.info["grading_error"]) == (0.0, "timed out")
+    assert (result.reward, result.info["test_errors"]) == (0.0, ["timeout"] * 3)
     assert time.monotonic() - t0 < 5.0
 
 
