@@ -2,7 +2,9 @@
 batches, one call per step with every metric of that step, never one call per point (DESIGN section 6).
 
 `DiskTracker` writes JSON lines under the run home (the local record every run keeps); `MlflowTracker` logs
-to any MLflow tracking URI (sqlite under the home by default); `FanOut` sends each call to several. The
+to any MLflow tracking URI (sqlite under the home by default) through an on-disk spool, so a tracking server
+that goes away delays the metrics but neither stops training nor loses them (`replay_spool` delivers what a
+finished process left behind); `FanOut` sends each call to several. The
 Prometheus exporter (components/prometheus.py) is one more tracker, opened when a port is set.
 """
 
@@ -10,10 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from components.mlflow_spool import LINEAGE_TAG, SPOOL_DIR, replay_spool, spool_files  # noqa: F401 (CLI)
+
+logger = logging.getLogger("sao.tracking")
 
 if TYPE_CHECKING:
     from components.config import TrackingConfig
@@ -111,61 +119,100 @@ class MlflowTracker:
     """One MLflow run per process. Each run carries a lineage tag (home, preset, algorithm), so a resumed
     process finds the run it continues: `rewind(step)` copies that run's history up to `step` into this run,
     tags both, and marks the crashed one KILLED. The resumed run then holds one contiguous curve, on any
-    tracking server: MLflow has no API to delete metric points."""
+    tracking server: MLflow has no API to delete metric points.
 
-    LINEAGE_TAG = "sao.lineage"
+    Only creating the run talks to the server directly (a run that cannot start fails here, after three tries).
+    Every later call is appended to a spool under `spool_dir` and delivered in order by
+    a background thread (components/mlflow_spool.py): while the server answers, a call waits up to `wait_s` for
+    its delivery (so what was logged is visible when the call returns); while it does not, the call returns at
+    once and training goes on. `close` waits up to `close_timeout_s` for the spool to drain; what is still
+    undelivered stays on disk for `replay_spool`."""
+
+    LINEAGE_TAG = LINEAGE_TAG
 
     def __init__(self, uri: str, experiment: str, run_name: str, lineage: str,
-                 artifact_root: str | None = None, parent_run_id: str | None = None) -> None:
+                 artifact_root: str | None = None, parent_run_id: str | None = None,
+                 spool_dir: str | Path | None = None, wait_s: float = 2.0, close_timeout_s: float = 30.0,
+                 retry_max_s: float = 10.0) -> None:
         from mlflow.tracking import MlflowClient
 
+        from components.mlflow_spool import Courier, Spool, permanent
+
+        bound_mlflow_http()
+        if spool_dir and spool_files(spool_dir):  # a killed run's last records first: rewind copies from it
+            try:
+                replay_spool(spool_dir)
+            except Exception as exc:  # noqa: BLE001 - they stay on disk; this run can start without them
+                logger.warning("MLflow: could not replay the spools left in %s (%s); they stay there", spool_dir,
+                               exc)
         self.client = MlflowClient(uri)
         self.lineage = lineage
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else self.client.create_experiment(
-            experiment, artifact_location=artifact_root)
         tags = {self.LINEAGE_TAG: lineage}
         if parent_run_id:  # shown nested under its parent in the MLflow UI (a sweep's seeds)
             tags["mlflow.parentRunId"] = parent_run_id
-        run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
+        for attempt in range(3):  # MLflow's own retries are off (HTTP_DEFAULTS): ride out a blip at start
+            try:
+                found = self.client.get_experiment_by_name(experiment)
+                experiment_id = found.experiment_id if found else self.client.create_experiment(
+                    experiment, artifact_location=artifact_root)
+                run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
+                break
+            except Exception as exc:
+                if attempt == 2 or permanent(exc):
+                    raise
+                time.sleep(2.0 * (attempt + 1))
         self.experiment_id, self.run_id = experiment_id, run.info.run_id
-        self._logged: set[tuple[str, int]] = set()
+        spool_dir = Path(spool_dir) if spool_dir else Path(tempfile.gettempdir()) / "sao-mlflow-spool"
+        self.spool = Spool(spool_dir / f"{self.run_id}.jsonl", header={
+            "run_id": self.run_id, "uri": uri, "experiment_id": experiment_id, "lineage": lineage})
+        """This run's outbox on disk (replay_spool delivers what a closed or killed tracker left in it)."""
+        self.spool.lock()
+        self.wait_s, self.close_timeout_s = wait_s, close_timeout_s
+        self.courier = Courier(self.client, self.spool, retry_max_s)
+
+    def _submit(self, op: dict) -> None:
+        self.courier.submit(self.spool.append(op), self.wait_s)
 
     def log_params(self, params: dict) -> None:
-        log_params_batched(self.client, self.run_id, params)
+        self._submit({"op": "params", "params": {k: str(v)[:6000] for k, v in flatten(params).items()}})
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        log_metrics_batched(self.client, self.run_id, metrics, step)
-        self._logged.update((k, step) for k in metrics)
+        self._submit({"op": "metrics", "step": step, "time_ms": int(time.time() * 1000),
+                      "metrics": {k: float(v) for k, v in metrics.items()}})
 
     def rewind(self, step: int) -> None:
-        from mlflow.entities import Metric
-
-        previous = self.previous_run()
-        if previous is None:
-            return
-        prev_id = previous.info.run_id
-        points = [Metric(m.key, m.value, m.timestamp, m.step)
-                  for key in previous.data.metrics
-                  for m in self.client.get_metric_history(prev_id, key)
-                  if m.step <= step and (m.key, m.step) not in self._logged]
-        for chunk in _chunks(points, 1000):
-            self.client.log_batch(self.run_id, metrics=chunk)
-        self.client.set_tag(self.run_id, "sao.resumed_from_run", prev_id)
-        self.client.set_tag(self.run_id, "sao.resumed_at_step", str(step))
-        self.client.set_tag(prev_id, "sao.superseded_by_run", self.run_id)
-        if previous.info.status == "RUNNING":  # killed without a chance to say so
-            self.client.set_terminated(prev_id, "KILLED")
+        self._submit({"op": "rewind", "step": step})
 
     def previous_run(self) -> Any:
         """The newest other run of this lineage, or None."""
-        runs = self.client.search_runs([self.experiment_id],
-                                       filter_string=f"tags.`{self.LINEAGE_TAG}` = '{self.lineage}'",
-                                       order_by=["attributes.start_time DESC"], max_results=10)
-        return next((r for r in runs if r.info.run_id != self.run_id), None)
+        from components.mlflow_spool import previous_run
+
+        return previous_run(self.client, self.spool.header)
 
     def close(self, failed: bool = False) -> None:
-        self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+        self.courier.submit(self.spool.append({"op": "terminate", "status": "FAILED" if failed else "FINISHED"}), 0)
+        left = self.courier.drain(self.close_timeout_s)
+        if left:
+            logger.warning("MLflow: %d records of run %s were not delivered within %.0f s; they are kept in %s "
+                           "(deliver them with `sao tracking replay`)", left, self.run_id, self.close_timeout_s,
+                           self.spool.path)
+        if not self.courier.alive:  # a request still in flight keeps the spool locked until the process ends
+            self.spool.close(remove=True)  # removed when all was delivered
+
+
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+"""MLflow's HTTP client retries every method 7 times over ~4 minutes, with a 120 s timeout, by default. A POST
+retried after a read timeout may apply a log_batch twice, and a delivery thread held that long notices a
+returning server late. The spool's courier retries instead (with backoff, checking the run's history before
+resending a batch in doubt), so MLflow's own retries are off and each request is bounded to 10 s, unless the
+environment sets these variables itself."""
+
+
+def bound_mlflow_http() -> None:
+    """Set MLflow's HTTP retry and timeout variables to `HTTP_DEFAULTS` where the environment leaves them unset
+    (MLflow reads them on every request, process-wide)."""
+    for name, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(name, value)
 
 
 def log_params_batched(client: Any, run_id: str, params: dict) -> None:
@@ -219,6 +266,11 @@ def mlflow_uri(config: TrackingConfig, home: Path) -> str:
     return config.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(home).resolve()}/mlflow.db"
 
 
+def spool_dir(home: Path) -> Path:
+    """Where a run home's MLflow spools live (`replay_spool` takes this directory, a spool file or the home)."""
+    return Path(home).resolve() / SPOOL_DIR
+
+
 def prometheus_port(config: TrackingConfig) -> int:
     """`tracking.prometheus_port`, else `$SAO_PROMETHEUS_PORT`, else 0 (no exporter)."""
     raw = os.environ.get("SAO_PROMETHEUS_PORT", "").strip()
@@ -248,6 +300,7 @@ def open_tracker(config: TrackingConfig, home: Path, run_name: str, jsonl: Path,
         home = Path(home).resolve()
         lineage = hashlib.sha256(f"{home}|{run_name}".encode()).hexdigest()[:16]
         trackers.append(MlflowTracker(mlflow_uri(config, home), config.experiment, run_name, lineage,
-                                      artifact_root=(home / "mlartifacts").as_uri(), parent_run_id=parent_run_id))
+                                      artifact_root=(home / "mlartifacts").as_uri(), parent_run_id=parent_run_id,
+                                      spool_dir=spool_dir(home)))
     trackers += exporter  # last: the records of the step are written before it is served
     return trackers[0] if len(trackers) == 1 else FanOut(*trackers)

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
+from components.faults import fault_point
 from components.storage.local import MARKER, atomic_dir, atomic_fill
 
 MANIFEST = "manifest.json"
@@ -38,7 +39,8 @@ class IncompleteArtifact(StoreError):
 
 
 class CorruptArtifact(StoreError):
-    """A complete artifact whose content does not match its manifest; the message names the key and the file."""
+    """A complete artifact whose content does not match its manifest; the message names the object
+    (`<artifact uri>/<file>`)."""
 
 
 class ArtifactStore(Protocol):
@@ -150,11 +152,12 @@ def manifest_entries(uri: str, data: bytes | None) -> list[tuple[str, dict]]:
 
 
 def verify(uri: str, rel: str, expected: dict, actual: dict) -> None:
-    """CorruptArtifact naming the artifact and the file when size or sha256 differ from the manifest."""
+    """CorruptArtifact naming the object (`<artifact uri>/<file>`) when size or sha256 differ from the manifest."""
     if actual["bytes"] != expected["bytes"]:
-        raise CorruptArtifact(f"{uri}: {rel} has {actual['bytes']} bytes, its manifest says {expected['bytes']}")
+        raise CorruptArtifact(f"{uri}/{rel} has {actual['bytes']} bytes, its manifest says {expected['bytes']}")
     if actual["sha256"] != expected["sha256"]:
-        raise CorruptArtifact(f"{uri}: {rel} does not match its manifest sha256")
+        raise CorruptArtifact(f"{uri}/{rel} does not match its manifest sha256 (manifest {expected['sha256'][:16]}"
+                              f"..., stored {actual['sha256'][:16]}...)")
 
 
 class LocalStore:
@@ -177,7 +180,10 @@ class LocalStore:
         target = self._path(key)
         files = source_files(local_dir)
         with atomic_dir(target) as tmp:
-            manifest = {rel: file_meta(path, copy_to=tmp / rel) for rel, path in files}
+            manifest = {}
+            for rel, path in files:
+                manifest[rel] = file_meta(path, copy_to=tmp / rel)
+                fault_point("store.upload")
             (tmp / MANIFEST).write_bytes(manifest_bytes(check_key(key), manifest))
         return str(target)
 
@@ -191,7 +197,7 @@ class LocalStore:
             for rel, expected in entries:
                 path = src / rel
                 if not path.is_file():
-                    raise CorruptArtifact(f"{uri}: {rel} is listed in its manifest but missing")
+                    raise CorruptArtifact(f"{uri}/{rel} is listed in its manifest but missing")
                 verify(uri, rel, expected, file_meta(path, copy_to=tmp / rel))
         return Path(local_dir)
 

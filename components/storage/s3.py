@@ -2,45 +2,86 @@
 imports boto3; `open_store` imports it for `s3://` URIs alone.
 
 The endpoint comes from `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` when set, credentials from the usual boto3
-chain. Files go through boto3's transfer manager (multipart above `multipart_threshold`), and botocore retries
-throttling and transient errors in its "standard" mode. Layout and order are those of `LocalStore`: the files,
-then `manifest.json`, then `_COMPLETE`; S3 has no rename, so the marker alone says an artifact is whole.
-"""
+chain. Files go through boto3's transfer manager (multipart above `multipart_threshold`). Layout and order are
+those of `LocalStore`: the files, then `manifest.json`, then `_COMPLETE`; S3 has no rename, so the marker alone
+says an artifact is whole.
+
+Failures are retried at two levels. botocore's "standard" mode retries each request (connection errors, read
+timeouts, 5xx, throttling) `retries` times with a short backoff (50 ms base, 1 s for throttling), which rides out
+a blip; but its retries share a client-wide quota and add up to seconds, not the minute an endpoint restart
+takes. So each idempotent unit of work (one file up or down, the manifest, the marker, a listing, a delete) is
+also retried by the store, `attempts` times with exponential backoff and jitter (`backoff_s` doubling up to
+`max_backoff_s`), on transient failures only: a 4xx such as NoSuchBucket or AccessDenied fails at once. Every
+request is bounded by `connect_timeout_s` / `read_timeout_s`, so a hung endpoint costs a retry, never the run."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import boto3
-from boto3.exceptions import S3UploadFailedError
+from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import (BotoCoreError, ClientError, HTTPClientError, IncompleteReadError,
+                                 ResponseStreamingError)
+from botocore.exceptions import ConnectionError as BotoConnectionError
+from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceeded
 
 from components.storage.artifacts import (MANIFEST, CorruptArtifact, IncompleteArtifact, StoreError, check_key,
                                           file_meta, join, manifest_bytes, manifest_entries, source_files, verify)
+from components.faults import fault_point
 from components.storage.local import MARKER, atomic_fill
+
+T = TypeVar("T")
 
 MIN_PART = 5 * 1024 * 1024
 """S3's smallest multipart part (every part but the last)."""
 
 _MISSING = ("404", "NoSuchKey", "NotFound")
 
+_TRANSIENT_CODES = ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeoutException",
+                    "InternalError", "ServiceUnavailable", "RequestLimitExceeded")
+"""S3 error codes that say "try again" (besides any 5xx status)."""
+
+_TRANSIENT_EXCEPTIONS = (BotoConnectionError, HTTPClientError, ResponseStreamingError, IncompleteReadError,
+                         RetriesExceededError, TransferRetriesExceeded, socket.timeout, ConnectionError)
+"""Transport failures: refused or reset connections, timeouts, a body cut short, the transfer manager's own
+download retries exhausted."""
+
 
 def _missing(exc: ClientError) -> bool:
     return exc.response.get("Error", {}).get("Code", "") in _MISSING
+
+
+def transient(exc: BaseException) -> bool:
+    """True when `exc`, or an error it wraps (boto3's S3UploadFailedError wraps the ClientError), is worth
+    retrying: a transport failure, a 5xx or a throttling answer."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, _TRANSIENT_EXCEPTIONS):
+            return True
+        if isinstance(exc, ClientError):
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            return status >= 500 or exc.response.get("Error", {}).get("Code", "") in _TRANSIENT_CODES
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class S3Store:
     """Artifacts as objects `s3://<bucket>/<prefix>/<key>/{files..., manifest.json, _COMPLETE}`."""
 
     def __init__(self, bucket: str, prefix: str = "", *, multipart_threshold: int = 64 * 1024 * 1024,
-                 multipart_chunksize: int = 64 * 1024 * 1024, retries: int = 10) -> None:
+                 multipart_chunksize: int = 64 * 1024 * 1024, retries: int = 4, attempts: int = 6,
+                 backoff_s: float = 1.0, max_backoff_s: float = 30.0, connect_timeout_s: float = 10.0,
+                 read_timeout_s: float = 60.0) -> None:
         if not bucket or "/" in bucket:
             raise ValueError(f"S3Store bucket must be a bucket name, got {bucket!r}")
         if multipart_chunksize < MIN_PART:
@@ -50,6 +91,14 @@ class S3Store:
             raise ValueError(f"S3Store multipart_threshold must be >= 1, got {multipart_threshold}")
         if retries < 0:
             raise ValueError(f"S3Store retries must be >= 0, got {retries}")
+        if attempts < 1:
+            raise ValueError(f"S3Store attempts must be >= 1, got {attempts}")
+        if not 0 <= backoff_s <= max_backoff_s <= 600:
+            raise ValueError(f"S3Store backoff must satisfy 0 <= backoff_s <= max_backoff_s <= 600, got "
+                             f"backoff_s={backoff_s}, max_backoff_s={max_backoff_s}")
+        for name, value in (("connect_timeout_s", connect_timeout_s), ("read_timeout_s", read_timeout_s)):
+            if not 0 < value <= 3600:
+                raise ValueError(f"S3Store {name} must be in (0, 3600] seconds, got {value}")
         self.bucket = bucket
         """Bucket holding the artifacts."""
         self.prefix = check_key(prefix, allow_empty=True)
@@ -57,12 +106,18 @@ class S3Store:
         self.transfer = TransferConfig(multipart_threshold=multipart_threshold,
                                        multipart_chunksize=multipart_chunksize)
         """boto3 transfer-manager settings for uploads and downloads (files above the threshold go multipart)."""
+        self.attempts, self.backoff_s, self.max_backoff_s = attempts, backoff_s, max_backoff_s
+        """Store-level tries of each unit of work on transient failures, and the backoff between them: attempt
+        i+1 waits uniformly in [d/2, d], d = min(backoff_s * 2**i, max_backoff_s). The defaults (6 tries, 1 s
+        doubling) wait 15.5-31 s in all before giving up, on top of botocore's own retries."""
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         # botocore's "max_attempts" counts retries after the first try (it keeps retries + 1 as the total).
-        self.client = boto3.client("s3", endpoint_url=endpoint,
-                                   config=Config(retries={"max_attempts": retries, "mode": "standard"}))
+        self.client = boto3.client("s3", endpoint_url=endpoint, config=Config(
+            retries={"max_attempts": retries, "mode": "standard"},
+            connect_timeout=connect_timeout_s, read_timeout=read_timeout_s))
         """The boto3 S3 client: endpoint from AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, `retries` retries of
-        throttled and transient failures in botocore's "standard" mode (with backoff)."""
+        throttled and transient failures per request in botocore's "standard" mode, and every request bounded
+        by `connect_timeout_s` and `read_timeout_s` (a read timeout is one more transient failure)."""
 
     @classmethod
     def from_uri(cls, uri: str, **options) -> S3Store:
@@ -82,19 +137,41 @@ class S3Store:
 
     @contextmanager
     def _errors(self, key: str) -> Iterator[None]:
-        """S3 and transfer failures (after botocore's retries) as StoreError naming the artifact."""
+        """S3 and transfer failures (after all retries) as StoreError naming the artifact."""
         try:
             yield
-        except (ClientError, BotoCoreError, S3UploadFailedError) as exc:
+        except (ClientError, BotoCoreError, S3UploadFailedError, RetriesExceededError, TransferRetriesExceeded) as exc:
             raise StoreError(f"{self.uri(key)}: {exc}") from exc
 
+    def _retry(self, what: str, call: Callable[[], T]) -> T:
+        """`call()` (an idempotent unit of work on object `what`), tried up to `attempts` times while it fails
+        transiently; the last failure is raised with the object and the number of tries in its message."""
+        failures = 0
+        while True:
+            try:
+                return call()
+            except Exception as exc:
+                failures += 1
+                if not transient(exc):
+                    raise
+                if failures == self.attempts:
+                    raise StoreError(f"s3://{self.bucket}/{what}: failed {failures} times, last: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+                ceiling = min(self.backoff_s * 2 ** (failures - 1), self.max_backoff_s)
+                time.sleep(random.uniform(ceiling / 2, ceiling))
+
     def _get(self, object_key: str) -> bytes | None:
-        try:
-            return self.client.get_object(Bucket=self.bucket, Key=object_key)["Body"].read()
-        except ClientError as exc:
-            if _missing(exc):
-                return None
-            raise
+        def get() -> bytes | None:  # the body is read inside the retry: a stream cut short is retried too
+            try:
+                return self.client.get_object(Bucket=self.bucket, Key=object_key)["Body"].read()
+            except ClientError as exc:
+                if _missing(exc):
+                    return None
+                raise
+        return self._retry(object_key, get)
+
+    def _put(self, object_key: str, body: bytes) -> None:
+        self._retry(object_key, lambda: self.client.put_object(Bucket=self.bucket, Key=object_key, Body=body))
 
     def put_dir(self, local_dir: Path, key: str) -> str:
         base, files = self._key(key), source_files(local_dir)
@@ -103,11 +180,11 @@ class S3Store:
             manifest = {}
             for rel, path in files:
                 manifest[rel] = file_meta(path)
-                self.client.upload_file(str(path), self.bucket, f"{base}/{rel}", Config=self.transfer)
-            self.client.put_object(Bucket=self.bucket, Key=f"{base}/{MANIFEST}",
-                                   Body=manifest_bytes(check_key(key), manifest))
-            self.client.put_object(Bucket=self.bucket, Key=f"{base}/{MARKER}",
-                                   Body=json.dumps({"completed_at": time.time()}).encode())
+                self._retry(f"{base}/{rel}", lambda: self.client.upload_file(
+                    str(path), self.bucket, f"{base}/{rel}", Config=self.transfer))
+                fault_point("store.upload")
+            self._put(f"{base}/{MANIFEST}", manifest_bytes(check_key(key), manifest))
+            self._put(f"{base}/{MARKER}", json.dumps({"completed_at": time.time()}).encode())
         return self.uri(key)
 
     def get_dir(self, key: str, local_dir: Path) -> Path:
@@ -121,28 +198,31 @@ class S3Store:
                     dst = tmp / rel
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     try:
-                        self.client.download_file(self.bucket, f"{base}/{rel}", str(dst), Config=self.transfer)
+                        self._retry(f"{base}/{rel}", lambda: self.client.download_file(
+                            self.bucket, f"{base}/{rel}", str(dst), Config=self.transfer))
                     except ClientError as exc:
                         if _missing(exc):
-                            raise CorruptArtifact(f"{uri}: {rel} is listed in its manifest but missing") from exc
+                            raise CorruptArtifact(f"{uri}/{rel} is listed in its manifest but missing") from exc
                         raise
                     verify(uri, rel, expected, file_meta(dst))
         return Path(local_dir)
 
     def is_complete(self, key: str) -> bool:
         with self._errors(key):
+            marker = f"{self._key(key)}/{MARKER}"
             try:
-                self.client.head_object(Bucket=self.bucket, Key=f"{self._key(key)}/{MARKER}")
+                self._retry(marker, lambda: self.client.head_object(Bucket=self.bucket, Key=marker))
             except ClientError as exc:
                 if _missing(exc):
                     return False
                 raise
         return True
 
-    def _list(self, start: str) -> Iterator[str]:
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
-            for entry in page.get("Contents", []):
-                yield entry["Key"]
+    def _list(self, start: str) -> list[str]:
+        def listing() -> list[str]:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start)
+            return [entry["Key"] for page in pages for entry in page.get("Contents", [])]
+        return self._retry(start, listing)
 
     def list_complete(self, prefix: str = "") -> list[str]:
         base = self._key(prefix, allow_empty=True)
@@ -158,11 +238,13 @@ class S3Store:
     def delete(self, key: str) -> None:
         base = self._key(key)
         with self._errors(key):
-            self.client.delete_object(Bucket=self.bucket, Key=f"{base}/{MARKER}")
-            keys = list(self._list(f"{base}/"))
+            self._retry(f"{base}/{MARKER}", lambda: self.client.delete_object(Bucket=self.bucket,
+                                                                               Key=f"{base}/{MARKER}"))
+            keys = self._list(f"{base}/")
             for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
                 batch = [{"Key": k} for k in keys[i:i + 1000]]
-                result = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+                result = self._retry(f"{base}/", lambda: self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}))
                 if result.get("Errors"):
                     error = result["Errors"][0]
                     raise StoreError(f"{self.uri(key)}: could not delete {error.get('Key')}: "

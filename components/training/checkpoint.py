@@ -3,7 +3,9 @@
 The artifact store (components/storage/artifacts.py) publishes the files, then a manifest with the sha256 and
 size of each, then the `_COMPLETE` marker; only complete steps count, and every file is verified on load. A
 half-written checkpoint is therefore never loaded, and `load_latest` steps back past a damaged one to the newest
-checkpoint that verifies: a bad checkpoint costs progress, not the run.
+checkpoint that verifies: a bad checkpoint costs progress, not the run. A store that cannot be reached (its
+retries spent) is not a damaged checkpoint: that StoreError propagates, so an outage never sends a resume back
+to an older step whose successors it would then overwrite.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from components.storage.artifacts import ArtifactStore, LocalStore, StoreError, check_key, join
+from components.storage.artifacts import (ArtifactStore, CorruptArtifact, IncompleteArtifact, LocalStore, check_key,
+                                          join)
 
 _STEP = re.compile(r"step-(\d{8,})")
 
@@ -96,13 +99,14 @@ class CheckpointStore:
 
     def load_latest(self, log: Callable[[str], None], at_most: int | None = None) -> tuple[int, dict] | None:
         """(step, payload) of the newest complete checkpoint (at step <= `at_most` when given) that loads and
-        verifies; one that does not is skipped with a log line saying why. None when none loads."""
+        verifies; one that is corrupt or no longer complete is skipped with a log line saying why. None when none
+        loads. Any other StoreError (the store unreachable after its retries) is raised, naming the key."""
         for step in reversed(self.steps()):
             if at_most is not None and step > at_most:
                 continue
             try:
                 return step, self.load(step)
-            except StoreError as exc:
+            except (CorruptArtifact, IncompleteArtifact) as exc:
                 log(f"checkpoint: skipping step {step}, it does not load: {exc}")
         return None
 

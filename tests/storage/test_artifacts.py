@@ -7,6 +7,7 @@ its own bucket. Every test that takes `store` runs once per implementation.
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -188,7 +189,9 @@ def test_flipped_byte_is_corrupt_and_checkpoints_fall_back(store, tmp_path):
     data[len(data) // 2] ^= 0x01  # same size, one bit off: only the sha256 can tell
     _raw_write(store, "checkpoints/tiny/step-00000003", "policy.pt", bytes(data))
     assert ckpt.steps() == [1, 2, 3]  # still marked complete: the damage shows only on verification
-    with pytest.raises(CorruptArtifact, match="step-00000003: policy.pt does not match its manifest sha256"):
+    # The message names the object: s3://<bucket>/runs/checkpoints/tiny/step-00000003/policy.pt (or the path).
+    obj = re.escape(store.uri("checkpoints/tiny/step-00000003") + "/policy.pt")
+    with pytest.raises(CorruptArtifact, match=f"^{obj} does not match its manifest sha256"):
         store.get_dir("checkpoints/tiny/step-00000003", tmp_path / "out")
     log: list[str] = []
     step, payload = ckpt.load_latest(log.append)
@@ -196,7 +199,7 @@ def test_flipped_byte_is_corrupt_and_checkpoints_fall_back(store, tmp_path):
     assert len(log) == 1 and "skipping step 3" in log[0] and "policy.pt does not match" in log[0]
     # A file missing from a complete checkpoint is corrupt too; the search goes one further back.
     _raw_delete(store, "checkpoints/tiny/step-00000002", "state.pt")
-    with pytest.raises(CorruptArtifact, match="step-00000002: state.pt is listed in its manifest but missing"):
+    with pytest.raises(CorruptArtifact, match="step-00000002/state.pt is listed in its manifest but missing"):
         ckpt.load(2)
     assert ckpt.load_latest(log.append)[0] == 1 and "skipping step 2" in log[-1]
     assert ckpt.load_latest(log.append, at_most=1)[0] == 1
