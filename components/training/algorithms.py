@@ -14,10 +14,21 @@ SAO (DESIGN section 2; SAO paper, Algorithm 1):
 Every step also takes a `Collective` (`components/training/collective.py`): with one rank it is the
 identity; under torchrun each rank holds some rows of the batch and the step stays exactly the
 single-process step of the whole batch (global token counts, moments and metrics).
+
+Non-finite inputs skip updates rather than train on garbage, because the losses do not always turn them into
+a non-finite loss the engines would catch: DIS's window test is false for a NaN ratio, so the token is
+silently masked, and PPO clamps an infinite log-ratio to a finite one. Each guard is decided on every rank
+together (`Collective.all_true`) and counted by the engine it skips (`skip_update`):
+- a step whose batch holds a non-finite reward, or rollout log-prob on an action token, skips all its updates
+  (before the running-mean baseline sees the rewards);
+- the K critic updates are skipped when the critic's values or the returns are non-finite on action tokens;
+- the policy update is skipped when its log-probs or advantages are (e.g. advantages from non-finite values).
+A non-finite loss or gradient is the engines' guard (`engines.py`). Finite inputs go through unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -66,6 +77,8 @@ def policy_update(policy, batch: dict[str, Tensor], advantages: Tensor, s: AlgoS
     act = batch["action_mask"]
     logprobs, stats = token_logprobs(policy.module, batch["input_ids"], s.temperature, batch["attention_mask"],
                                      return_stats=True)
+    if not all_finite(act, comm, logprobs.detach(), batch["rollout_logprobs"], advantages):
+        return {"policy/grad_norm": policy.skip_update()}
     if use_dis:
         loss, metrics = dis_policy_loss(logprobs, batch["rollout_logprobs"], advantages, act, s.eps_low, s.eps_high)
     else:
@@ -81,11 +94,15 @@ def policy_update(policy, batch: dict[str, Tensor], advantages: Tensor, s: AlgoS
 
 def critic_updates(critic, batch: dict[str, Tensor], s: AlgoSettings, updates: int,
                    comm: Collective = SOLO) -> tuple[Tensor, dict]:
-    """K critic steps on the clipped value loss; returns the updated critic's values and metrics."""
+    """K critic steps on the clipped value loss; returns the updated critic's values and metrics. Non-finite
+    values or returns on action tokens skip all K steps and return the values as they are (the policy update
+    then skips too: its advantages are not finite)."""
     ids, att, act, rewards = batch["input_ids"], batch["attention_mask"], batch["action_mask"], batch["rewards"]
     with torch.no_grad():
         old_values = critic.module(ids, att)
     _, returns = gae(rewards, old_values, act, s.gamma, s.lam_critic)
+    if not all_finite(act, comm, old_values, returns):
+        return old_values, {"critic/grad_norm": _skip_critic(critic, updates)}
     metrics: dict[str, Tensor] = {}
     for _ in range(updates):
         values = critic.module(ids, att)
@@ -96,6 +113,36 @@ def critic_updates(critic, batch: dict[str, Tensor], s: AlgoSettings, updates: i
         new_values = critic.module(ids, att)
     metrics["critic/explained_variance"] = explained_variance(new_values, returns, act, var=_variance(comm))
     return new_values, metrics
+
+
+def all_finite(mask: Tensor, comm: Collective, *tensors: Tensor) -> bool:
+    """Every `(B, T)` tensor finite where `mask` is 1, on every rank (ranks skip an update together). Positions
+    off the mask are not read: padding and observations may hold anything there (DESIGN section 2)."""
+    keep = mask.bool()
+    return comm.all_true(all(bool(torch.isfinite(t[keep]).all()) for t in tensors))
+
+
+def _skip_critic(critic, updates: int) -> Tensor:
+    """Skip (and count) all `updates` critic updates of a step (K >= 1, `algo.critic_updates`)."""
+    return [critic.skip_update() for _ in range(updates)][-1]
+
+
+def finite_inputs(step: Callable[..., dict]) -> Callable[..., dict]:
+    """`step`, skipping every update of the step (counted on each engine) when the batch holds a non-finite
+    reward (anywhere: GRPO and the running mean sum whole rows) or rollout log-prob on an action token."""
+
+    @functools.wraps(step)
+    def guarded(policy, critic, batch, s: AlgoSettings, state: dict, comm: Collective = SOLO) -> dict:
+        acting = batch["action_mask"].bool()
+        rewards_ok = torch.isfinite(batch["rewards"]).all()
+        if comm.all_true(bool(rewards_ok & torch.isfinite(batch["rollout_logprobs"][acting]).all())):
+            return step(policy, critic, batch, s, state, comm)
+        metrics = {"policy/grad_norm": policy.skip_update()}
+        if critic is not None:
+            metrics["critic/grad_norm"] = _skip_critic(critic, s.critic_updates)
+        return metrics
+
+    return guarded
 
 
 def _token_weighted(metrics: dict[str, Tensor], mask: Tensor, comm: Collective) -> tuple[Tensor | float, dict]:
@@ -124,14 +171,17 @@ def _critic_step(policy, critic, batch, s: AlgoSettings, use_dis: bool, comm: Co
     return metrics
 
 
+@finite_inputs
 def sao_step(policy, critic, batch, s: AlgoSettings, state: dict, comm: Collective = SOLO) -> dict:
     return _critic_step(policy, critic, batch, s, True, comm)
 
 
+@finite_inputs
 def ppo_step(policy, critic, batch, s: AlgoSettings, state: dict, comm: Collective = SOLO) -> dict:
     return _critic_step(policy, critic, batch, s, False, comm)
 
 
+@finite_inputs
 def running_mean_step(policy, critic, batch, s: AlgoSettings, state: dict, comm: Collective = SOLO) -> dict:
     """SAO without a critic: advantage = outcome reward - mean of the last `window` rewards (of all ranks)."""
     baseline: RunningMeanBaseline = state.setdefault("baseline", RunningMeanBaseline())
@@ -153,10 +203,12 @@ def _grpo(policy, batch, s: AlgoSettings, use_dis: bool, comm: Collective) -> di
     return policy_update(policy, batch, advantages, s, use_dis, comm)
 
 
+@finite_inputs
 def grpo_step(policy, critic, batch, s: AlgoSettings, state: dict, comm: Collective = SOLO) -> dict:
     return _grpo(policy, batch, s, False, comm)
 
 
+@finite_inputs
 def grpo_dis_step(policy, critic, batch, s: AlgoSettings, state: dict, comm: Collective = SOLO) -> dict:
     return _grpo(policy, batch, s, True, comm)
 

@@ -4,6 +4,7 @@ The step functions in `algorithms.py` only need:
 - `.module`, to run forward passes;
 - `.backward_step(loss) -> grad_norm`, which does backward, clipping and an optimizer step, and skips
   non-finite updates;
+- `.skip_update()`, which counts an update the step decided not to take (non-finite inputs);
 - `.state_dict()` / `.load_state_dict()`, which carry module and optimizer state for checkpoints.
 
 The DeepSpeed engine wraps `deepspeed.initialize`. Policy and critic are two engines, each with its own
@@ -14,6 +15,11 @@ chunked log-prob path does not use yet: it reads the LM head's weight directly (
 A DeepSpeed JSON file (`train.deepspeed_config`, e.g. `infra/deepspeed/zero2-bf16.json`) is merged over the
 built-in config, the file winning key by key (`deepspeed_config`). The learner owns the batch shape (one
 optimizer step per `backward_step`) and the learning-rate schedule, so a file may not set those.
+
+Non-finite guard: an inf or NaN in the loss, or in any gradient on any rank, skips the update on every rank
+together (one rank stepping while another skips would desynchronise the replicas), leaves weights and
+optimizer state untouched, empties the gradients so the next step starts clean, and adds one to
+`skipped_steps` (saved in checkpoints; logged as `trainer/skipped_steps`, docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from torch import Tensor, nn
 
 class _Checkpointable:
     """Module + optimizer state for checkpoints (both engines keep `module`, `optimizer`, `skipped_steps`),
-    and the learning rate as a scale of the configured one (`base_lr`): schedules and rollbacks set it."""
+    the learning rate as a scale of the configured one (`base_lr`): schedules and rollbacks set it, and the
+    count of skipped updates."""
 
     def set_lr_scale(self, scale: float) -> None:
         for group in self.optimizer.param_groups:
@@ -46,6 +53,12 @@ class _Checkpointable:
         self.module.load_state_dict(state["module"])  # first: an optimizer may pick up the module's weights
         self._load_optimizer(state)
         self.skipped_steps = state["skipped_steps"]
+
+    def skip_update(self) -> Tensor:
+        """Count an update the step skipped before its backward (non-finite inputs, decided on every rank
+        together); returns a NaN grad norm, as a non-finite loss does."""
+        self.skipped_steps += 1
+        return torch.tensor(math.nan)
 
     def _load_optimizer(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -236,6 +249,13 @@ class DeepSpeedEngine(_Checkpointable):
         self.config = config
         self.base_lr = config["optimizer"]["params"]["lr"]
         self.zero_stage = config["zero_optimization"].get("stage", 0)
+        if self.zero_stage:
+            # A ZeRO-1/2 optimizer checks its gradient partition for inf/NaN before the update, all-reduces the
+            # flag (`has_overflow`), and on overflow skips the update and empties its averaged-gradient buffers
+            # (stage_1_and_2.py `step`), when this flag is set. DeepSpeed sets it from the precision config: off
+            # in fp32 (where only a computed non-finite grad norm stops the step) and off in bf16 when a file says
+            # `bf16.check_grad_overflow: false` (then a NaN gradient is applied: test_numerical_faults.py).
+            self.optimizer.check_grad_overflow = True
         self.skipped_steps = 0
 
     def _load_optimizer(self, state: dict) -> None:
@@ -265,7 +285,14 @@ class DeepSpeedEngine(_Checkpointable):
                 return norm.detach()
             self.engine.step()
             return norm.detach()
+        # ZeRO-1/2 gradients live in per-rank partitions, so the check is the optimizer's own, inside `step`,
+        # before its update (`check_grad_overflow`, set in __init__). A skipped step still counts as DeepSpeed's
+        # step (global_steps and its own skipped_steps advance; there is no DeepSpeed lr scheduler to advance),
+        # so every backward_step is one `engine.step()`, stepped or not.
         self.engine.step()
+        if not self.engine.was_step_applied():
+            self.skipped_steps += 1
+            return torch.tensor(math.nan)
         norm = self.engine.get_global_grad_norm()  # of the step just taken (read after step, never before)
         return torch.tensor(float(norm) if norm is not None else math.nan)
 
