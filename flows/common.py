@@ -50,6 +50,22 @@ def tracked(ctx: Context, stage: str, parent_run_id: str | None) -> Iterator[Nul
         run.finish(failed)
 
 
+def transient(task, task_run, state) -> bool:
+    """`retry_condition_fn` of the I/O tasks: retry what may pass on another try (a connection, a store briefly
+    down), not a refused input: a missing, unreadable or malformed file is reported once, naming itself."""
+    try:
+        state.result()
+    except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError):
+        return False
+    except Exception:
+        return True
+    return True
+
+
+IO_RETRIES = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": transient}
+"""Task options of the flows' I/O tasks."""
+
+
 def markdown_table(rows: list[dict]) -> str:
     """A list of dicts as a markdown table (the artifacts' headline numbers)."""
     if not rows:

@@ -12,7 +12,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from components.pipeline import distill as stage
 from components.pipeline.store import artifact_uri
-from flows.common import NO_CACHE, context, markdown_table, tracked
+from flows.common import IO_RETRIES, NO_CACHE, context, markdown_table, tracked
 
 
 @task(cache_policy=NO_CACHE)
@@ -26,7 +26,7 @@ def gate_traces(cfg, traces):
     return stage.gate_traces(cfg, traces)
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+@task(cache_policy=NO_CACHE, **IO_RETRIES)
 def save_dataset(cfg, home, distilled, report, log):
     return stage.save_dataset(cfg, home, distilled, report, log)
 

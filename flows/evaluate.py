@@ -18,10 +18,10 @@ from prefect.artifacts import create_markdown_artifact
 from components import jobs
 from components.pipeline.checkpoints import export_checkpoint
 from components.pipeline.model_registry import promote
-from flows.common import NO_CACHE, context, markdown_table, tracked
+from flows.common import IO_RETRIES, NO_CACHE, context, markdown_table, tracked
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+@task(cache_policy=NO_CACHE, **IO_RETRIES)
 def load_tasks(cfg, benchmark: str, tasks: str) -> tuple[list | None, str]:
     """(tasks, eval set name): a benchmark file (I/O: retried), or None for the environment's held-out set."""
     if not tasks:
@@ -31,7 +31,7 @@ def load_tasks(cfg, benchmark: str, tasks: str) -> tuple[list | None, str]:
     return load_benchmark(benchmark or "auto", tasks), f"{benchmark or 'benchmark'}:{Path(tasks).name}"
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+@task(cache_policy=NO_CACHE, **IO_RETRIES)
 def model_to_score(cfg, home, model: str, checkpoint_step: int | None, log) -> tuple[Path, str | None, str]:
     """(HF directory, the URI to register or None, a name for reports): a checkpoint, a directory, or by default
     the newest checkpoint of this config (else the SFT policy, which is not registered)."""

@@ -10,10 +10,10 @@ from typing import Literal
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
-from flows.common import NO_CACHE, context
+from flows.common import IO_RETRIES, NO_CACHE, context
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+@task(cache_policy=NO_CACHE, **IO_RETRIES)
 def read_dataset(kind: str, uri: str) -> list:
     """Traces or trajectories from a Parquet file or object (I/O: retried)."""
     from components.contracts.trajectory import read_trajectories

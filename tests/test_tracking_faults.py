@@ -13,7 +13,8 @@ from collections import Counter
 
 import pytest
 
-from components.tracking import MlflowTracker, replay_spool, spool_files
+from components.cli import main
+from components.tracking import MlflowTracker, replay_spool, spool_dir, spool_files
 from tests.faultproxy import FaultProxy
 
 
@@ -58,7 +59,7 @@ def short_timeouts(monkeypatch):
 
 
 def _tracker(proxy, tmp_path, lineage, **options) -> MlflowTracker:
-    return MlflowTracker(proxy.url, "faults", f"run-{lineage}", lineage, spool_dir=tmp_path / "spool",
+    return MlflowTracker(proxy.url, "faults", f"run-{lineage}", lineage, spool_dir=spool_dir(tmp_path),
                          retry_max_s=0.5, **options)
 
 
@@ -114,7 +115,7 @@ def test_metrics_logged_through_an_outage_arrive_once(mlflow_server, tmp_path, s
     assert slowest < 5
 
 
-def test_server_down_through_close_leaves_the_spool_for_replay(mlflow_server, tmp_path, short_timeouts):
+def test_server_down_through_close_leaves_the_spool_for_replay(mlflow_server, tmp_path, short_timeouts, capsys):
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -131,16 +132,21 @@ def test_server_down_through_close_leaves_the_spool_for_replay(mlflow_server, tm
         client = MlflowClient(mlflow_server)
         assert _steps(client, tracker.run_id, "policy/loss") == [1, 2, 3]
         assert client.get_run(tracker.run_id).info.status == "RUNNING"
-        assert spool_files(tmp_path / "spool") == [tracker.spool.path]
+        assert spool_files(spool_dir(tmp_path)) == [tracker.spool.path]
         with pytest.raises(MlflowException, match="Connection refused"):  # still down: nothing sent, spool kept
-            replay_spool(tmp_path / "spool")
+            replay_spool(spool_dir(tmp_path))
+        with pytest.raises(SystemExit) as refused:  # the same through the CLI: one line, exit status 2
+            main(["tracking", "replay", "--home", str(tmp_path)])
+        assert refused.value.code == 2
+        assert "sao: tracking replay: the MLflow server did not take a record" in capsys.readouterr().err
         proxy.start()
-        assert replay_spool(tmp_path / "spool") == 4  # steps 4, 5, 6 and the terminate
-        assert replay_spool(tmp_path / "spool") == 0
+        assert main(["tracking", "replay", "--home", str(tmp_path)]) == 0
+        assert "4 record(s) delivered" in capsys.readouterr().out  # steps 4, 5, 6 and the terminate
+        assert replay_spool(spool_dir(tmp_path)) == 0
     assert close_s < 5
     assert _steps(client, tracker.run_id, "policy/loss") == [1, 2, 3, 4, 5, 6]
     assert client.get_run(tracker.run_id).info.status == "FINISHED"
-    assert spool_files(tmp_path / "spool") == []
+    assert spool_files(spool_dir(tmp_path)) == []
 
 
 def test_replay_does_not_resend_a_batch_the_dead_writer_had_delivered(mlflow_server, tmp_path):
@@ -158,7 +164,7 @@ def test_replay_does_not_resend_a_batch_the_dead_writer_had_delivered(mlflow_ser
         tracker.spool.mark(2)  # ...and it had delivered step 3 but not yet written that down
         tracker.spool.close()
         # The replay goes to the server directly (tracking_uri overrides the proxy's URI in the spool).
-        assert replay_spool(tmp_path / "spool", tracking_uri=mlflow_server) == 1  # step 4; step 3 was found
+        assert replay_spool(spool_dir(tmp_path), tracking_uri=mlflow_server) == 1  # step 4; step 3 was found
     steps = [m.step for m in MlflowClient(mlflow_server).get_metric_history(tracker.run_id, "policy/loss")]
     assert Counter(steps) == {1: 1, 2: 1, 3: 1, 4: 1}
 
@@ -166,7 +172,7 @@ def test_replay_does_not_resend_a_batch_the_dead_writer_had_delivered(mlflow_ser
 def test_a_record_the_server_refuses_is_kept_aside_and_delivery_goes_on(tmp_path):
     # MLflow refuses to change a logged param (400 INVALID_PARAMETER_VALUE): retrying cannot help, so the record
     # goes to <run>.rejected.jsonl with the reason, and the records after it are delivered.
-    tracker = MlflowTracker(f"sqlite:///{tmp_path}/mlflow.db", "sao", "run", "L", spool_dir=tmp_path / "spool")
+    tracker = MlflowTracker(f"sqlite:///{tmp_path}/mlflow.db", "sao", "run", "L", spool_dir=spool_dir(tmp_path))
     tracker.log_params({"lr": 1})
     tracker.log_params({"lr": 2})
     tracker.log_metrics({"policy/loss": 0.5}, 1)

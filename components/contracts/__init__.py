@@ -21,6 +21,7 @@ from components.contracts.trajectory import (
     Trajectory,
     read_trajectories,
     to_tensors,
+    trajectory_from_dict,
     write_trajectories,
 )
 
@@ -42,5 +43,6 @@ __all__ = [
     "prompt_text",
     "read_trajectories",
     "to_tensors",
+    "trajectory_from_dict",
     "write_trajectories",
 ]

@@ -7,10 +7,12 @@ stores them as Parquet; every teacher (programmatic or a real endpoint) produces
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
 Role = Literal["user", "assistant", "tool"]
+ROLES: tuple[str, ...] = typing.get_args(Role)
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,14 @@ class Turn:
     """Text of the turn (for tool turns: the tool's output)."""
     tool_code: str | None = None
     """Python code of the tool call an assistant turn ends with; None for a final answer."""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role: must be one of {list(ROLES)}, got {_clip(self.role)}")
+        if not isinstance(self.content, str):
+            raise ValueError(f"content: must be a string, got {_clip(self.content)}")
+        if self.tool_code is not None and not isinstance(self.tool_code, str):
+            raise ValueError(f"tool_code: must be a string or None, got {_clip(self.tool_code)}")
 
 
 @dataclass(frozen=True)
@@ -34,7 +44,18 @@ class Trace:
     without one (style answers are judged, coding answers are graded by hidden tests)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.problem_id, str) or not self.problem_id:
+            raise ValueError(f"trace: problem_id must be a non-empty string, got {_clip(self.problem_id)}")
+        if not isinstance(self.turns, tuple) or not all(isinstance(t, Turn) for t in self.turns):
+            raise ValueError(f"trace {self.problem_id}: turns must be a tuple of Turn, got {_clip(self.turns)}")
+        if self.answer is not None and (not isinstance(self.answer, int) or isinstance(self.answer, bool)):
+            raise ValueError(f"trace {self.problem_id}: answer must be an integer or None, got {_clip(self.answer)}")
         validate_turns(self.turns, self.problem_id)
+
+
+def _clip(value: object, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def validate_turns(turns: tuple[Turn, ...], where: str) -> None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -67,13 +68,16 @@ class Trajectory:
     """Environment details (grading, tool calls, errors)."""
 
     def validate(self) -> "Trajectory":
+        """Check every field's type and the contract's invariants; ValueError names the field. Returns self."""
+        _check_types(self)
         n = len(self.token_ids)
         for name in ("action_mask", "rollout_logprobs", "versions"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"trajectory {self.prompt_id}: {name} has {len(getattr(self, name))} entries, "
                                  f"token_ids has {n}")
-        if any(m not in (0, 1) for m in self.action_mask):
-            raise ValueError(f"trajectory {self.prompt_id}: action_mask must hold only 0 and 1")
+        if not 0 <= self.prompt_len <= n:
+            raise ValueError(f"trajectory {self.prompt_id}: prompt_len must be in [0, {n}] (len(token_ids)), got "
+                             f"{self.prompt_len}")
         if any(self.action_mask[: self.prompt_len]):
             raise ValueError(f"trajectory {self.prompt_id}: action_mask is 1 inside the prompt (prompt_len "
                              f"{self.prompt_len})")
@@ -101,6 +105,87 @@ class Trajectory:
             if self.action_mask[i]:
                 return i
         return None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _clip(value: Any, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _check_types(t: Trajectory) -> None:
+    """Every field has its declared type (a record from a file or a socket may hold anything); ValueError
+    names the field, and the list index for list fields."""
+    if not isinstance(t.prompt_id, str) or not t.prompt_id:
+        raise ValueError(f"trajectory: prompt_id must be a non-empty string, got {_clip(t.prompt_id)}")
+    where = f"trajectory {t.prompt_id}"
+    element_checks = {
+        "token_ids": (lambda x: _is_int(x) and x >= 0, "a non-negative integer"),
+        "action_mask": (lambda x: _is_int(x) and x in (0, 1), "0 or 1"),
+        "rollout_logprobs": (lambda x: x is None or _is_number(x), "a number or null"),
+        "versions": (lambda x: x is None or (_is_int(x) and x >= 0), "a non-negative integer or null"),
+    }
+    for name, (ok, what) in element_checks.items():
+        values = getattr(t, name)
+        if not isinstance(values, list):
+            raise ValueError(f"{where}: {name} must be a list, got {_clip(values)}")
+        bad = next((i for i, x in enumerate(values) if not ok(x)), None)
+        if bad is not None:
+            raise ValueError(f"{where}: {name}[{bad}] must be {what}, got {_clip(values[bad])}")
+    scalars = {
+        "env": (lambda x: isinstance(x, str) and bool(x), "a non-empty string"),
+        "reward": (_is_number, "a number"),
+        "turns": (lambda x: _is_int(x) and x >= 0, "a non-negative integer"),
+        "finish_reason": (lambda x: isinstance(x, str), "a string"),
+        "prompt_len": (_is_int, "an integer"),
+        "timings": (lambda x: isinstance(x, Timings), "a Timings"),
+        "metadata": (lambda x: isinstance(x, dict) and all(isinstance(k, str) for k in x),
+                     "an object with string keys"),
+    }
+    for name, (ok, what) in scalars.items():
+        if not ok(getattr(t, name)):
+            raise ValueError(f"{where}: {name} must be {what}, got {_clip(getattr(t, name))}")
+    for f in fields(Timings):
+        value = getattr(t.timings, f.name)
+        if not _is_number(value) or (f.name == "queued" and not math.isfinite(value)):
+            what = "a finite number" if f.name == "queued" else "a number (NaN: not yet)"
+            raise ValueError(f"{where}: timings.{f.name} must be {what}, got {_clip(value)}")
+
+
+def trajectory_from_dict(record: Mapping[str, Any]) -> Trajectory:
+    """A validated trajectory from its dict form: `dataclasses.asdict(t)`, a parsed JSON object or a Parquet row
+    (whose `metadata` is a JSON string). A missing or unknown key, a value of the wrong type or a broken
+    invariant is a ValueError naming the field."""
+    if not isinstance(record, Mapping):
+        raise ValueError(f"trajectory: expected an object with the fields of Trajectory, got {_clip(record)}")
+    names = [f.name for f in fields(Trajectory)]
+    missing = [n for n in names if n not in record and n != "metadata"]
+    unknown = sorted(str(k) for k in record if k not in names)
+    if missing or unknown:
+        raise ValueError("trajectory: " + "; ".join(
+            ([f"missing field(s) {missing}"] if missing else []) + ([f"unknown field(s) {unknown}"] if unknown else [])))
+    values = dict(record)
+    timings = values["timings"]
+    if isinstance(timings, Mapping):
+        timing_names = [f.name for f in fields(Timings)]
+        if "queued" not in timings or set(timings) - set(timing_names):
+            raise ValueError(f"trajectory: timings must have the keys {timing_names} (queued required), got "
+                             f"{sorted(map(str, timings))}")
+        values["timings"] = Timings(**timings)
+    metadata = values.get("metadata", {})
+    if isinstance(metadata, str):
+        try:
+            values["metadata"] = json.loads(metadata)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"trajectory: metadata is not a JSON object: {exc}") from None
+    return Trajectory(**values).validate()
 
 
 class TrainBatch(TypedDict):
@@ -165,13 +250,16 @@ def write_trajectories(path: str | Path, trajectories: list[Trajectory]) -> Path
 
 
 def read_trajectories(path: str | Path) -> list[Trajectory]:
-    """Read and validate; a malformed row fails naming its index and field."""
+    """Read and validate; an unreadable file or a malformed row fails naming the file, the row and the field."""
+    where = f"{path}: " if isinstance(path, (str, Path)) else ""  # a file object: its caller names it
+    try:
+        records = pq.read_table(path).to_pylist()
+    except pa.ArrowException as exc:
+        raise ValueError(f"{where}not a readable Parquet file of trajectories: {exc}") from exc
     trajectories = []
-    for row, rec in enumerate(pq.read_table(path).to_pylist()):
+    for row, rec in enumerate(records):
         try:
-            rec["timings"] = Timings(**rec["timings"])
-            rec["metadata"] = json.loads(rec["metadata"])
-            trajectories.append(Trajectory(**rec).validate())
-        except (TypeError, KeyError, ValueError) as exc:
-            raise ValueError(f"{path} row {row}: {exc}") from exc
+            trajectories.append(trajectory_from_dict(rec))
+        except ValueError as exc:
+            raise ValueError(f"{where}row {row}: {exc}") from exc
     return trajectories

@@ -18,6 +18,7 @@ import os
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from components.contracts.task import Task
@@ -78,9 +79,18 @@ def read_rows(uri: str) -> list[dict[str, Any]]:
     fmt = _format(uri)
     data = read_bytes(uri)
     if fmt == "parquet":
-        return pq.read_table(io.BytesIO(data)).to_pylist()
+        try:
+            return pq.read_table(io.BytesIO(data)).to_pylist()
+        except pa.ArrowException as exc:
+            raise ValueError(f"{uri}: not a readable Parquet file: {exc}") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line_no = data[: exc.start].count(b"\n") + 1
+        raise ValueError(f"{uri}: line {line_no} is not UTF-8 (byte {data[exc.start]:#04x} at offset "
+                         f"{exc.start})") from None
     rows: list[dict[str, Any]] = []
-    for line_no, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+    for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -110,6 +120,7 @@ def load_tasks(
     answer_field: str | None = "answer",
     id_field: str | None = None,
     limit: int | None = None,
+    max_prompt_chars: int | None = None,
 ) -> list[Task]:
     """Load a problem set as tasks.
 
@@ -120,16 +131,21 @@ def load_tasks(
             answers (e.g. style prompts judged by a model).
         id_field: column holding the task id; None gives `<file stem>-<row>`.
         limit: keep only the first `limit` rows (only those are validated).
+        max_prompt_chars: refuse a prompt longer than this (None: no limit); a caller derives it from the
+            model's context, since an oversize prompt would otherwise fail only when its episode runs.
 
     Raises:
-        ValueError: a row lacks its prompt/answer/id, a prompt is not a string, or two rows share an id;
-            the message names the row index and the field.
+        ValueError: the file is empty, not valid JSONL/Parquet or not UTF-8; a row lacks its prompt/answer/id,
+            a prompt is not a string or is too long, or two rows share an id; the message names the file, the
+            row index and the field.
         FileNotFoundError: the file or object does not exist.
     """
     uri = str(uri)
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     rows = read_rows(uri)
+    if not rows:
+        raise ValueError(f"{uri}: no rows (an empty problem set)")
     if limit is not None:
         rows = rows[:limit]
     stem = PurePosixPath(uri).stem
@@ -143,6 +159,9 @@ def load_tasks(
         if not isinstance(prompt, str):
             raise ValueError(f"{uri}: row {i}: field {prompt_field!r} must be a string, "
                              f"got {type(prompt).__name__}")
+        if max_prompt_chars is not None and len(prompt) > max_prompt_chars:
+            raise ValueError(f"{uri}: row {i}: field {prompt_field!r} has {len(prompt)} characters, more than "
+                             f"max_prompt_chars={max_prompt_chars}")
         answer = None
         if answer_field is not None:
             answer = row.get(answer_field)

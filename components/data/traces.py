@@ -11,7 +11,9 @@ trajectory, so training never sees a retokenised sequence that rollouts did not 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -55,17 +57,27 @@ def trace_from_openai_messages(problem_id: str, messages: list[dict], answer: in
     Assistant messages may carry `tool_calls` with a function named `python` whose JSON arguments hold
     `code`; tool messages carry the output. System messages are dropped (the prompt format is ours).
     """
+    if not isinstance(messages, list):
+        raise ValueError(f"messages: expected a list of chat messages, got {type(messages).__name__}")
     turns: list[Turn] = []
     for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}]: expected an object, got {type(message).__name__}")
         role = message.get("role")
         if role == "system":
             continue
         content = message.get("content") or ""
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content: expected a string, got {type(content).__name__}")
         if role == "assistant" and message.get("tool_calls"):
             calls = message["tool_calls"]
-            if len(calls) != 1:
-                raise ValueError(f"messages[{i}].tool_calls: expected exactly one call, got {len(calls)}")
-            function = calls[0].get("function", {})
+            if not isinstance(calls, list) or len(calls) != 1 or not isinstance(calls[0], dict):
+                raise ValueError(f"messages[{i}].tool_calls: expected a list of exactly one call object, got "
+                                 f"{str(calls)[:60]}")
+            function = calls[0].get("function")
+            if not isinstance(function, dict):
+                raise ValueError(f"messages[{i}].tool_calls[0].function: expected an object, got "
+                                 f"{type(function).__name__}")
             if function.get("name") != "python":
                 raise ValueError(f"messages[{i}].tool_calls[0].function.name: expected 'python', "
                                  f"got {function.get('name')!r}")
@@ -73,6 +85,9 @@ def trace_from_openai_messages(problem_id: str, messages: list[dict], answer: in
                 code = json.loads(function.get("arguments", "{}"))["code"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"messages[{i}].tool_calls[0].function.arguments: no JSON 'code' field") from exc
+            if not isinstance(code, str):
+                raise ValueError(f"messages[{i}].tool_calls[0].function.arguments: 'code' must be a string, got "
+                                 f"{type(code).__name__}")
             turns.append(Turn("assistant", content, code))
         elif role in ("user", "assistant", "tool"):
             turns.append(Turn(role, content))
@@ -105,21 +120,47 @@ def write_traces(path: str | Path, traces: list[Trace]) -> Path:
     return path
 
 
+def trace_from_row(rec: Mapping[str, Any]) -> Trace:
+    """A trace from its stored row: `problem_id`, `answer` and the turns as parallel lists `roles`, `contents`,
+    `tool_codes`. A missing column, a value of the wrong type or a malformed conversation is a ValueError
+    naming the field (and the turn's index)."""
+    if not isinstance(rec, Mapping):
+        raise ValueError(f"trace: expected an object with the columns {_SCHEMA.names}, got {type(rec).__name__}")
+    missing = [name for name in _SCHEMA.names if name not in rec]
+    if missing:
+        raise ValueError(f"trace: missing field(s) {missing}")
+    columns = {name: rec[name] for name in ("roles", "contents", "tool_codes")}
+    for name, values in columns.items():
+        if not isinstance(values, list):
+            raise ValueError(f"trace {rec['problem_id']}: {name} must be a list, got {type(values).__name__}")
+    n = len(columns["roles"])
+    for name in ("contents", "tool_codes"):
+        if len(columns[name]) != n:
+            raise ValueError(f"trace {rec['problem_id']}: {name} has {len(columns[name])} entries, roles has {n}")
+    turns = []
+    for i, (role, content, code) in enumerate(zip(*columns.values())):
+        try:
+            turns.append(Turn(role, content, code))
+        except ValueError as exc:
+            raise ValueError(f"trace {rec['problem_id']}: turns[{i}].{exc}") from None
+    return Trace(rec["problem_id"], tuple(turns), rec["answer"])
+
+
 def read_traces(path: str | Path) -> list[Trace]:
-    """Read and validate traces; a malformed row fails with its row index and field."""
-    table = pq.read_table(path)
+    """Read and validate traces; an unreadable file or a malformed row fails naming the file, the row and the
+    field."""
+    where = f"{path}: " if isinstance(path, (str, Path)) else ""  # a file object: its caller names it
+    try:
+        table = pq.read_table(path)
+    except pa.ArrowException as exc:
+        raise ValueError(f"{where}not a readable Parquet file of traces: {exc}") from exc
     missing = set(_SCHEMA.names) - set(table.column_names)
     if missing:
-        raise ValueError(f"{path}: missing columns {sorted(missing)}")
+        raise ValueError(f"{where}missing columns {sorted(missing)}")
     traces = []
     for row, rec in enumerate(table.to_pylist()):
-        n = len(rec["roles"])
-        for name in ("contents", "tool_codes"):
-            if len(rec[name]) != n:
-                raise ValueError(f"{path} row {row}: {name} has {len(rec[name])} entries, roles has {n}")
-        turns = tuple(Turn(r, c, code) for r, c, code in zip(rec["roles"], rec["contents"], rec["tool_codes"]))
         try:
-            traces.append(Trace(rec["problem_id"], turns, rec["answer"]))
+            traces.append(trace_from_row(rec))
         except ValueError as exc:
-            raise ValueError(f"{path} row {row}: {exc}") from exc
+            raise ValueError(f"{where}row {row}: {exc}") from exc
     return traces

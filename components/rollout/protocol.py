@@ -7,6 +7,7 @@ whose weights produced it (a rollout may span several versions when weights chan
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -29,14 +30,32 @@ class SamplingRequest:
     """Per-request sampling seed; None draws one at random."""
 
     def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError("prompt: must contain at least one token id")
-        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 for t in self.prompt_ids):
+        """Every field's type and range; the message starts with the field's name (the HTTP server reports it
+        as the error's `param`)."""
+        if not isinstance(self.prompt_ids, list) or not self.prompt_ids:
+            raise ValueError(f"prompt: must be a non-empty list of token ids, got {_clip(self.prompt_ids)}")
+        if not all(_is_int(t) and t >= 0 for t in self.prompt_ids):
             raise ValueError("prompt: token ids must be non-negative integers")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be an integer >= 1, got {_clip(self.max_tokens)}")
+        if not (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+                and 0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature: must be a finite number >= 0, got {_clip(self.temperature)}")
+        if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: must be non-negative integers, got {_clip(self.stop_token_ids)}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"stop: must be non-empty strings, got {_clip(self.stop)}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed: must be an integer in [0, 2**63), got {_clip(self.seed)}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _clip(value: object, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 @dataclass
