@@ -63,7 +63,7 @@ def _section(prefix: str):
 
     def wrap(cls: type) -> type:
         cls = pydantic.dataclasses.dataclass(frozen=True, config=ConfigDict(
-            extra="forbid", strict=True, use_attribute_docstrings=True))(cls)
+            extra="forbid", strict=True, use_attribute_docstrings=True, allow_inf_nan=False))(cls)
         init = cls.__init__
 
         @functools.wraps(init)
@@ -95,6 +95,9 @@ def _table(value: Any, info: ValidationInfo) -> Any:
 
 
 Table = Annotated[T, BeforeValidator(_table)]
+
+Seed = Annotated[int, Field(ge=0, lt=2**63)]
+"""A random seed: torch's generators take 64-bit values."""
 
 
 def _check_location(value: str, path: str, what: str) -> None:
@@ -172,7 +175,7 @@ class TaskConfig:
     """Teacher traces generated for SFT."""
     eval_size: PositiveInt = 200
     """Held-out problems (disjoint seed stream from training)."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of the problem generator."""
     teacher_mental_max: NonNegativeInt = 700
     """The teacher answers without a tool call when a*b < this (a strong model's mental arithmetic, which
@@ -199,7 +202,7 @@ class SFTConfig:
     """AdamW decoupled weight decay."""
     grad_clip: PositiveFloat = 1.0
     """Global gradient-norm clip."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed for model init and batch order."""
     log_every: PositiveInt = 100
     """Steps between progress lines."""
@@ -276,6 +279,9 @@ class RolloutConfig:
     """Time limit of one request to an engine server."""
     request_retries: NonNegativeInt = 3
     """Retries of a failed request to an engine server (I/O errors only) before the episode fails."""
+    engine_wait_s: NonNegativeFloat = 180.0
+    """When every engine server is down, how long rollouts wait for one to come back (probing each) before the
+    run stops with an error naming them; `--resume` continues once they are back. A restart costs time only."""
 
     def __post_init__(self) -> None:
         if self.backend == "http":
@@ -340,7 +346,7 @@ class TrainConfig:
     built-in config. Backend deepspeed only."""
     checkpoint_every: NonNegativeInt = 10
     """Steps between checkpoints (0: only at the end)."""
-    task_seed: int = 1
+    task_seed: Seed = 1
     """Seed of the RL prompt stream (disjoint from SFT's and from the held-out set)."""
     threads: NonNegativeInt = 0
     """torch CPU threads of the trainer. 0: the cores the engine does not use in async mode, all in sync mode."""
@@ -375,7 +381,7 @@ class ValuePretrainConfig:
     """Trajectories per critic update."""
     lr: NonNegativeFloat = 0.0
     """AdamW learning rate of the pretraining; 0: `train.critic_lr`."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of the held-out split, the minibatch order, the value head's init and the rollout sampling."""
     warm_start: bool = True
     """The pipeline starts RL's critic from the pretrained one (as `train.critic_path`). tiny-cpu sets false: there
@@ -535,6 +541,8 @@ def load_config(preset: str, overrides: list[str] | None = None) -> Config:
             value = raw
         node = data
         *parents, leaf = key.strip().split(".")
+        if not all(part.strip() for part in [*parents, leaf]):
+            raise ConfigError(f"override {item!r}: empty part in key {key.strip()!r}; expected key.path=value")
         for i, part in enumerate(parents):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):

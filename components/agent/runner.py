@@ -8,6 +8,8 @@ alternates two kinds of step:
 The episode also has limits on turns, total tokens and wall time. A finished episode is handed over at once
 (callback or queue), and nothing waits for other episodes. That is the single-rollout, no-group-barrier
 half of SAO. Engine errors and timeouts end the episode with a recorded finish reason; they never drop it.
+The exception is `EnginesDown` (every engine server stayed down past `rollout.engine_wait_s`): that is the
+run's failure, not the episode's, so it is raised; `run` then starts no new episode and raises it.
 
 Observation tokens are appended as ids and the engine is always sent ids. The trainer therefore sees
 exactly the tokens the rollout saw, with no retokenisation drift between turns.
@@ -23,6 +25,7 @@ from typing import Awaitable, Callable, Iterable
 
 from components.contracts.trajectory import Timings, Trajectory
 from components.envs.base import Environment, Task
+from components.rollout.pool import EnginesDown
 from components.rollout.protocol import SamplingRequest
 
 TrajectorySink = Callable[[Trajectory], Awaitable[None] | None]
@@ -75,11 +78,15 @@ class AgentRunner:
         to `sink` the moment it finishes. Returns them in finish order.
 
         `admit(task)`, when given, is awaited before each episode starts (the trainer's staleness admission
-        control). Setting `stop` starts no new episode; those in flight finish and are handed over.
+        control). Setting `stop` starts no new episode; those in flight finish and are handed over. An episode
+        that raises (every engine down, or the sink refused its trajectory) does the same, and `run` then
+        raises the first such error.
         """
         slots = asyncio.Semaphore(self.concurrency)
         finished: list[Trajectory] = []
         running: set[asyncio.Task] = set()
+        errors: list[Exception] = []
+        failed = asyncio.Event()
 
         async def one(task: Task, queued: float) -> None:
             try:
@@ -89,18 +96,21 @@ class AgentRunner:
                     maybe = sink(trajectory)
                     if asyncio.iscoroutine(maybe):
                         await maybe
+            except Exception as exc:
+                errors.append(exc)
+                failed.set()
             finally:
                 slots.release()
 
         for task in tasks:
             queued = time.time()
             await slots.acquire()
-            if stop is not None and stop.is_set():
+            if failed.is_set() or (stop is not None and stop.is_set()):
                 slots.release()
                 break
             if admit is not None:
-                await admit(task)
-                if stop is not None and stop.is_set():
+                # Admission may wait for trajectories that will never come once an episode has failed.
+                if not await _unless(admit(task), failed) or (stop is not None and stop.is_set()):
                     slots.release()
                     break
             job = asyncio.create_task(one(task, queued))
@@ -108,6 +118,8 @@ class AgentRunner:
             job.add_done_callback(running.discard)
         if running:
             await asyncio.gather(*running)
+        if errors:
+            raise errors[0]
         return finished
 
     async def run_episode(self, task: Task, queued: float | None = None) -> Trajectory:
@@ -140,7 +152,9 @@ class AgentRunner:
                 except TimeoutError:
                     reason = "timeout"
                     break
-                except Exception as exc:  # any engine failure ends this episode, recorded, never dropped
+                except EnginesDown:
+                    raise
+                except Exception as exc:  # any other engine failure ends this episode, recorded, never dropped
                     reason, metadata["error"] = "engine_error", f"{type(exc).__name__}: {exc}"
                     break
                 if result.finish_reason == "abort":
@@ -177,3 +191,17 @@ class AgentRunner:
         timings.finished = time.time()
         return Trajectory(task.task_id, self.env.name, ids, mask, logprobs, versions, float(reward), turns, reason,
                           prompt_len, timings, {**task.metadata, **metadata}).validate()
+
+
+async def _unless(awaitable: Awaitable[None], event: asyncio.Event) -> bool:
+    """Await `awaitable` unless `event` is set first, in which case it is cancelled. True when it completed."""
+    job = asyncio.ensure_future(awaitable)
+    flag = asyncio.ensure_future(event.wait())
+    await asyncio.wait({job, flag}, return_when=asyncio.FIRST_COMPLETED)
+    flag.cancel()
+    if job.done():
+        job.result()
+        return True
+    job.cancel()
+    await asyncio.gather(job, return_exceptions=True)
+    return False

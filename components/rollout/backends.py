@@ -6,6 +6,13 @@
   keeps the last two directories (a server that is reviving may still be loading the previous one). The
   servers must read `publish_dir` at the same path (same machine or a shared filesystem).
 
+Resuming after a crash: the crashed trainer may have published versions past its last checkpoint, and its
+servers still serve one. A `sao` server reports the path it loaded (`/health`); one ahead of the resumed
+version whose path is one of `publish_dir`'s version directories was moved there by this run (the publish dir
+belongs to one run home), so it is rewound: sent the resumed weights with the `rewind` flag before any
+traffic. One ahead with any other path (or none: its starting weights) may serve another run, and is refused.
+The crashed run's directories above the resumed version are removed: the resumed run writes its own.
+
 Both run on the caller's asyncio loop: construct them, then call `publish`, `metrics` and `close` from the
 same loop the agent runner generates on.
 """
@@ -23,12 +30,13 @@ import httpx
 import torch
 from torch import nn
 
+from components.faults import fault_point
 from components.models import save_model_dir
 from components.rollout.client import EngineClient, health_json
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.pool import EnginePool
 from components.rollout.weights import validate_weights
-from components.storage import atomic_dir
+from components.storage import MARKER, atomic_dir
 
 ServerKind = Literal["sao", "vllm"]
 _CLIENT_BACKEND: dict[str, str] = {"sao": "embedded", "vllm": "vllm"}
@@ -63,6 +71,7 @@ class EmbeddedRollouts:
         self.version = version
 
     async def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        fault_point("weights.publish")
         await asyncio.wrap_future(self.engine.load_weights(weights, version))
         self.version = version
 
@@ -80,8 +89,9 @@ class HttpRollouts:
     any, it refuses to start. A server that does not answer yet is probed again on the first requests. When
     `version > 0` (a resumed run), the weights of `module_template` are published first as `version`, and no
     server gets traffic before it serves them. A `sao` server that already serves a version above `version`
-    belongs to another run and is refused. `module_template` is an HF `PreTrainedModel` (saved with
-    `save_pretrained`); a CPU copy of it is kept, so the caller may go on training the original.
+    is rewound to it when it loaded that version from `publish_dir`, and refused otherwise (see the module
+    docstring). `module_template` is an HF `PreTrainedModel` (saved with `save_pretrained`); a CPU copy of it
+    is kept, so the caller may go on training the original.
     """
 
     def __init__(self, urls: list[str], module_template: nn.Module, tokenizer, publish_dir: str | Path,
@@ -94,13 +104,17 @@ class HttpRollouts:
         health = {url: _probe(url, probe_timeout_s) for url in urls}
         if all(info is None for info in health.values()):
             raise ConnectionError(f"urls: no engine server answers /health at {', '.join(urls)}")
-        for url, info in health.items():
-            served = (info or {}).get("version")
-            if served is not None and served > version:
-                raise ValueError(f"urls: {url} serves version {served}, above the trainer's version {version}: "
-                                 f"restart it from the trainer's starting weights")
+        # Resolved once: the paths posted to the servers, and those they report back, are compared to it.
+        self.publish_dir = Path(publish_dir).resolve()
+        ahead = {url: info for url, info in health.items()
+                 if info is not None and info.get("version") is not None and info["version"] > version}
+        for url, info in ahead.items():
+            if not self._published_here(info.get("path")):
+                raise ValueError(
+                    f"urls: {url} serves version {info['version']}, above the trainer's version {version}, from "
+                    f"{info.get('path') or 'its starting weights'}, not from this run's publish_dir "
+                    f"{self.publish_dir}: it may serve another run; restart it from the trainer's starting weights")
         self.tokenizer = tokenizer
-        self.publish_dir = Path(publish_dir)
         self.version = version
         # A CPU copy: publishing loads each version into it and saves it as an HF directory.
         self._template = copy.deepcopy(module_template).to("cpu").eval()
@@ -110,12 +124,16 @@ class HttpRollouts:
                                 default_version=version) for url in urls]
         self.engine = EnginePool(clients, revive_after_s=revive_after_s, probe_timeout_s=probe_timeout_s,
                                  max_wait_s=max_wait_s)
-        if version > 0:
+        if version > 0 or ahead:
+            self._remove_above(version)  # the crashed run's: never to be served again
             weights = {k: v.detach() for k, v in module_template.state_dict().items()}
             self.engine.latest = (str(self._write(weights, version)), version)
-        for pool_server, info in zip(self.engine.servers, health.values()):
+        for pool_server, (url, info) in zip(self.engine.servers, health.items()):
             if info is None:
                 self.engine.hold(pool_server, "no answer on /health at start")
+            elif url in ahead:
+                pool_server.rewind = True
+                self.engine.hold(pool_server, f"rewinding from v{info['version']} to weights v{version}")
             elif self.engine.latest is not None and info.get("version") != version:
                 self.engine.hold(pool_server, f"waiting for weights v{version}")
             else:
@@ -126,6 +144,7 @@ class HttpRollouts:
             raise ValueError(f"version: {version} must be greater than the published version {self.version}")
         async with self._lock:
             path = await asyncio.to_thread(self._write, weights, version)
+            fault_point("weights.publish")  # written for the servers, not yet loaded by them
             await self.engine.publish(str(path), version)
             self.version = version
             await asyncio.to_thread(self._prune)
@@ -146,6 +165,21 @@ class HttpRollouts:
             save_model_dir(self._template, self.tokenizer, tmp)
         self._published.append(path)
         return path
+
+    def _published_here(self, path: str | None) -> bool:
+        """Whether `path` (as a server reports it) is one of `publish_dir`'s version directories."""
+        if path is None:
+            return False
+        resolved = Path(path).resolve()
+        return resolved.parent == self.publish_dir and _PUBLISHED.fullmatch(resolved.name) is not None
+
+    def _remove_above(self, version: int) -> None:
+        """Remove the published directories of versions above `version`."""
+        if self.publish_dir.is_dir():
+            for path in self.publish_dir.iterdir():
+                if _PUBLISHED.fullmatch(path.name) and int(path.name[1:]) > version:
+                    (path / MARKER).unlink(missing_ok=True)  # as `atomic_fill` does: never half-deleted yet complete
+                    shutil.rmtree(path)
 
     def _prune(self) -> None:
         """Remove every published directory but the last `KEEP_PUBLISHED` this object wrote."""

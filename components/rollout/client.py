@@ -85,12 +85,17 @@ class EngineClient:
         data = await self._post("/v1/completions", body)
         return parse_completion(data, request.prompt_ids, self.default_version)
 
-    async def publish_weights(self, path: str, version: int) -> None:
+    async def publish_weights(self, path: str, version: int, rewind: bool = False) -> None:
+        """Load the weights at `path` as `version`; `rewind` lets the embedded server go back to a version not
+        above the one it serves (vLLM keeps no version, so it needs no flag)."""
         if self.backend == "vllm":
             await self._post("/collective_rpc", {"method": "sao_reload_weights", "kwargs": {"path": path}})
             await self._post("/reset_prefix_cache", {})
         else:
-            await self._post("/v1/weights", {"path": path, "version": version})
+            body = {"path": path, "version": version}
+            if rewind:  # sent only when set: a server that predates the flag refuses unknown fields
+                body["rewind"] = True
+            await self._post("/v1/weights", body)
         self.default_version = version
 
     async def health(self) -> bool:

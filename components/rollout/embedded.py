@@ -18,6 +18,11 @@ How this departs from vLLM:
   keeps the contract exact: a token tagged with version v has exactly the log-prob that v's weights give
   it, teacher-forced.
 - `temperature = 0` decodes greedily and reports log-probs of the T = 1 distribution.
+
+Versions only grow, except on a rewind (`load_weights(..., rewind=True)`): a resumed trainer sends its
+checkpoint's weights to a server its crashed predecessor had moved further (components/rollout/backends.py).
+A sequence in flight across a rewind then carries decreasing versions; no one checks their order, and the
+resumed trainer never sees such a sequence (it is a new process, and it holds the server until rewound).
 """
 
 from __future__ import annotations
@@ -56,6 +61,17 @@ class _Sequence:
 
 
 @dataclass
+class _Update:
+    tensors: dict[str, torch.Tensor]
+    version: int
+    path: str | None
+    """Where the tensors were read from (None: handed in as tensors)."""
+    rewind: bool
+    """Accept a version not above the current one."""
+    future: Future
+
+
+@dataclass
 class EngineStats:
     steps: int = 0
     """Engine iterations that ran a forward pass."""
@@ -86,10 +102,12 @@ class EmbeddedEngine:
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self.vocab_size = model.config.vocab_size
         self.version = version
+        self.weights_path: str | None = None
+        """The path the weights served were loaded from (None: the starting weights, or tensors handed in)."""
         self.stats = EngineStats()
         self._cond = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
-        self._updates: list[tuple[dict[str, torch.Tensor], int, Future]] = []
+        self._updates: list[_Update] = []
         self._active: list[_Sequence] = []
         self._cache: DynamicCache | None = None
         self._attention: torch.Tensor | None = None  # (B, L) 1 on real tokens of the cached context
@@ -136,18 +154,21 @@ class EmbeddedEngine:
     async def generate(self, request: SamplingRequest) -> SamplingResult:
         return await asyncio.wrap_future(self.submit(request))
 
-    def load_weights(self, source: str | Path | dict[str, torch.Tensor], version: int) -> Future:
-        """Queue new weights as `version`; they apply between decode steps. The future resolves when applied."""
+    def load_weights(self, source: str | Path | dict[str, torch.Tensor], version: int,
+                     rewind: bool = False) -> Future:
+        """Queue new weights as `version`; they apply between decode steps. The future resolves when applied,
+        or fails with a ValueError naming `version` when that is not above the current one and `rewind` is
+        not set."""
         tensors = source if isinstance(source, dict) else read_weights(source)
         validate_weights(self.model, tensors)
-        future: Future = Future()
+        update = _Update(tensors, version, None if isinstance(source, dict) else str(source), rewind, Future())
         with self._cond:
-            self._updates.append((tensors, version, future))
+            self._updates.append(update)
             self._cond.notify()
-        return future
+        return update.future
 
-    async def publish_weights(self, path: str, version: int) -> None:
-        await asyncio.wrap_future(self.load_weights(path, version))
+    async def publish_weights(self, path: str, version: int, rewind: bool = False) -> None:
+        await asyncio.wrap_future(self.load_weights(path, version, rewind))
 
     @property
     def in_flight(self) -> int:
@@ -198,9 +219,9 @@ class EmbeddedEngine:
             for seq in self._active + admitted:
                 if not seq.future.done():
                     seq.future.set_exception(exc)
-            for _, _, future in updates:
-                if not future.done():
-                    future.set_exception(exc)
+            for update in updates:
+                if not update.future.done():
+                    update.future.set_exception(exc)
             self._active, self._cache, self._attention = [], None, None
 
     @torch.no_grad()
@@ -220,19 +241,20 @@ class EmbeddedEngine:
         self._sample(torch.cat(parts).float())
         self.stats.steps += 1
 
-    def _apply_updates(self, updates: list) -> bool:
+    def _apply_updates(self, updates: list[_Update]) -> bool:
         applied = False
-        for tensors, version, future in updates:
-            if version <= self.version:
-                future.set_exception(ValueError(f"version: {version} must be greater than the current version "
-                                                f"{self.version}"))
+        for update in updates:
+            if update.version <= self.version and not update.rewind:
+                update.future.set_exception(ValueError(
+                    f"version: {update.version} must be greater than the current version {self.version} "
+                    f"(unless the request is a rewind)"))
                 continue
             start = time.perf_counter()
-            self.model.load_state_dict(tensors, strict=False)
-            self.version = version
+            self.model.load_state_dict(update.tensors, strict=False)
+            self.version, self.weights_path = update.version, update.path
             self.stats.weight_updates += 1
             self.stats.last_update_s = time.perf_counter() - start
-            future.set_result(None)
+            update.future.set_result(None)
             applied = True
         return applied
 

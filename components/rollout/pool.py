@@ -4,11 +4,15 @@
 or vLLM). Each request goes to the live server with the fewest requests in flight (ties in turn). Requests
 are stateless (prompt ids in, tokens out), so when a server fails one (connection error, timeout, HTTP 5xx,
 or an `abort` answer from a server shutting down) the server is taken out of traffic and the same request
-is sent to another live server: the episode goes on and is never duplicated. A request the server refuses
-(HTTP 4xx) is the caller's mistake and is raised, not retried.
+is sent to another live server: the episode goes on and is never duplicated. An answer comes whole from the
+one server that finished the request, with that server's per-token versions; whatever a failed server had
+generated is discarded. A request the server refuses (HTTP 4xx) is the caller's mistake and is raised, not
+retried.
 
 A server that is down is probed on `/health` again after a back-off (doubling per consecutive failure), and
 before it gets traffic again it is sent the latest published weights: it may have restarted with old ones.
+When every server is down, requests wait for a probe to revive one, up to `max_wait_s` into the outage, and
+then all fail with `EnginesDown`: the caller's run stops with the reason instead of hanging.
 Everything runs on the caller's asyncio loop; no threads.
 """
 
@@ -42,6 +46,9 @@ class Server:
     """Requests it answered."""
     version: int | None = None
     """Weights version it serves, as last reported or published (None: unknown, e.g. vLLM before a publish)."""
+    rewind: bool = False
+    """It serves a version this run's crashed predecessor published, above the resumed one: its next weights go
+    with the rewind flag (which lets the version go down), once."""
     failures: int = 0
     """Consecutive failures (requests or probes); sets the back-off before the next probe."""
     retry_at: float = 0.0
@@ -68,11 +75,16 @@ class EnginePool:
         if revive_after_s <= 0 or max_backoff_s < revive_after_s:
             raise ValueError(f"revive_after_s: must be > 0 and <= max_backoff_s ({max_backoff_s}), "
                              f"got {revive_after_s}")
+        if max_wait_s < 0:
+            raise ValueError(f"max_wait_s: must be >= 0, got {max_wait_s}")
         self.servers = [Server(client) for client in clients]
         self.revive_after_s, self.max_backoff_s, self.probe_timeout_s = revive_after_s, max_backoff_s, probe_timeout_s
         self.max_wait_s = max_wait_s
-        """How long a request waits for a server to come back when all are down, before `EnginesDown`: a
-        short outage (a restart) costs time, not episodes."""
+        """How long requests wait for a server to come back once all are down, before `EnginesDown`: a short
+        outage (a restart) costs time, not episodes, and a long one ends the caller's run, not hangs it."""
+        self.down_since: float | None = None
+        """`time.monotonic()` when a request first found no live server; None while one is live. The wait is
+        counted from here for every request, so all of them give up together, `max_wait_s` into the outage."""
         self.latest: tuple[str, int] | None = None
         """(path, version) of the newest published weights: what a revived server is sent first."""
         self.errors = 0
@@ -143,12 +155,13 @@ class EnginePool:
 
     async def _pick(self) -> Server:
         """The live server with the fewest requests in flight, ties in turn. When no server is live it waits for
-        running revivals and for probes due within `max_wait_s`, and raises `EnginesDown` after that."""
-        deadline = time.monotonic() + self.max_wait_s
+        running revivals and for probes due before `max_wait_s` into the outage (`down_since`), and raises
+        `EnginesDown` once none is left to wait for."""
         while True:
             self._start_due_revivals()
             live = [s for s in self.servers if s.up]
             if live:
+                self.down_since = None
                 fewest = min(s.in_flight for s in live)
                 n = len(self.servers)
                 for k in range(n):
@@ -156,15 +169,21 @@ class EnginePool:
                     if server.up and server.in_flight == fewest:
                         self._turn = (self._turn + k + 1) % n
                         return server
+            now = time.monotonic()
+            if self.down_since is None:
+                self.down_since = now
+            deadline = self.down_since + self.max_wait_s
             running = [s.revival for s in self.servers if s.revival is not None]
             next_probe = min(s.retry_at for s in self.servers)
             if not running and next_probe <= deadline:
-                await asyncio.sleep(max(next_probe - time.monotonic(), 0.0) + 0.01)
+                await asyncio.sleep(max(next_probe - now, 0.0) + 0.01)
                 continue
             if not running:
-                raise EnginesDown("every engine server is down: " + "; ".join(
-                    f"{s.url} ({s.last_error or 'down'}; next probe in {max(0.0, s.retry_at - time.monotonic()):.1f} s)"
-                    for s in self.servers))
+                raise EnginesDown(
+                    f"every engine server is down: waited {now - self.down_since:.1f} s for one to come back "
+                    f"(no probe is due within rollout.engine_wait_s = {self.max_wait_s:g} s): " + "; ".join(
+                        f"{s.url} ({s.last_error or 'down'}; next probe in {max(0.0, s.retry_at - now):.1f} s)"
+                        for s in self.servers))
             done, _ = await asyncio.wait(running)
             for task in done:  # a bug in a revival (not a down server) must surface, not loop
                 if not task.cancelled() and task.exception() is not None:
@@ -202,8 +221,8 @@ class EnginePool:
             server.version = info.get("version")  # the embedded server reports it; vLLM does not
             while self.latest is not None and server.version != self.latest[1]:
                 path, version = self.latest  # again if more weights were published while these loaded
-                await server.client.publish_weights(path, version)
-                server.version = version
+                await server.client.publish_weights(path, version, server.rewind)
+                server.version, server.rewind = version, False
             server.up, server.last_error, revived = True, "", True
             server.epoch += 1
         except (ConnectionError, httpx.HTTPError, EngineError) as exc:

@@ -4,13 +4,18 @@
   response has vLLM's shape: `choices[0].token_ids`, `choices[0].logprobs.token_logprobs` and
   `choices[0].finish_reason`, plus a per-token `choices[0].versions` list.
 - `GET /v1/models`.
-- `GET /health`.
+- `GET /health`: `{"status", "version", "path", "in_flight"}`; `path` is that of the last weights loaded
+  through `/v1/weights` (null for the starting weights), so a resumed trainer can tell its own crashed
+  predecessor's versions from another run's.
 - `GET /metrics`: Prometheus text (`sao_engine_*`, label `model`; components/prometheus.py, docs/metrics.md).
-- `POST /v1/weights` with `{"path": <HF model directory or safetensors file>, "version": <int>}`.
+- `POST /v1/weights` with `{"path": <HF model directory or safetensors file>, "version": <int>}`. The version
+  must be above the one served, unless the body also has `"rewind": true` (a resumed trainer taking back
+  versions its crashed predecessor published).
 
-Bad requests get HTTP 400 with an OpenAI-style error whose `param` names the field. Sampling options that
-would make the logged log-probs differ from the sampling distribution (top_p < 1, top_k, n > 1) are
-refused rather than ignored.
+Bad requests get HTTP 400 with an OpenAI-style error whose `param` names the field (413 for a body over
+`MAX_BODY_BYTES`); no input gives a 500. Sampling options that would make the logged log-probs differ from the
+sampling distribution (top_p < 1, top_k, n > 1), and unknown fields (a penalty or `echo` would be silently
+ignored otherwise), are refused rather than ignored.
 """
 
 from __future__ import annotations
@@ -23,33 +28,42 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from safetensors import SafetensorError
 
 from components.prometheus import EngineMetrics
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.protocol import SamplingRequest
 
 
+MAX_BODY_BYTES = 16 * 2**20
+"""Largest request body accepted: a prompt of 1M token ids as JSON is ~7 MiB."""
+
+
 class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    prompt: list[int] | str
+    prompt: list[StrictInt] | str
     max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = 1.0
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, allow_inf_nan=False)
     top_k: int = -1
     n: int = 1
     logprobs: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     seed: int | None = None
     return_token_ids: bool = False
 
 
 class WeightsRequest(BaseModel):
-    path: str
-    version: int
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1)
+    version: int = Field(ge=0)
+    rewind: bool = False
+    """Accept a version not above the one served: only a resumed trainer sends it (components/rollout/backends.py)."""
 
 
 class BadRequest(Exception):
@@ -63,15 +77,51 @@ def _error(status: int, message: str, param: str | None, kind: str = "BadRequest
                         content={"error": {"message": message, "type": kind, "param": param, "code": status}})
 
 
+def sampling_request(body: CompletionRequest, model_name: str, tokenizer=None) -> SamplingRequest:
+    """The engine request a parsed completion body asks for; `BadRequest` names the field it refuses."""
+    if body.model is not None and body.model != model_name:
+        raise BadRequest("model", f"model: {body.model!r} is not served here (serving {model_name!r})")
+    if body.n != 1:
+        raise BadRequest("n", "n: only n=1 is supported (one rollout per prompt)")
+    if body.top_p != 1.0 or body.top_k not in (-1, 0):
+        raise BadRequest("top_p" if body.top_p != 1.0 else "top_k",
+                         "top_p/top_k: truncated sampling is refused during RL (the IS ratio needs the full "
+                         "distribution)")
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise BadRequest("prompt", "prompt: this engine has no tokenizer; send token ids")
+        prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    try:
+        return SamplingRequest(list(prompt), body.max_tokens, body.temperature, tuple(body.stop_token_ids or ()),
+                               stop, body.seed)
+    except ValueError as exc:
+        raise BadRequest(str(exc).split(":", 1)[0], str(exc)) from exc
+
+
 def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
     """A FastAPI app serving `engine`; the caller starts and stops the engine."""
     app = FastAPI(title="sao embedded engine")
     served = EngineMetrics(engine, model_name)  # its own registry: several apps can live in one process
 
+    @app.middleware("http")
+    async def _body_limit(request: Request, call_next):
+        length = request.headers.get("content-length", "0")
+        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+            return _error(413, f"body: {length} bytes is more than the {MAX_BODY_BYTES} accepted", "body")
+        return await call_next(request)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
+        # loc is ("body", field, ...) for a field (an unknown one too) and ("body", position) for a JSON decode
+        # error; after the field, a union adds its member's name (`list[int]`, `str`): keep the list indices only.
+        loc = first["loc"][1:]
+        if first["type"] == "json_invalid" or not loc:
+            param = "body"
+        else:
+            param = ".".join([str(loc[0]), *(str(p) for p in loc[1:] if isinstance(p, int))])
         return _error(400, f"{param}: {first['msg']}", param)
 
     @app.exception_handler(BadRequest)
@@ -80,7 +130,8 @@ def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "version": engine.version, "in_flight": engine.in_flight}
+        return {"status": "ok", "version": engine.version, "path": engine.weights_path,
+                "in_flight": engine.in_flight}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -94,24 +145,9 @@ def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> dict:
-        if body.model is not None and body.model != model_name:
-            raise BadRequest("model", f"model: {body.model!r} is not served here (serving {model_name!r})")
-        if body.n != 1:
-            raise BadRequest("n", "n: only n=1 is supported (one rollout per prompt)")
-        if body.top_p != 1.0 or body.top_k not in (-1, 0):
-            raise BadRequest("top_p" if body.top_p != 1.0 else "top_k",
-                             "top_p/top_k: truncated sampling is refused during RL (the IS ratio needs the full "
-                             "distribution)")
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            if engine.tokenizer is None:
-                raise BadRequest("prompt", "prompt: this engine has no tokenizer; send token ids")
-            prompt = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        request = sampling_request(body, model_name, engine.tokenizer)
         try:
-            request = SamplingRequest(list(prompt), body.max_tokens, body.temperature,
-                                      tuple(body.stop_token_ids or ()), stop, body.seed)
-            result = await engine.generate(request)
+            result = await engine.generate(request)  # the engine checks the context length and the vocabulary
         except ValueError as exc:
             raise BadRequest(str(exc).split(":", 1)[0], str(exc)) from exc
         served.request_done()
@@ -141,12 +177,11 @@ def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
     async def weights(body: WeightsRequest) -> dict:
         start = time.perf_counter()
         try:
-            await engine.publish_weights(body.path, body.version)
-        except FileNotFoundError as exc:
-            raise BadRequest("path", str(exc)) from exc
-        except ValueError as exc:
+            await engine.publish_weights(body.path, body.version, body.rewind)
+        except (OSError, ValueError, SafetensorError) as exc:  # no file, not weights, wrong shapes, old version
             param = "version" if str(exc).startswith("version") else "path"
-            raise BadRequest(param, str(exc)) from exc
+            message = str(exc) if str(exc).startswith(param) else f"{param}: {body.path}: {exc}"
+            raise BadRequest(param, message) from exc
         return {"version": engine.version, "seconds": time.perf_counter() - start}
 
     return app

@@ -30,7 +30,7 @@ import itertools
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -39,6 +39,7 @@ import torch
 from components.agent.runner import AgentRunner, episode_limits
 from components.config import Config, TrainConfig, to_dict
 from components.contracts.trajectory import Trajectory, to_tensors
+from components.faults import fault_point
 from components.models import load_tokenizer, save_model_dir, stop_token_ids
 from components.rollout.backends import EmbeddedRollouts, HttpRollouts, Rollouts
 from components.storage import HomeStateError, atomic_dir, open_store, resolve_store_uri, weights_fingerprint
@@ -75,6 +76,9 @@ class TrainResult:
     """Trajectories trained on."""
     rollbacks: int = 0
     """Times the collapse guard restored an earlier checkpoint (over the whole run, resumes included)."""
+    trained_ids: list[str] = field(default_factory=list)
+    """Task ids of the trajectories trained on, in order. The task stream gives every episode its own id, so a
+    repeat would be an episode trained twice (e.g. a request retried on another engine and kept both times)."""
 
 
 def thread_budget(cfg: Config, cores: int | None = None) -> tuple[int, int]:
@@ -119,7 +123,8 @@ def open_rollouts(cfg: Config, module: torch.nn.Module, tokenizer, home: Path, v
     backends: dict[str, Callable[[], Rollouts]] = {
         "embedded": lambda: EmbeddedRollouts(module, tokenizer, rc.max_batch, version, engine_threads),
         "http": lambda: HttpRollouts(list(rc.urls), module, tokenizer, Path(rc.publish_dir or home / "published"),
-                                     rc.server, rc.request_timeout_s, rc.request_retries, version),
+                                     rc.server, rc.request_timeout_s, rc.request_retries, version,
+                                     max_wait_s=rc.engine_wait_s),
     }
     return backends[rc.backend]()
 
@@ -199,7 +204,7 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
     tracker.log_params({"config": to_dict(cfg), "resumed_at": step})
     history: list[dict] = []
     lagged: collections.deque = collections.deque()  # weights not yet published (train.sync_lag)
-    run_start, idle, loop_s, trajectories = time.perf_counter(), 0.0, 0.0, 0
+    run_start, idle, loop_s, trajectories, trained_ids = time.perf_counter(), 0.0, 0.0, 0, []
     env_step = step
     try:
         while step < tc.max_steps:
@@ -221,6 +226,7 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
             tensors = to_tensors(batch, tokenizer.pad_token_id)
             scale = guard["lr_scale"] * lr_scale(tc, step)
             metrics = await asyncio.to_thread(learner.step, tensors, scale)
+            fault_point("trainer.step")  # the weights moved, the version is not yet counted nor published
             step += 1
             lagged.append((step, _weights(policy)))
             if len(lagged) > tc.sync_lag:  # versions are consecutive: the oldest is `step - sync_lag`
@@ -231,9 +237,11 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
             row = _row(metrics, batch, step, waited, time.perf_counter() - step_start, idle,
                        time.perf_counter() - run_start)
             row.update({"trainer/lr_scale": scale, "trainer/rollbacks": float(guard["rollbacks"]), **env_row,
+                        **_skipped_steps(learner),
                         **rollouts.metrics(), "rollout/episodes_dropped": float(buffer.discarded)})
             history.append(row)
             trajectories += len(batch)
+            trained_ids += [t.prompt_id for t in batch]
             loop_s = time.perf_counter() - run_start
             tracker.log_metrics(row, step)
             log(_progress_line(step, tc.max_steps, row))
@@ -264,14 +272,16 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
     finally:
         stop.set()
         await buffer.close()
-        if producer is not None:
-            await producer
-        await rollouts.close()
+        try:
+            if producer is not None:
+                await producer
+        finally:  # also when the producer failed (every engine down): its probes and connections end here
+            await rollouts.close()
     out = home / "models" / f"{cfg.name}-{tc.algo}-policy"
     with atomic_dir(out) as tmp:
         save_model_dir(policy.module, tokenizer, tmp)
     return TrainResult(len(history), step, out, history, seconds=loop_s, idle_seconds=idle,
-                       trajectories=trajectories, rollbacks=guard["rollbacks"])
+                       trajectories=trajectories, rollbacks=guard["rollbacks"], trained_ids=trained_ids)
 
 
 def _roll_back(collapse: Collapse, store: CheckpointStore, learner: Learner, guard: dict, tc: TrainConfig,
@@ -301,9 +311,10 @@ def _guard_ends(guard: dict, tc: TrainConfig) -> bool:
 
 
 class _Intake:
-    """Where finished episodes go. An episode every engine failed (`engine_error`: all servers down, or each
-    retry failed) has nothing to train on: it is dropped and its admission slot given back (grouped
-    baselines keep it, since a group needs every member). `limit` such episodes in a row end the run."""
+    """Where finished episodes go. An episode an engine failed (`engine_error`: a refused request, a malformed
+    answer; every server staying down raises `EnginesDown` instead) has nothing to train on: it is dropped and
+    its admission slot given back (grouped baselines keep it, since a group needs every member). `limit` such
+    episodes in a row end the run."""
 
     def __init__(self, buffer: TrajectoryBuffer, limit: int) -> None:
         self.buffer, self.limit, self.failing = buffer, limit, 0
@@ -367,6 +378,16 @@ def _row(metrics: dict, batch: list[Trajectory], version: int, waited: float, st
         "trainer/idle_frac": idle / max(elapsed, 1e-9),
         "trainer/wait_s": waited,
     })
+    return row
+
+
+def _skipped_steps(learner: Learner) -> dict[str, float]:
+    """Updates skipped for non-finite inputs, losses or gradients, over the run (saved in checkpoints): policy
+    updates, and critic updates (K per step) when there is a critic. Every rank skips together, so rank 0's
+    engines count for all."""
+    row = {"trainer/skipped_steps": float(learner.policy.skipped_steps)}
+    if learner.critic is not None:
+        row["trainer/critic_skipped_steps"] = float(learner.critic.skipped_steps)
     return row
 
 

@@ -140,3 +140,40 @@ def test_runner_over_http_and_turn_limits(sft_policy):
     assert full.finish_reason == "stop" and full.turns == 2
     assert one_turn.finish_reason == "max_turns" and one_turn.turns == 1
     assert few_tokens.finish_reason == "length" and few_tokens.num_actions == 5
+
+
+def test_every_engine_down_stops_the_run_even_while_admission_waits():
+    """`EnginesDown` is the run's failure, not an episode's: `run` starts nothing more and raises it, also when
+    it is waiting for admission that only finished episodes (none will come) could grant."""
+    from components.models import build_tokenizer
+    from components.rollout.pool import EnginesDown
+
+    tokenizer = build_tokenizer()
+    calls, sunk = [], []
+
+    class Down:  # every server of the pool stayed down past its wait
+        async def generate(self, request):
+            calls.append(request)
+            await asyncio.sleep(0.05)
+            raise EnginesDown("every engine server is down: waited 3.0 s for one to come back")
+
+    started = []
+
+    async def admit(task):  # two starts, then closed for good (the trainer never gets a batch)
+        if len(started) == 2:
+            await asyncio.Event().wait()
+        started.append(task.task_id)
+
+    def endless():  # a training task stream
+        i = 0
+        while True:
+            i += 1
+            yield from tasks_from_problems([make_problem("affine", (i, 3, 4), f"t{i}")])
+
+    async def run():
+        runner = AgentRunner(Down(), tokenizer, TIRMathEnvironment(), concurrency=4)
+        return await asyncio.wait_for(runner.run(endless(), sunk.append, admit), 10)
+
+    with pytest.raises(EnginesDown, match="waited 3.0 s"):
+        asyncio.run(run())
+    assert len(started) == 2 and len(calls) == 2 and sunk == []  # each admitted episode asked once, none kept

@@ -365,5 +365,7 @@ def test_resumed_run_syncs_every_server_before_traffic(tiny, serve, tmp_path):
     assert a.engine.version == b.engine.version == 5
     assert all(r.versions == [5] * 8 for r in results)
     torch.testing.assert_close(torch.tensor(results[0].logprobs), _teacher_forced(v5, results[0]), atol=1e-4, rtol=0)
+    # Ahead of a trainer that publishes elsewhere: another run's server, refused (this run's own crashed
+    # predecessor, publishing into the same directory, is rewound instead: tests/rollout/test_resume_rewind.py).
     with pytest.raises(ValueError, match=f"urls: {a.url} serves version 5, above the trainer's version 3"):
-        HttpRollouts([a.url], model, tokenizer, tmp_path, version=3)
+        HttpRollouts([a.url], model, tokenizer, tmp_path / "other-run", version=3)
