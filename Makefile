@@ -20,7 +20,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export GX_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test test-slow test-ops test-vllm infra-check bench sweep server deploy worker prefect-ui mlflow-ui clean
+.PHONY: setup run test test-slow test-ops test-vllm test-reliability soak infra-check bench sweep server deploy worker prefect-ui mlflow-ui clean
 
 setup: $(STAMP)
 
@@ -64,6 +64,17 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# Whole processes SIGKILLed at fault points (components/faults.py) and resumed, servers stopped mid-run
+# (docs/reliability.md).
+test-reliability: $(STAMP)
+	$(PY) -m pytest -q -m reliability tests/reliability
+
+# make soak [MINUTES=30]: the asynchronous run with engine restarts and store faults on a schedule; RSS and
+# throughput verdicts, plot and samples under .sao/soak/ (docs/reliability.md).
+MINUTES ?= 30
+soak: $(STAMP)
+	$(PY) -m bench.soak --minutes $(MINUTES)
 
 # Static checks of infra/ and dashboards/ (no Docker engine needed): compose through the real Compose binary,
 # Dockerfiles through hadolint, Prometheus rules and scrape targets, Grafana provisioning, DeepSpeed configs, presets.
