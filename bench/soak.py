@@ -37,6 +37,7 @@ RSS_BAND = 0.10
 RATE_BAND = 0.5
 """Allowed spread of windowed throughput around its median (fraction): faults cost time, never a stall."""
 WINDOW_S = 300.0
+"""Throughput window of a 30-minute soak; a shorter soak uses a sixth of its length (at least a minute)."""
 SAMPLE_S = 5.0
 BUCKET = "soak"
 TRAIN = ["--set", 'train.backend="torch"', "--set", "train.batch_size=16", "--set", "train.checkpoint_every=10",
@@ -100,9 +101,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def analyse(samples: list[dict], steps: list[dict], batch: int) -> dict:
+def analyse(samples: list[dict], steps: list[dict], batch: int, window_s: float = WINDOW_S) -> dict:
     """The verdicts from the RSS samples (`{"t", "trainer", "engines"}`) and the trainer's step records
-    (`{"step", "time"}`, in order)."""
+    (`{"step", "time"}`, in order); throughput in windows of `window_s`, the first (warm-up) left out."""
     end = samples[-1]["t"]
     second = [s["trainer"] for s in samples if end / 3 <= s["t"] < 2 * end / 3 and s["trainer"]]
     last = [s["trainer"] for s in samples if s["t"] >= 2 * end / 3 and s["trainer"]]
@@ -111,8 +112,9 @@ def analyse(samples: list[dict], steps: list[dict], batch: int) -> dict:
     t0 = steps[0]["time"]
     windows: dict[int, int] = {}
     for r in steps:
-        windows[int((r["time"] - t0) // WINDOW_S)] = windows.get(int((r["time"] - t0) // WINDOW_S), 0) + 1
-    full = [windows.get(w, 0) * batch / WINDOW_S for w in range(1, int((steps[-1]["time"] - t0) // WINDOW_S))]
+        w = int((r["time"] - t0) // window_s)
+        windows[w] = windows.get(w, 0) + 1
+    full = [windows.get(w, 0) * batch / window_s for w in range(1, int((steps[-1]["time"] - t0) // window_s))]
     rate = statistics.median(full) if full else 0.0
     spread = max((abs(x - rate) / rate for x in full), default=0.0) if rate else 1.0
     versions = [r["step"] for r in steps]
@@ -189,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--home", type=Path, default=REPO / ".sao", help="home holding (or given) the SFT policy")
     parser.add_argument("--out", type=Path, default=REPO / ".sao" / "soak", help="samples, plot, logs")
     args = parser.parse_args(argv)
+    import logging
+
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
 
     from components.tracking import DiskTracker
     from tests.faultproxy import FaultProxy
@@ -197,11 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     events: list[tuple[float, str]] = []
-    start = time.monotonic()
+    clock = {"start": time.monotonic()}  # restarted when the trainer starts: the soak is measured from there
 
     def say(line: str) -> None:
-        events.append((time.monotonic() - start, line))
-        print(f"[{(time.monotonic() - start) / 60:5.1f} min] {line}", flush=True)
+        at = time.monotonic() - clock["start"]
+        events.append((at, line))
+        print(f"[{at / 60:5.1f} min] {line}", flush=True)
 
     subprocess.run(_cli("sft", "--home", str(args.home)), check=True, cwd=REPO)
     sft = args.home / "models" / "sft-tir_math"
@@ -233,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         train = _cli("train", "--home", str(home), *TRAIN, "--set", f"rollout.urls={urls}")
         log = (out / "trainer.log").open("w")
         trainer = subprocess.Popen(train, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        clock["start"] = start = time.monotonic()
         stack.callback(lambda: trainer.poll() is None and trainer.kill())
         say(f"soak: trainer pid {trainer.pid}, engines {[e.url for e in engines]}, store {proxy.url} -> {endpoint}")
         samples: list[dict] = []
@@ -271,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         resumed = re.search(r"resumed from \S+/step-(\d{8})", resume.stdout)
         after = [r["step"] for r in DiskTracker.read(jsonl) if "reward/mean" in r.get("metrics", {})]
     batch = 16
-    verdict = analyse(samples, steps, batch)
+    verdict = analyse(samples, steps, batch, min(WINDOW_S, max(60.0, args.minutes * 10)))
     errors = max((r["metrics"].get("rollout/engine_errors", 0) for r in steps), default=0)
     verdict.update({
         "minutes": args.minutes, "faults": [e for _, e in events if e.startswith("fault:")],

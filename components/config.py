@@ -346,6 +346,10 @@ class TrainConfig:
     built-in config. Backend deepspeed only."""
     checkpoint_every: NonNegativeInt = 10
     """Steps between checkpoints (0: only at the end)."""
+    checkpoint_failures: NonNegativeInt = 2
+    """Checkpoints in a row that may fail to reach the store (after its own retries: an outage longer than about
+    half a minute) while training goes on; one more stops the run. A process's first checkpoint and a run's
+    last must be stored: failing those is a misconfigured store, not an outage."""
     task_seed: Seed = 1
     """Seed of the RL prompt stream (disjoint from SFT's and from the held-out set)."""
     threads: NonNegativeInt = 0
@@ -491,8 +495,18 @@ class StoreConfig:
     """Where checkpoints, model directories and datasets are kept: empty = `$SAO_STORE_URI` if set, else the
     local run home; else a local path or `s3://bucket/prefix`."""
 
+    attempts: PositiveInt = 6
+    """s3:// stores: tries of each object operation (a file, the manifest, the marker, a listing) before the
+    error; jittered backoff from `backoff_s` doubling to 30 s between them, so 6 ride out about half a minute."""
+    backoff_s: PositiveFloat = 1.0
+    """s3:// stores: the first backoff of `attempts`."""
+
     def __post_init__(self) -> None:
         _check_location(self.uri, "store.uri", "prefix")
+
+    def options(self, uri: str) -> dict:
+        """`open_store`'s options for `uri` (the retry settings apply to s3:// stores only)."""
+        return {"attempts": self.attempts, "backoff_s": self.backoff_s} if uri.startswith("s3://") else {}
 
 
 @_section("")

@@ -28,7 +28,9 @@ def mlflow_server(tmp_path_factory):
     from werkzeug.serving import make_server
 
     root = tmp_path_factory.mktemp("mlflow-server")
-    saved = {k: os.environ.get(k) for k in (BACKEND_STORE_URI_ENV_VAR, ARTIFACT_ROOT_ENV_VAR)}
+    # The server's app also sets MLFLOW_TRACKING_URI for its handlers: restored too, or every later test in
+    # this process would track into this server's database.
+    saved = {k: os.environ.get(k) for k in (BACKEND_STORE_URI_ENV_VAR, ARTIFACT_ROOT_ENV_VAR, "MLFLOW_TRACKING_URI")}
     os.environ[BACKEND_STORE_URI_ENV_VAR] = f"sqlite:///{root}/server.db"
     os.environ[ARTIFACT_ROOT_ENV_VAR] = (root / "artifacts").as_uri()
     handlers._tracking_store = None

@@ -24,7 +24,7 @@ def artifact_store(cfg: Config, home: Path) -> ArtifactStore | None:
     uri = resolve_store_uri(cfg.store.uri, home)
     if not uri.startswith("s3://") and Path(uri).resolve() == Path(home).resolve():
         return None
-    return open_store(uri)
+    return open_store(uri, **cfg.store.options(uri))
 
 
 def artifact_uri(cfg: Config, home: Path, key: str) -> str:

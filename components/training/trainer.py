@@ -42,7 +42,8 @@ from components.contracts.trajectory import Trajectory, to_tensors
 from components.faults import fault_point
 from components.models import load_tokenizer, save_model_dir, stop_token_ids
 from components.rollout.backends import EmbeddedRollouts, HttpRollouts, Rollouts
-from components.storage import HomeStateError, atomic_dir, open_store, resolve_store_uri, weights_fingerprint
+from components.storage import (HomeStateError, StoreError, atomic_dir, open_store, resolve_store_uri,
+                                weights_fingerprint)
 from components.tracking import Tracker
 from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.buffer import TrajectoryBuffer
@@ -111,7 +112,8 @@ def settings_from(cfg: Config) -> AlgoSettings:
 def checkpoint_store(cfg: Config, home: Path) -> CheckpointStore:
     """This config's checkpoints: `checkpoints/<name>/step-<n>` in the artifact store (`store.uri`, else
     `$SAO_STORE_URI`, else the run home)."""
-    store = open_store(resolve_store_uri(cfg.store.uri, home))
+    uri = resolve_store_uri(cfg.store.uri, home)
+    store = open_store(uri, **cfg.store.options(uri))
     return CheckpointStore(store, f"checkpoints/{cfg.name}", home / "cache" / "checkpoints")
 
 
@@ -178,12 +180,25 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
         raise HomeStateError(f"{store.location}: no checkpoint up to step {latest} loads (see above); remove them "
                              f"to start over")
 
+    saves = {"stored": 0, "failed_in_a_row": 0, "failed": 0}  # this process's checkpoints
+
     def save_checkpoint() -> None:
-        uri = store.save(step, {
-            **learner.state_dicts(),
-            "state": {"step": step, "cursor": cursor, "world_size": learner.comm.world, "origin": origin,
-                      "guard": dict(guard), "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()},
-        })
+        try:
+            uri = store.save(step, {
+                **learner.state_dicts(),
+                "state": {"step": step, "cursor": cursor, "world_size": learner.comm.world, "origin": origin,
+                          "guard": dict(guard), "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()},
+            })
+        except StoreError as exc:  # the store's retries are spent: an outage, or a store that never worked
+            saves["failed"] += 1
+            saves["failed_in_a_row"] += 1
+            if not saves["stored"] or step >= tc.max_steps or saves["failed_in_a_row"] > tc.checkpoint_failures:
+                raise
+            log(f"train: checkpoint {step} not stored ({exc}); training goes on, {saves['failed_in_a_row']} of "
+                f"train.checkpoint_failures={tc.checkpoint_failures} in a row")
+            return
+        saves["stored"] += 1
+        saves["failed_in_a_row"] = 0
         on_checkpoint(step, uri)
 
     if latest is None and tc.collapse_guard != "off":
@@ -237,7 +252,7 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
             row = _row(metrics, batch, step, waited, time.perf_counter() - step_start, idle,
                        time.perf_counter() - run_start)
             row.update({"trainer/lr_scale": scale, "trainer/rollbacks": float(guard["rollbacks"]), **env_row,
-                        **_skipped_steps(learner),
+                        **_skipped_steps(learner), "trainer/checkpoint_failures": float(saves["failed"]),
                         **rollouts.metrics(), "rollout/episodes_dropped": float(buffer.discarded)})
             history.append(row)
             trajectories += len(batch)

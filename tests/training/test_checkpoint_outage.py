@@ -1,0 +1,66 @@
+"""A store outage longer than its retries, in the middle of a run: the checkpoint it hits is not stored, training
+goes on and the next checkpoint is; `train.checkpoint_failures` in a row is the most a run takes. The store is
+moto's S3 server behind the fault proxy, which drops every request for one checkpoint's objects."""
+
+from dataclasses import replace
+
+import pytest
+
+from components.storage import StoreError
+from components.tracking import NullTracker
+from tests.faultproxy import FaultProxy
+from tests.training.test_trainer_loop import _cfg, train_env
+
+BUCKET = "outage"
+
+
+@pytest.fixture
+def proxied_s3(moto_endpoint, monkeypatch):
+    import boto3
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    s3.create_bucket(Bucket=BUCKET)
+    with FaultProxy(moto_endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        yield proxy, s3
+
+
+def _outage_cfg(tiny_cfg, prefix: str, **train):
+    cfg = _cfg(tiny_cfg, max_steps=4, **train)
+    # Two quick tries per object: the outage outlasts the store's retries in well under a second.
+    return replace(cfg, store=replace(cfg.store, uri=f"s3://{BUCKET}/{prefix}", attempts=2, backoff_s=0.05))
+
+
+def _complete(s3, prefix: str) -> list[int]:
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])]
+    return sorted(int(k.split("step-")[1][:8]) for k in keys if k.endswith("/_COMPLETE"))
+
+
+def test_a_checkpoint_lost_to_an_outage_does_not_stop_training(proxied_s3, tmp_path, tiny_cfg, sft_dir):
+    proxy, s3 = proxied_s3
+    proxy.mode("down", match="step-00000002/")  # every request for checkpoint 2, through all its retries
+    log = []
+    result = train_env(_outage_cfg(tiny_cfg, "a"), sft_dir, tmp_path, NullTracker(), log=log.append)
+    assert result.version == 4
+    assert _complete(s3, "a/") == [0, 1, 3, 4]  # 2 never completed; the next ones did
+    assert [row["trainer/checkpoint_failures"] for row in result.history] == [0.0, 0.0, 1.0, 1.0]
+    assert any("checkpoint 2 not stored" in line and "training goes on" in line for line in log)
+
+
+def test_more_failures_in_a_row_than_allowed_stop_the_run(proxied_s3, tmp_path, tiny_cfg, sft_dir):
+    proxy, _ = proxied_s3
+    proxy.mode("down", match="step-00000002/")
+    with pytest.raises(StoreError, match=r"s3://outage/b/checkpoints/.*/step-00000002"):
+        train_env(_outage_cfg(tiny_cfg, "b", checkpoint_failures=0), sft_dir, tmp_path, NullTracker(),
+                  log=lambda _: None)
+
+
+def test_a_store_that_never_took_a_checkpoint_stops_the_run_at_once(proxied_s3, tmp_path, tiny_cfg, sft_dir):
+    proxy, _ = proxied_s3
+    proxy.mode("down", match="step-00000000/")  # the starting weights' checkpoint: a broken store, not an outage
+    with pytest.raises(StoreError, match="step-00000000"):
+        train_env(_outage_cfg(tiny_cfg, "c"), sft_dir, tmp_path, NullTracker(), log=lambda _: None)
