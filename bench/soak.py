@@ -31,6 +31,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from components.rollout.engine_process import EngineProcess
+
 REPO = Path(__file__).resolve().parent.parent
 RSS_BAND = 0.10
 """Allowed drift of the trainer's resident memory (fraction of its median after warm-up)."""
@@ -40,7 +42,7 @@ WINDOW_S = 300.0
 """Throughput window of a 30-minute soak; a shorter soak uses a sixth of its length (at least a minute)."""
 SAMPLE_S = 5.0
 BUCKET = "soak"
-TRAIN = ["--set", 'train.backend="torch"', "--set", "train.batch_size=16", "--set", "train.checkpoint_every=10",
+TRAIN = ["--set", 'train.backend="torch"', "--set", "train.batch_size=16", "--set", "train.checkpoint_every=25",
          "--set", "rollout.concurrency=32", "--set", "task.eval_size=8", "--set", "train.max_steps=1000000",
          "--set", 'rollout.backend="http"', "--set", "rollout.request_timeout_s=30",
          "--set", 'train.collapse_guard="off"']
@@ -59,46 +61,6 @@ def rss_mib(pid: int) -> float | None:
     except OSError:
         return None
     return None
-
-
-class Engine:
-    """One `sao engine serve` child on a fixed port: killable and restartable on the same URL."""
-
-    def __init__(self, model: Path, port: int, log: Path) -> None:
-        self.model, self.port, self.log_path = model, port, log
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        import httpx
-
-        log = self.log_path.open("a")
-        self.proc = subprocess.Popen(_cli("engine", "serve", "--model", str(self.model), "--port", str(self.port),
-                                          "--threads", "1"), stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.5)
-        raise RuntimeError(f"engine on {self.url} did not start; see {self.log_path}")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def analyse(samples: list[dict], steps: list[dict], batch: int, window_s: float = WINDOW_S) -> dict:
@@ -126,7 +88,7 @@ def analyse(samples: list[dict], steps: list[dict], batch: int, window_s: float 
     }
 
 
-def plot(samples: list[dict], steps: list[dict], batch: int, out: Path) -> None:
+def plot(samples: list[dict], steps: list[dict], batch: int, out: Path, events: list[tuple[float, str]] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,12 +100,17 @@ def plot(samples: list[dict], steps: list[dict], batch: int, out: Path) -> None:
     for i in range(max(len(s["engines"]) for s in samples)):
         ax1.plot(minutes, [s["engines"][i] for s in samples], label=f"engine {i}", alpha=0.7)
     ax1.set_ylabel("RSS (MiB)")
+    ax1.set_title("soak: resident memory and throughput (red: a scheduled fault)")
     ax1.legend(loc="lower right")
     t0 = samples[0]["wall"]
     per_min: dict[int, int] = {}
     for r in steps:
         per_min[int((r["time"] - t0) // 60)] = per_min.get(int((r["time"] - t0) // 60), 0) + batch
     ax2.bar(list(per_min), [v / 60 for v in per_min.values()], width=0.9, align="edge")
+    for at, what in events:  # the scheduled faults, on both panels
+        if what.startswith("fault:") and not what.endswith("back"):
+            for ax in (ax1, ax2):
+                ax.axvline(at / 60, color="red", alpha=0.3, linewidth=1)
     ax2.set_ylabel("trajectories/s (1-min bins)")
     ax2.set_xlabel("minutes")
     fig.tight_layout()
@@ -161,7 +128,7 @@ def _checkpoints(endpoint: str) -> list[int]:
                   if (m := re.search(r"/step-(\d{8})/_COMPLETE$", o["Key"])))
 
 
-def _faults(k: int, engines: list[Engine], proxy, say) -> None:
+def _faults(k: int, engines: list[EngineProcess], proxy, say) -> None:
     """The k-th scheduled fault (they rotate): an engine killed and restarted, store 5xx and slow, store down."""
     kind = k % 3
     if kind == 0:
@@ -229,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="soak", aws_secret_access_key="soak",
                      region_name="us-east-1").create_bucket(Bucket=BUCKET)
         proxy = stack.enter_context(FaultProxy(endpoint))
-        engines = [Engine(sft, _free_port(), out / f"engine-{i}.log") for i in range(2)]
+        engines = [EngineProcess(sft, threads=1, log=out / f"engine-{i}.log") for i in range(2)]
         for engine in engines:
             engine.start()
             stack.callback(engine.kill)
@@ -276,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             f"of {len(complete)}")
         resume = subprocess.run(train + ["--resume", "--max-steps", str(complete[-1] + 2)],
                                 capture_output=True, text=True, cwd=REPO, env=env)
-        resumed = re.search(r"resumed from \S+/step-(\d{8})", resume.stdout)
+        (out / "resume.log").write_text(resume.stdout + resume.stderr)
+        resumed = re.search(r"resumed from \S+/step-(\d{8})", resume.stdout + resume.stderr)  # Prefect logs to stderr
         after = [r["step"] for r in DiskTracker.read(jsonl) if "reward/mean" in r.get("metrics", {})]
     batch = 16
     verdict = analyse(samples, steps, batch, min(WINDOW_S, max(60.0, args.minutes * 10)))
@@ -288,14 +256,14 @@ def main(argv: list[str] | None = None) -> int:
         and after == list(range(1, complete[-1] + 3)),
         "proxy": proxy.stats(),
     })
-    plot(samples, steps, batch, out / "soak.png")
+    plot(samples, steps, batch, out / "soak.png", events)
     (out / "rss.json").write_text(json.dumps(samples))
     (out / "summary.json").write_text(json.dumps(verdict, indent=2, default=str))
     ok = all(verdict[k] for k in ("memory_ok", "throughput_ok", "versions_ok", "resume_ok"))
     print(json.dumps({k: v for k, v in verdict.items() if k != "traj_per_s_windows"}, indent=2, default=str))
     print(f"soak: {'PASSED' if ok else 'FAILED'}; plot {out / 'soak.png'}, samples {out / 'rss.json'}")
-    if not ok and resume.returncode != 0:
-        print(resume.stdout[-2000:], resume.stderr[-2000:])
+    if not verdict["resume_ok"]:
+        print(f"soak: the resume did not continue from checkpoint {complete[-1]}; see {out / 'resume.log'}")
     return 0 if ok else 1
 
 

@@ -245,35 +245,10 @@ class ServerThread:
 @contextlib.contextmanager
 def serve_subprocess(model_dir: str | Path, threads: int | None = None, timeout_s: float = 120.0):
     """`sao engine serve` in a child process on a free loopback port; yields its URL once `/health` answers."""
-    import socket
-    import subprocess
-    import sys
-    import tempfile
+    from components.rollout.engine_process import EngineProcess
 
-    import httpx
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "components.cli", "engine", "serve", "--model", str(model_dir),
-               "--port", str(port)] + (["--threads", str(threads)] if threads else [])
-    output = tempfile.TemporaryFile()  # a file, not a pipe: a chatty server can never block on a full pipe
-    proc = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    engine = EngineProcess(model_dir, threads=threads).start(timeout_s)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    output.seek(0)
-                    tail = output.read().decode(errors="replace")[-2000:]
-                    raise RuntimeError(f"sao engine serve did not start: {tail}") from None
-                time.sleep(0.2)
-        yield url
+        yield engine.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        output.close()
+        engine.stop()

@@ -3,7 +3,6 @@ SIGKILLed while they generate. One of two dying costs no step and no episode twi
 run with a clear error after `rollout.engine_wait_s`, and `--resume` finishes it once they are back."""
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -15,56 +14,21 @@ from pathlib import Path
 import httpx
 import pytest
 
+from components.rollout.engine_process import EngineProcess
 from components.tracking import DiskTracker, NullTracker
-from tests.conftest import child_env, free_port
+from tests.conftest import child_env
 from tests.training.test_trainer_loop import train_env
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-class _Engine:
-    """`sao engine serve` as a child process on a fixed loopback port, so that it can be SIGKILLed and started
-    again where the trainer expects it."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.model_dir, self.port = model_dir, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "_Engine":
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "components.cli", "engine", "serve", "--model", str(self.model_dir),
-             "--port", str(self.port), "--threads", "1"],
-            cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return self
-
-    def wait_healthy(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            assert self.proc.poll() is None, f"sao engine serve on port {self.port} exited {self.proc.returncode}"
-            assert time.monotonic() < deadline, f"sao engine serve on port {self.port} did not start"
-            time.sleep(0.2)
-
-    def health(self) -> dict:
-        return httpx.get(f"{self.url}/health", timeout=5).json()
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(timeout=30)
-
-
 @pytest.fixture
 def engines(sft_dir):
     """`engines(n)`: n started, healthy `sao engine serve` processes on the SFT policy; killed at teardown."""
-    started: list[_Engine] = []
+    started: list[EngineProcess] = []
 
-    def start(n: int) -> list[_Engine]:
-        new = [_Engine(sft_dir).start() for _ in range(n)]  # they load in parallel
+    def start(n: int) -> list[EngineProcess]:
+        new = [EngineProcess(sft_dir, threads=1, env=child_env()).start(wait=False) for _ in range(n)]  # they load in parallel
         started.extend(new)
         for engine in new:
             engine.wait_healthy()
@@ -75,7 +39,7 @@ def engines(sft_dir):
         engine.kill()
 
 
-def _kill_while_generating(engine: _Engine, after: threading.Event, killed: dict) -> None:
+def _kill_while_generating(engine: EngineProcess, after: threading.Event, killed: dict) -> None:
     """Once `after` is set, SIGKILL `engine` as soon as it holds a request (or after 30 s in any case); records
     how many requests it held."""
     after.wait(timeout=300)
@@ -160,7 +124,7 @@ def test_every_engine_killed_stops_the_run_then_resume_finishes_it(seeded_home, 
     assert stopped_s < wait_s + 30
     assert _jsonl_steps(jsonl)[0] == 1 and len(_jsonl_steps(jsonl)) < 3
 
-    a.start(), b.start()
+    a.start(wait=False), b.start(wait=False)
     a.wait_healthy(), b.wait_healthy()
     done = subprocess.run(args + ["--resume"], cwd=REPO, env=prefect_env, capture_output=True, text=True,
                           timeout=600)
