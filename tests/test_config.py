@@ -86,7 +86,7 @@ def test_unknown_keys_are_refused_by_path():
         _load("train.bogus=1")
     with pytest.raises(ConfigError, match=r"^bogus: unknown field \(expected one of \['algo', 'distill', 'env', 'model', "):
         _load("bogus=1")
-    with pytest.raises(ConfigError, match=r"^store\.url: unknown field \(expected one of \['uri'\]\)$"):
+    with pytest.raises(ConfigError, match=r"^store\.url: unknown field \(expected one of \['attempts', 'backoff_s', 'uri'\]\)$"):
         _load('store.url="/x"')
 
 

@@ -104,6 +104,7 @@ def _five_kills(seeded_home, prefect_env, moto_endpoint, stack) -> None:
             assert partial, f"run {i}: the kill at {fault} left no partial checkpoint (complete: {complete})"
         newest.append(complete[-1])
         ahead.append(httpx.get(f"{engine}/health", timeout=5).json()["version"] > complete[-1])
+    print(f"newest complete checkpoint after each run: {newest}; engine ahead of it: {ahead}")
     # Every resume started from the newest complete checkpoint at the moment of the kill before it.
     starts = [[int(m.group(1)) for m in RESUMED.finditer(out)] for out in outputs[1:]]
     assert starts == [[n] for n in newest[:-1]], starts
