@@ -55,6 +55,8 @@ class Spool:
         if not lines or "run_id" not in lines[0]:
             raise ValueError(f"{self.path}: not an MLflow spool (no header line with a run_id)")
         self.header, self.records = lines[0], lines[1:]
+        """The records in memory, trimmed as they are delivered (the disk keeps them all), so memory does not grow."""
+        self.last_seq = self.records[-1]["seq"] if self.records else 0
         self._file.seek(0, 2)
 
     @property
@@ -74,7 +76,8 @@ class Spool:
             return False
 
     def append(self, op: dict) -> dict:
-        record = {"seq": (self.records[-1]["seq"] if self.records else 0) + 1, **op}
+        self.last_seq += 1
+        record = {"seq": self.last_seq, **op}
         self._write(record)
         self.records.append(record)
         return record
@@ -93,6 +96,10 @@ class Spool:
 
     def mark(self, seq: int) -> None:
         write_json(self._offset_path, {"seq": seq})
+        done = 0
+        while done < len(self.records) and self.records[done]["seq"] <= seq:
+            done += 1
+        del self.records[:done]  # in place: an append from the logging thread is never lost
 
     def reject(self, record: dict, exc: Exception) -> None:
         """Keep a record the server refused for good, with the reason, beside the spool."""

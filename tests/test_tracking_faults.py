@@ -82,7 +82,7 @@ def test_metrics_logged_through_an_outage_arrive_once(mlflow_server, tmp_path, s
             nonlocal recovered_s
             if recovered_s is None and step >= 22 and tracker.courier.delivered_seq >= backlog:
                 recovered_s = time.monotonic() - back
-            return tracker.courier.delivered_seq == tracker.spool.records[-1]["seq"]
+            return tracker.courier.delivered_seq == tracker.spool.last_seq
 
         for step in range(1, 31):
             if step == 5:  # the server applies this batch but answers after the client's 1 s timeout
@@ -94,7 +94,7 @@ def test_metrics_logged_through_an_outage_arrive_once(mlflow_server, tmp_path, s
             if step == 22:
                 proxy.start()
                 proxy.mode("pass")
-                back, backlog = time.monotonic(), tracker.spool.records[-1]["seq"]
+                back, backlog = time.monotonic(), tracker.spool.last_seq
             started = time.monotonic()
             tracker.log_metrics({"policy/loss": step / 10, "reward/mean": -step}, step)
             took[step] = time.monotonic() - started
