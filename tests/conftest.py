@@ -81,11 +81,9 @@ inherited them would take itself for a rank of this process's group (and its por
 
 def free_port() -> int:
     """A loopback port nothing listens on now (for a server a test starts)."""
-    import socket
+    from components.rollout.engine_process import free_port as free
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free()
 
 
 def child_env(**extra: str) -> dict[str, str]:

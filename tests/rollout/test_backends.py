@@ -7,10 +7,6 @@ import contextlib
 import copy
 import os
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,13 +19,13 @@ from fastapi.responses import JSONResponse
 from components.models import build_policy, build_tokenizer, save_model_dir, token_logprobs
 from components.rollout.backends import EmbeddedRollouts, HttpRollouts
 from components.rollout.client import EngineError
+from components.rollout.engine_process import EngineProcess
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.pool import EnginesDown
 from components.rollout.protocol import SamplingRequest
 from components.rollout.server import ServerThread, create_app
 from components.storage import is_complete
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -118,29 +114,11 @@ def _scripted(status: int) -> tuple[FastAPI, list[int]]:
 @contextlib.contextmanager
 def _engine_process(model_dir: Path):
     """`sao engine serve` as a child process we can SIGKILL; yields (process, url) once /health answers."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "components.cli", "engine", "serve", "--model", str(model_dir),
-                             "--port", str(port), "--threads", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    engine = EngineProcess(model_dir, threads=1).start()
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"sao engine serve did not start: {log.read().decode(errors='replace')[-2000:]}")
-            time.sleep(0.2)
-        yield proc, url
+        yield engine.proc, engine.url
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
-        log.close()
+        engine.kill()
 
 
 def test_embedded_rollouts_publish_then_generate(tiny):
