@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from components.config import load_config
+from components.envs.registry import build_env
 from components.jobs import run_sft
 from components.tracking import NullTracker
 from components.training.trainer import thread_budget, train
@@ -46,7 +47,7 @@ def _arm(name: str, overrides: list[str], sft_dir: Path) -> dict:
     cfg = load_config("tiny-cpu", COMMON + overrides)
     engine_threads, trainer_threads = thread_budget(cfg)
     with tempfile.TemporaryDirectory() as home:
-        result = train(cfg, sft_dir, Path(home), NullTracker(), log=lambda _: None)
+        result = train(cfg, build_env(cfg), sft_dir, Path(home), NullTracker(), log=lambda _: None)
     first_wait = result.history[0]["trainer/wait_s"]
     row = {
         "arm": name,

@@ -75,7 +75,8 @@ class AgentRunner:
                   admit: Callable[[Task], Awaitable[None]] | None = None,
                   stop: asyncio.Event | None = None) -> list[Trajectory]:
         """Run tasks (a list or an endless iterator) with at most `concurrency` in flight; each trajectory goes
-        to `sink` the moment it finishes. Returns them in finish order.
+        to `sink` the moment it finishes. Without a sink, returns them in finish order; with one, the sink owns
+        them and the list is empty (an endless run would otherwise hold every trajectory it ever made).
 
         `admit(task)`, when given, is awaited before each episode starts (the trainer's staleness admission
         control). Setting `stop` starts no new episode; those in flight finish and are handed over. An episode
@@ -91,11 +92,12 @@ class AgentRunner:
         async def one(task: Task, queued: float) -> None:
             try:
                 trajectory = await self.run_episode(task, queued)
-                finished.append(trajectory)
-                if sink is not None:
-                    maybe = sink(trajectory)
-                    if asyncio.iscoroutine(maybe):
-                        await maybe
+                if sink is None:
+                    finished.append(trajectory)
+                    return
+                maybe = sink(trajectory)
+                if asyncio.iscoroutine(maybe):
+                    await maybe
             except Exception as exc:
                 errors.append(exc)
                 failed.set()

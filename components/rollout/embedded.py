@@ -80,7 +80,19 @@ class EngineStats:
     weight_updates: int = 0
     """Weight versions applied."""
     last_update_s: float = 0.0
-    """Seconds the last weight update took inside the engine loop (load + cache recompute)."""
+    """Seconds the last weight update took inside the engine loop (loading the tensors)."""
+    update_s: float = 0.0
+    """Seconds spent loading weight updates (cumulative, as the ones below)."""
+    prefill_s: float = 0.0
+    """Seconds in prefill forwards: new requests' contexts, and the in-flight ones recomputed after an update."""
+    prefill_tokens: int = 0
+    """Context tokens of new requests prefilled (a turn's prompt, earlier turns and observations)."""
+    recompute_tokens: int = 0
+    """Context tokens of in-flight sequences recomputed with new weights (in the same prefill forwards)."""
+    decode_s: float = 0.0
+    """Seconds in decode forwards (one token for each in-flight sequence)."""
+    sample_s: float = 0.0
+    """Seconds sampling, bookkeeping and retiring finished sequences."""
 
 
 class EmbeddedEngine:
@@ -226,20 +238,28 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def _step(self, updates: list, admitted: list[_Sequence]) -> None:
+        stats = self.stats
+        stats.prefill_tokens += sum(len(s.context) for s in admitted)
         if self._apply_updates(updates) and self._active:
             # KV entries computed by the old weights would make later log-probs differ from what the new
             # weights give teacher-forced: recompute every in-flight sequence's cache with the new weights.
+            stats.recompute_tokens += sum(len(s.context) for s in self._active)
             admitted = self._active + admitted
             self._active, self._cache, self._attention = [], None, None
-        parts = []
+        parts, clock = [], time.perf_counter()
         if self._active:
             parts.append(self._decode())
+            stats.decode_s += time.perf_counter() - clock
+            clock = time.perf_counter()
         if admitted:
             parts.append(self._prefill(admitted))
+            stats.prefill_s += time.perf_counter() - clock
+            clock = time.perf_counter()
         if not parts:
             return
         self._sample(torch.cat(parts).float())
-        self.stats.steps += 1
+        stats.sample_s += time.perf_counter() - clock
+        stats.steps += 1
 
     def _apply_updates(self, updates: list[_Update]) -> bool:
         applied = False
@@ -254,6 +274,7 @@ class EmbeddedEngine:
             self.version, self.weights_path = update.version, update.path
             self.stats.weight_updates += 1
             self.stats.last_update_s = time.perf_counter() - start
+            self.stats.update_s += self.stats.last_update_s
             update.future.set_result(None)
             applied = True
         return applied

@@ -29,6 +29,7 @@ A non-finite loss or gradient is the engines' guard (`engines.py`). Finite input
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -162,12 +163,15 @@ def _variance(comm: Collective):
 
 
 def _critic_step(policy, critic, batch, s: AlgoSettings, use_dis: bool, comm: Collective) -> dict:
+    start = time.perf_counter()
     values, metrics = critic_updates(critic, batch, s, s.critic_updates, comm)
+    critic_s = time.perf_counter() - start
     act = batch["action_mask"]
     advantages, _ = gae(batch["rewards"], values, act, s.gamma, s.lam_policy)
     if s.normalize_advantages:
         advantages = normalize_advantages(advantages, act, moments=lambda x, m: global_moments(x, m, comm))
     metrics.update(policy_update(policy, batch, advantages, s, use_dis, comm))
+    metrics["trainer/critic_s"] = critic_s  # this rank's wall time in the K critic updates (and their forwards)
     return metrics
 
 

@@ -48,6 +48,7 @@ from components.tracking import Tracker
 from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.buffer import TrajectoryBuffer
 from components.training.checkpoint import CheckpointStore
+from components.training import memory
 from components.training.learner import Learner
 from components.training.schedule import warmup_cosine
 from components.training.stability import Collapse, CollapseDetector
@@ -68,7 +69,7 @@ class TrainResult:
     policy_dir: Path | None
     """HF directory of the final policy."""
     history: list[dict]
-    """Per-step metrics."""
+    """Per-step metrics of the last `HISTORY_ROWS` steps (the tracker has every step; a long run keeps a window)."""
     seconds: float = 0.0
     """Wall time of the training loop (from the first wait for a batch to the last step)."""
     idle_seconds: float = 0.0
@@ -78,8 +79,15 @@ class TrainResult:
     rollbacks: int = 0
     """Times the collapse guard restored an earlier checkpoint (over the whole run, resumes included)."""
     trained_ids: list[str] = field(default_factory=list)
-    """Task ids of the trajectories trained on, in order. The task stream gives every episode its own id, so a
-    repeat would be an episode trained twice (e.g. a request retried on another engine and kept both times)."""
+    """Task ids of the last `TRAINED_IDS` trajectories trained on, in order. The task stream gives every episode
+    its own id, so a repeat would be an episode trained twice (e.g. a request retried on another engine and kept
+    both times)."""
+
+
+HISTORY_ROWS = 10_000
+"""Per-step metric rows a run keeps in memory for its `TrainResult` (about 3 KB each)."""
+TRAINED_IDS = 100_000
+"""Trajectory ids a run keeps in memory for its `TrainResult`."""
 
 
 def thread_budget(cfg: Config, cores: int | None = None) -> tuple[int, int]:
@@ -184,6 +192,12 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
 
     def save_checkpoint() -> None:
         try:
+            _save_checkpoint()
+        finally:  # what the steps and the checkpoint's I/O freed since the last one goes back to the OS
+            memory.trim()
+
+    def _save_checkpoint() -> None:
+        try:
             uri = store.save(step, {
                 **learner.state_dicts(),
                 "state": {"step": step, "cursor": cursor, "world_size": learner.comm.world, "origin": origin,
@@ -217,9 +231,12 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
     stop = asyncio.Event()
     producer = None if tc.sync else asyncio.create_task(runner.run(tasks, intake.put, buffer.admit, stop))
     tracker.log_params({"config": to_dict(cfg), "resumed_at": step})
-    history: list[dict] = []
+    history: collections.deque[dict] = collections.deque(maxlen=HISTORY_ROWS)
+    updates = 0
     lagged: collections.deque = collections.deque()  # weights not yet published (train.sync_lag)
-    run_start, idle, loop_s, trajectories, trained_ids = time.perf_counter(), 0.0, 0.0, 0, []
+    run_start, idle, loop_s, trajectories = time.perf_counter(), 0.0, 0.0, 0
+    last_row = run_start  # when the previous step's row was made: consecutive rows span the wall clock
+    trained_ids: collections.deque[str] = collections.deque(maxlen=TRAINED_IDS)
     env_step = step
     try:
         while step < tc.max_steps:
@@ -243,20 +260,26 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
             metrics = await asyncio.to_thread(learner.step, tensors, scale)
             fault_point("trainer.step")  # the weights moved, the version is not yet counted nor published
             step += 1
-            lagged.append((step, _weights(policy)))
+            step_s = time.perf_counter() - step_start
+            # Publishing awaits the engines, so with no lag the live weights can go as they are: nothing moves
+            # them until the next step. A lagged version must be a copy.
+            lagged.append((step, _weights(policy) if tc.sync_lag else _live_weights(policy)))
             if len(lagged) > tc.sync_lag:  # versions are consecutive: the oldest is `step - sync_lag`
                 version, weights = lagged.popleft()
                 await rollouts.publish(weights, version)
             await buffer.set_version(step)
             cursor = max(t.metadata.get("cursor", 0) for t in batch) + 1
-            row = _row(metrics, batch, step, waited, time.perf_counter() - step_start, idle,
-                       time.perf_counter() - run_start)
+            now = time.perf_counter()
+            row = _row(metrics, batch, step, waited, step_s, idle, now - run_start, now - last_row)
+            row["trainer/publish_s"] = now - step_start - step_s
+            last_row = now
             row.update({"trainer/lr_scale": scale, "trainer/rollbacks": float(guard["rollbacks"]), **env_row,
                         **_skipped_steps(learner), "trainer/checkpoint_failures": float(saves["failed"]),
                         **rollouts.metrics(), "rollout/episodes_dropped": float(buffer.discarded)})
             history.append(row)
+            updates += 1
             trajectories += len(batch)
-            trained_ids += [t.prompt_id for t in batch]
+            trained_ids.extend(t.prompt_id for t in batch)
             loop_s = time.perf_counter() - run_start
             tracker.log_metrics(row, step)
             log(_progress_line(step, tc.max_steps, row))
@@ -295,8 +318,8 @@ async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, 
     out = home / "models" / f"{cfg.name}-{tc.algo}-policy"
     with atomic_dir(out) as tmp:
         save_model_dir(policy.module, tokenizer, tmp)
-    return TrainResult(len(history), step, out, history, seconds=loop_s, idle_seconds=idle,
-                       trajectories=trajectories, rollbacks=guard["rollbacks"], trained_ids=trained_ids)
+    return TrainResult(updates, step, out, list(history), seconds=loop_s, idle_seconds=idle,
+                       trajectories=trajectories, rollbacks=guard["rollbacks"], trained_ids=list(trained_ids))
 
 
 def _roll_back(collapse: Collapse, store: CheckpointStore, learner: Learner, guard: dict, tc: TrainConfig,
@@ -359,7 +382,13 @@ def _env_step(setup: EnvSetup, step: int, log: Callable[[str], None], detector: 
 
 
 def _weights(policy) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in policy.module.state_dict().items()}
+    """A copy of the policy's weights (one that later steps do not move)."""
+    return {k: v.detach().clone() for k, v in _live_weights(policy).items()}
+
+
+def _live_weights(policy) -> dict[str, torch.Tensor]:
+    """The policy's weights as they are (no copy): valid until the next optimizer step."""
+    return {k: v.detach() for k, v in policy.module.state_dict().items()}
 
 
 async def _take(buffer: TrajectoryBuffer, n: int, producer: asyncio.Task | None) -> list[Trajectory]:
@@ -376,10 +405,12 @@ async def _take(buffer: TrajectoryBuffer, n: int, producer: asyncio.Task | None)
 
 
 def _row(metrics: dict, batch: list[Trajectory], version: int, waited: float, step_s: float, idle: float,
-         elapsed: float) -> dict:
+         elapsed: float, interval: float) -> dict:
+    """The step's metrics row. Rates are over `interval`, the wall-clock time since the previous step's row
+    (consecutive intervals tile the run): a batch's own time span would overstate them in async mode, where
+    the episodes of consecutive batches run at the same time."""
     row = {k: float(v) for k, v in metrics.items()}
     stale = [version - 1 - v for t in batch for v, m in zip(t.versions, t.action_mask) if m]
-    span = max(t.timings.finished for t in batch) - min(t.timings.started for t in batch)
     tokens = sum(t.num_actions for t in batch)
     row.update({
         "reward/mean": sum(t.reward for t in batch) / len(batch),
@@ -387,8 +418,9 @@ def _row(metrics: dict, batch: list[Trajectory], version: int, waited: float, st
         "rollout/staleness_max": float(max(stale, default=0)),
         "rollout/turns_mean": sum(t.turns for t in batch) / len(batch),
         "rollout/length_mean": sum(len(t.token_ids) for t in batch) / len(batch),
-        "rollout/trajectories_per_s": len(batch) / max(waited + step_s, 1e-9),
-        "rollout/tokens_per_s": tokens / max(span, 1e-9),
+        "rollout/action_tokens": float(tokens),
+        "rollout/trajectories_per_s": len(batch) / max(interval, 1e-9),
+        "rollout/tokens_per_s": tokens / max(interval, 1e-9),
         "trainer/step_s": step_s,
         "trainer/idle_frac": idle / max(elapsed, 1e-9),
         "trainer/wait_s": waited,

@@ -81,12 +81,13 @@ def test_heavy_tailed_tools_hand_over_out_of_order_without_waiting(engine, sft_p
     latency = ToolLatency("lognormal", mean_s=0.4, sigma=1.5, seed=3)
     runner = AgentRunner(engine, tokenizer, TIRMathEnvironment(latency=latency), EpisodeLimits(temperature=0),
                          concurrency=4, stop_token_ids=tuple(stop_token_ids(tokenizer)))
-    delivered = []
+    delivered, trajectories = [], []
 
     def sink(trajectory):
         delivered.append((trajectory.prompt_id, time.time(), runner.in_flight))
+        trajectories.append(trajectory)
 
-    trajectories = asyncio.run(runner.run(tasks_from_problems(problems), sink))
+    assert asyncio.run(runner.run(tasks_from_problems(problems), sink)) == []  # the sink owns them
     assert runner.max_in_flight == 4
     order = [pid for pid, _, _ in delivered]
     assert order != [p.problem_id for p in problems]  # handed over as finished, not in submission order

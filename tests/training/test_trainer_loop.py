@@ -22,10 +22,16 @@ def _cfg(tiny_cfg, **train):
 
 def test_async_sao_run_then_resume_continues_the_version_sequence(tmp_path, tiny_cfg, sft_dir):
     log = []
-    first = train_env(_cfg(tiny_cfg, max_steps=2), sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"),
-                      log=log.append)
+    cfg = _cfg(tiny_cfg, max_steps=2)
+    first = train_env(cfg, sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"), log=log.append)
     assert first.version == 2 and len(first.history) == 2
     assert all(row["rollout/staleness_max"] <= tiny_cfg.train.max_staleness for row in first.history)
+    # Rates are over the wall clock: each row's interval (trajectories / rate) tiles the loop's time.
+    intervals = [cfg.train.batch_size / row["rollout/trajectories_per_s"] for row in first.history]
+    assert sum(intervals) == pytest.approx(first.seconds, rel=0.05)
+    for row, interval in zip(first.history, intervals):
+        assert row["rollout/tokens_per_s"] == pytest.approx(row["rollout/action_tokens"] / interval)
+        assert row["rollout/action_tokens"] > 0 and 0 < row["trainer/critic_s"] < row["trainer/step_s"]
     resumed = train_env(_cfg(tiny_cfg, max_steps=4), sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"),
                         resume=True, log=log.append)
     assert any("resumed from" in line for line in log)
