@@ -52,14 +52,14 @@ def probe(arm: str, steps: int, home: Path) -> dict:
     from components.envs.registry import build_env
     from components.jobs import run_sft
     from components.tracking import NullTracker
-    from components.training import trainer
+    from components.training import algorithms, trainer
 
     cfg = load_config("tiny-cpu", COMMON + ARMS[arm] + [f"train.max_steps={steps}"])
     sft_dir = run_sft(load_config("tiny-cpu"), home, log=lambda _: None)
     setup = build_env(cfg)
     rows: list[dict] = []
     engines: list = []
-    tools = {"s": 0.0, "calls": 0}
+    counters = {"tool_s": 0.0, "tool_calls": 0, "critic_s": 0.0}
 
     original_row, original_open = trainer._row, trainer.open_rollouts
 
@@ -72,7 +72,7 @@ def probe(arm: str, steps: int, home: Path) -> dict:
             if "reward/mean" not in metrics:
                 return
             stats = engines[0].engine.stats if engines and hasattr(engines[0], "engine") else None
-            rows[-1].update({"t": time.perf_counter(), "tools": dict(tools),
+            rows[-1].update({"t": time.perf_counter(), "counters": dict(counters),
                              "engine": dict(vars(stats)) if stats else {},
                              **{k: v for k, v in metrics.items() if k.startswith(("trainer/", "rollout/"))}})
 
@@ -91,13 +91,23 @@ def probe(arm: str, steps: int, home: Path) -> dict:
             try:
                 return await step(*args, **kwargs)
             finally:
-                tools["s"] += time.perf_counter() - began
-                tools["calls"] += 1
+                counters["tool_s"] += time.perf_counter() - began
+                counters["tool_calls"] += 1
 
         episode.step = timed
         return episode
 
     setup.env.start = start
+    critic_updates = algorithms.critic_updates
+
+    def timed_critic(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return critic_updates(*args, **kwargs)
+        finally:
+            counters["critic_s"] += time.perf_counter() - began
+
+    algorithms.critic_updates = timed_critic
     trainer._row, trainer.open_rollouts = row, open_rollouts
     with tempfile.TemporaryDirectory() as run_home:
         trainer.train(cfg, setup, sft_dir, Path(run_home), Recorder(), log=lambda _: None)
@@ -153,8 +163,8 @@ def breakdown(result: dict) -> list[tuple[str, float]]:
     """Per-step seconds of each part, averaged over the measured steps."""
     rows = result["rows"][WARMUP:]
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in rows)  # noqa: E731
-    wait, step, critic, publish = (mean(k) for k in ("trainer/wait_s", "trainer/step_s", "trainer/critic_s",
-                                                       "trainer/publish_s"))
+    wait, step, publish = (mean(k) for k in ("trainer/wait_s", "trainer/step_s", "trainer/publish_s"))
+    critic = _delta(result["rows"], ("counters", "critic_s"))
     parts = [("trainer: waiting for a batch", wait), ("trainer: critic, K updates", critic),
              ("trainer: policy update", step - critic), ("trainer: publishing weights", publish),
              ("trainer: logging, checkpoints, other", result["step_s"] - wait - step - publish)]
@@ -165,10 +175,10 @@ def breakdown(result: dict) -> list[tuple[str, float]]:
             parts.append((f"engine: {name}", _delta(all_rows, ("engine", key))))
         new, redo = _delta(all_rows, ("engine", "prefill_tokens")), _delta(all_rows, ("engine", "recompute_tokens"))
         parts.append((f"engine: prefill tokens per step: {new:.0f} new, {redo:.0f} recomputed after updates", 0.0))
-    calls = _delta(all_rows, ("tools", "calls"))
+    calls = _delta(all_rows, ("counters", "tool_calls"))
     parts.append((f"tools: {calls:.1f} env steps per step, "
-                  f"{1000 * _delta(all_rows, ('tools', 's')) / max(calls, 1e-9):.1f} ms each (wall, concurrent)",
-                  _delta(all_rows, ("tools", "s"))))
+                  f"{1000 * _delta(all_rows, ('counters', 'tool_s')) / max(calls, 1e-9):.1f} ms each (wall, concurrent)",
+                  _delta(all_rows, ("counters", "tool_s"))))
     return parts
 
 

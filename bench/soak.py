@@ -8,8 +8,10 @@ sampled. At the end the trainer is SIGKILLed (a crash, not a clean stop) and `sa
 from its newest complete checkpoint to two more versions.
 
 Verdicts (printed, and written with the samples and the plot under `--out`, default `.sao/soak/`):
-    memory      the trainer's RSS over the last third of the run within `RSS_BAND` of its median over the
-                second third (after warm-up)
+    memory      the trainer's high-water RSS over the last third of the run at most `RSS_BAND` above its
+                high-water over the second third (after warm-up). The trainer returns freed heap to the system
+                after each checkpoint, so its RSS is a saw-tooth between checkpoints; a leak raises the peaks,
+                while the troughs say nothing about growth. The slope over both thirds is reported too.
     throughput  trajectories/s of every `WINDOW_S` window after the first within `RATE_BAND` of their median
     nothing lost versions 1..N logged once each; every checkpoint the store calls complete verifies; the
                 resumed run starts from the newest of them; engine errors were counted, not fatal
@@ -35,7 +37,7 @@ from components.rollout.engine_process import EngineProcess
 
 REPO = Path(__file__).resolve().parent.parent
 RSS_BAND = 0.10
-"""Allowed drift of the trainer's resident memory (fraction of its median after warm-up)."""
+"""Allowed growth of the trainer's peak resident memory from the second third of the run to the last (fraction)."""
 RATE_BAND = 0.5
 """Allowed spread of windowed throughput around its median (fraction): faults cost time, never a stall."""
 WINDOW_S = 300.0
@@ -69,8 +71,9 @@ def analyse(samples: list[dict], steps: list[dict], batch: int, window_s: float 
     end = samples[-1]["t"]
     second = [s["trainer"] for s in samples if end / 3 <= s["t"] < 2 * end / 3 and s["trainer"]]
     last = [s["trainer"] for s in samples if s["t"] >= 2 * end / 3 and s["trainer"]]
-    base = statistics.median(second)
-    drift = max(abs(x - base) for x in last) / base
+    growth = max(last) / max(second) - 1
+    settled = [(s["t"] / 60, s["trainer"]) for s in samples if s["t"] >= end / 3 and s["trainer"]]
+    slope = statistics.linear_regression(*zip(*settled)).slope if len(settled) > 1 else 0.0
     t0 = steps[0]["time"]
     windows: dict[int, int] = {}
     for r in steps:
@@ -81,7 +84,8 @@ def analyse(samples: list[dict], steps: list[dict], batch: int, window_s: float 
     spread = max((abs(x - rate) / rate for x in full), default=0.0) if rate else 1.0
     versions = [r["step"] for r in steps]
     return {
-        "rss_median_mib": base, "rss_max_drift": drift, "memory_ok": drift <= RSS_BAND,
+        "rss_median_mib": statistics.median(second + last), "rss_peak_mib": [max(second), max(last)],
+        "rss_peak_growth": growth, "rss_slope_mib_per_min": slope, "memory_ok": growth <= RSS_BAND,
         "traj_per_s_median": rate, "traj_per_s_windows": full, "rate_spread": spread,
         "throughput_ok": bool(full) and spread <= RATE_BAND,
         "versions": len(versions), "versions_ok": versions == list(range(1, len(versions) + 1)),

@@ -29,7 +29,6 @@ A non-finite loss or gradient is the engines' guard (`engines.py`). Finite input
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -99,14 +98,16 @@ def critic_updates(critic, batch: dict[str, Tensor], s: AlgoSettings, updates: i
     values or returns on action tokens skip all K steps and return the values as they are (the policy update
     then skips too: its advantages are not finite)."""
     ids, att, act, rewards = batch["input_ids"], batch["attention_mask"], batch["action_mask"], batch["rewards"]
-    with torch.no_grad():
-        old_values = critic.module(ids, att)
+    # The first update's forward runs on the weights V_old comes from, so it is V_old: one forward, not two.
+    values = critic.module(ids, att)
+    old_values = values.detach()
     _, returns = gae(rewards, old_values, act, s.gamma, s.lam_critic)
     if not all_finite(act, comm, old_values, returns):
         return old_values, {"critic/grad_norm": _skip_critic(critic, updates)}
     metrics: dict[str, Tensor] = {}
-    for _ in range(updates):
-        values = critic.module(ids, att)
+    for update in range(updates):
+        if update:
+            values = critic.module(ids, att)
         loss, metrics = clipped_value_loss(values, old_values, returns, act, s.value_clip)
         share, metrics = _token_weighted(metrics, act, comm)
         metrics["critic/grad_norm"] = critic.backward_step(loss * share)
@@ -163,15 +164,12 @@ def _variance(comm: Collective):
 
 
 def _critic_step(policy, critic, batch, s: AlgoSettings, use_dis: bool, comm: Collective) -> dict:
-    start = time.perf_counter()
     values, metrics = critic_updates(critic, batch, s, s.critic_updates, comm)
-    critic_s = time.perf_counter() - start
     act = batch["action_mask"]
     advantages, _ = gae(batch["rewards"], values, act, s.gamma, s.lam_policy)
     if s.normalize_advantages:
         advantages = normalize_advantages(advantages, act, moments=lambda x, m: global_moments(x, m, comm))
     metrics.update(policy_update(policy, batch, advantages, s, use_dis, comm))
-    metrics["trainer/critic_s"] = critic_s  # this rank's wall time in the K critic updates (and their forwards)
     return metrics
 
 

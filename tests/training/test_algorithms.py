@@ -67,3 +67,21 @@ def test_each_algorithm_updates_what_it_should(name, sft_policy, batch):
         # On-policy data (no lag): every ratio is 1, nothing is masked.
         assert metrics["dis/masked_frac_low"] == 0 and metrics["dis/masked_frac_high"] == 0
         assert abs(float(metrics["dis/ratio_mean"]) - 1) < 1e-4
+
+
+def test_the_critic_step_shares_v_old_with_its_first_update(sft_policy, batch):
+    """K updates cost K + 1 critic forwards: V_old is the first update's forward (same weights), and the values
+    handed to the advantages are one forward of the updated critic, equal to computing them afresh."""
+    from components.training.algorithms import critic_updates
+
+    model = ValueModel.from_policy(copy.deepcopy(sft_policy[0]))
+    freeze_attention(model)
+    critic = TorchEngine(model, lr=1e-2)
+    calls = []
+    handle = model.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    values, metrics = critic_updates(critic, batch, SETTINGS, SETTINGS.critic_updates)
+    handle.remove()
+    assert calls == [True] * SETTINGS.critic_updates + [False]
+    with torch.no_grad():
+        assert torch.equal(values, model(batch["input_ids"], batch["attention_mask"]))
+    assert torch.isfinite(metrics["critic/grad_norm"])

@@ -31,7 +31,7 @@ def test_async_sao_run_then_resume_continues_the_version_sequence(tmp_path, tiny
     assert sum(intervals) == pytest.approx(first.seconds, rel=0.05)
     for row, interval in zip(first.history, intervals):
         assert row["rollout/tokens_per_s"] == pytest.approx(row["rollout/action_tokens"] / interval)
-        assert row["rollout/action_tokens"] > 0 and 0 < row["trainer/critic_s"] < row["trainer/step_s"]
+        assert row["rollout/action_tokens"] > 0 and 0 < row["trainer/publish_s"] < row["trainer/step_s"]
     resumed = train_env(_cfg(tiny_cfg, max_steps=4), sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"),
                         resume=True, log=log.append)
     assert any("resumed from" in line for line in log)
