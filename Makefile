@@ -109,7 +109,7 @@ SEEDS ?= 10
 sweep: $(STAMP)
 	$(VENV)/bin/sao sweep --preset $(PRESET) --home $(SAO_HOME) --seeds $(SEEDS) $(ARGS)
 
-# make bench [BENCH=gae|engine|async|loop]
+# make bench [BENCH=gae|engine|async|loop|sandbox]
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH)
 

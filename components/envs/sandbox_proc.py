@@ -1,4 +1,5 @@
-"""Parent-side process helpers of the sandbox: waiting on, killing and reading from sandboxed processes."""
+"""Parent-side helpers of the sandbox: waiting on, killing and reading from sandboxed processes, and what both
+launchers (`sandbox_percall.py`, `sandbox_zygote.py`) bring back from a call."""
 
 from __future__ import annotations
 
@@ -8,6 +9,51 @@ import select
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
+
+_STDERR_TAIL_BYTES = 4096
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not be set up (host problem, not the code)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One call as a launcher saw it, before `sandbox.run_python` turns it into a `SandboxResult`.
+
+    `report` is the program process's `ready` line (the layers applied; None when the call was killed or failed
+    before it), `status_exit` the program's exit status as its supervisor reported it, `returncode` the status
+    of the call's outermost process (from the zygote: the reported status, else PID 1's), for the message when
+    setup failed (125: `sandbox setup error: ...` on stderr).
+    """
+
+    report: str | None
+    status_exit: int | None
+    returncode: int | None
+    timed_out: bool
+    stdout: bytes
+    stderr: bytes
+    stderr_tail: bytes
+    truncated: bool
+    wall_s: float
+
+
+def read_output(out_fd: int, err_fd: int, max_output_bytes: int,
+                max_file_bytes: int) -> tuple[bytes, bytes, bytes, bool]:
+    """(stdout head, stderr head, stderr tail, truncated): at most `max_output_bytes` of each is read."""
+    out_size = os.fstat(out_fd).st_size
+    err_size = os.fstat(err_fd).st_size
+    stdout_b = os.pread(out_fd, max_output_bytes, 0)
+    stderr_b = os.pread(err_fd, max_output_bytes, 0)
+    err_tail = os.pread(err_fd, _STDERR_TAIL_BYTES, max(0, err_size - _STDERR_TAIL_BYTES))
+    truncated = (
+        out_size > max_output_bytes
+        or err_size > max_output_bytes
+        or (max_file_bytes > 0 and max(out_size, err_size) >= max_file_bytes)
+    )
+    return stdout_b, stderr_b, err_tail, truncated
+
 
 def _pidfd_open(pid: int) -> int | None:
     try:
