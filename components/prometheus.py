@@ -37,7 +37,7 @@ TRAINER_METRICS = (
     # components/algo/losses.py, components/rollout/backends.py, the style environment)
     "policy/clip_frac", "critic/clip_frac", "policy/entropy_argmax", "policy/entropy_other",
     "policy/nonargmax_frac", "adv/failed_mean", "adv/success_mean", "adv/traj_extreme", "trainer/wait_s",
-    "trainer/lr_scale", "trainer/rollbacks", "trainer/rollback_to", "trainer/skipped_steps", "trainer/checkpoint_failures",
+    "trainer/publish_s", "rollout/action_tokens", "trainer/lr_scale", "trainer/rollbacks", "trainer/rollback_to", "trainer/skipped_steps", "trainer/checkpoint_failures",
     "trainer/critic_skipped_steps", "rollout/engine_errors",
     "rollout/engines_live", "rollout/episodes_dropped", "env/preference",
 )
