@@ -151,12 +151,14 @@ def train(cfg: Config, setup: EnvSetup, sft_dir: Path, home: Path, tracker: Trac
     learner = Learner(cfg, sft_dir, settings_from(cfg), trainer_threads)
     if not learner.is_driver:
         learner.serve()
+        learner.close()
         return TrainResult(0, 0, None, [])
     try:
         return asyncio.run(_train(cfg, setup, learner, sft_dir, home, tracker, resume, engine_threads, log,
                                   detector or CollapseDetector(), on_checkpoint or (lambda step, uri: None)))
     finally:
         learner.release()
+        learner.close()
 
 
 async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, home: Path, tracker: Tracker,
