@@ -7,6 +7,7 @@
         proxy.mode("down")                  # every connection is closed without an answer, until...
         proxy.mode("pass")
         proxy.stop(); proxy.start()         # the listening socket itself goes away, then comes back (same port)
+        proxy.stop_after(4, for_s=1.5)      # the same, from the 5th request on (exactly: no watcher to race)
         proxy.stats()                       # {"seen": .., "forwarded": .., "failed": ..}
 
 Modes (`mode(name, ...)`; `count` limits it to the next N requests, `fraction` to a random share of them,
@@ -54,6 +55,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._connections: set[socket.socket] = set()
+        self._stop_countdown: tuple[int, float] | None = None
         self.mode("pass")
 
     # -- control -----------------------------------------------------------------------------------------------
@@ -119,6 +121,14 @@ class FaultProxy:
             except OSError:
                 pass
 
+    def stop_after(self, requests: int, for_s: float) -> None:
+        """Let the next `requests` requests through as the mode says, then go away for `for_s` seconds: the
+        request after them is closed without an answer while the proxy `stop`s, later ones are refused until it
+        listens again. Decided in the request path, so the outage starts at exactly that request however fast
+        the client is."""
+        with self._lock:
+            self._stop_countdown = (requests, for_s)
+
     def __enter__(self) -> FaultProxy:
         return self.start()
 
@@ -130,6 +140,14 @@ class FaultProxy:
     def _decide(self, method: str, path: str) -> str:
         """The outcome of one request under the current mode (and the mode's countdown)."""
         with self._lock:
+            if self._stop_countdown is not None:
+                left, for_s = self._stop_countdown
+                if left <= 0:
+                    self._stop_countdown = None
+                    threading.Thread(target=self.stop, args=(for_s,), daemon=True).start()
+                    self.log.append((method, path, "down"))
+                    return "down"
+                self._stop_countdown = (left - 1, for_s)
             mode = self._mode
             if self._until is not None and time.monotonic() >= self._until:
                 mode = self._mode = "pass"

@@ -8,7 +8,6 @@ endpoint's error, leaves nothing marked complete, and is not taken for a damaged
 
 import os
 import re
-import threading
 import time
 import uuid
 
@@ -130,30 +129,14 @@ def test_endpoint_stopped_for_a_while_mid_publish_and_mid_download_is_ridden_out
     files = {f"shard-{i}.pt": os.urandom(200_000) for i in range(6)}
     src = _write(tmp_path / "src", files)
 
-    def outage_after(n_requests: int, seconds: float) -> threading.Thread:
-        """Stop the endpoint once the proxy has seen `n_requests` more requests, start it `seconds` later."""
-        seen = proxy.stats()["seen"]
-
-        def run():
-            while proxy.stats()["seen"] < seen + n_requests:
-                time.sleep(0.005)
-            proxy.stop()
-            time.sleep(seconds)
-            proxy.start()
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        return thread
-
-    outage = outage_after(4, 1.5)  # after the marker delete, the listing and two shards
+    proxy.stop_after(4, for_s=1.5)  # after the marker delete, the listing and two shards
     started = time.monotonic()
     store.put_dir(src, "k")
     publish_s = time.monotonic() - started
-    outage.join(5)
-    outage = outage_after(4, 1.5)
+    proxy.stop_after(4, for_s=1.5)
     started = time.monotonic()
     assert _read(store.get_dir("k", tmp_path / "out")) == files
     download_s = time.monotonic() - started
-    outage.join(5)
     assert publish_s >= 1.4 and download_s >= 1.4  # both waited the outage out (and took no shortcut)
     print(f"publish {publish_s:.2f} s, download {download_s:.2f} s across a 1.5 s outage")
 
