@@ -34,6 +34,7 @@ $(STAMP): pyproject.toml
 
 # The whole pipeline as Prefect flows (Prefect's ephemeral API unless PREFECT_API_URL names a server).
 run: $(STAMP)
+	mkdir -p $(PREFECT_HOME)
 	$(VENV)/bin/sao pipeline --preset $(PRESET) --home $(SAO_HOME)
 
 # Operations (docs/operations.md): `make server` runs a local Prefect server (its UI at http://127.0.0.1:4200 shows the
