@@ -42,6 +42,12 @@ def _send(fd, text, fds=()):
         s.detach()
 
 
+def _received_fds(anc):
+    """The descriptors an SCM_RIGHTS message carried (`anc`, recvmsg's ancillary data)."""
+    return [f for level, kind, data in anc if (level, kind) == _SCM_RIGHTS_LEVEL
+            for f in struct.unpack("%di" % (len(data) // 4), data[:len(data) // 4 * 4])]
+
+
 def _cpu_seconds():
     import resource
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -164,8 +170,7 @@ def _accept(ctl, pidns, null, libc, ctypes, prepared, calls, channels, poller):
     """Take one request from the control channel: fork a call (or answer `cpu`); exits at EOF."""
     import time
     msg, anc, flags, _ = ctl.recvmsg(4096, _socket.CMSG_SPACE(4 * 4))
-    fds = [f for level, kind, data in anc if (level, kind) == _SCM_RIGHTS_LEVEL
-           for f in struct.unpack("%di" % (len(data) // 4), data[:len(data) // 4 * 4])]
+    fds = _received_fds(anc)
     if not msg and not fds:
         os._exit(0)  # EOF: the host closed the channel or died; as PID 1 our exit kills every call
     words = msg.decode("utf-8", "replace").split(" ")
@@ -222,8 +227,7 @@ def _zygote_main():
     boot = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET, 0, int(sys.argv[1]))
     msg, anc, _, _ = boot.recvmsg(1 << 20, _socket.CMSG_SPACE(4))
     boot.close()
-    ctl_fds = [f for level, kind, data in anc if (level, kind) == _SCM_RIGHTS_LEVEL
-               for f in struct.unpack("%di" % (len(data) // 4), data[:len(data) // 4 * 4])]
+    ctl_fds = _received_fds(anc)
     if len(ctl_fds) != 1:
         _fail("no control channel in the plan's message")
     ctl = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET, 0, ctl_fds[0])
