@@ -392,7 +392,12 @@ def _run_flow(args: argparse.Namespace, home: Path) -> None:
 
             overrides = args.overrides + ([f'train.critic_path="{args.critic}"'] if args.critic else [])
             jobs.run_train(load_config(args.preset, overrides), home, resume=args.resume)
-            return
+            # Nothing is left for this rank, and its interpreter's teardown can abort in C++ (gloo or DeepSpeed
+            # threads still joinable: "terminate called without an active exception", seen here in about one
+            # run in four, on the code before the throughput work too), which torchrun reports as the job failing.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         from flows.train import train
 
         train(**params, critic_path=str(args.critic or ""), resume=args.resume)

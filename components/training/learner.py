@@ -117,9 +117,8 @@ class Learner:
             self.comm.scatter([("stop", None)] * self.comm.world)
 
     def close(self) -> None:
-        """Every rank, once the run is over: tear down the process group of a multi-process run, so that no
-        rank exits with gloo's threads still running (a rank doing so may abort in C++ teardown, "terminate
-        called without an active exception"). A single process keeps its group for the next run."""
+        """Every rank, once the run is over: tear down the process group of a multi-process run (a single
+        process keeps its group for the next run in the same process)."""
         if self.comm.distributed and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
