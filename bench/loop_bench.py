@@ -15,7 +15,10 @@ tokens.
 For the working tree, each step's time is broken down: the trainer's wait for a batch, the critic's K updates,
 the policy update, weight publishing, and the rest (logging, checkpoints); the engine thread's decode, prefill
 of new requests (a turn's context: prompt, earlier turns, tool observations), recompute of in-flight caches
-after a weight update, sampling, loading weights; and the tool calls (the sandbox). Next to it, the bound: the
+after a weight update, sampling, loading weights; the tool calls (the sandbox); the CPU a step took (the whole
+machine's from /proc/stat, this process's, the rest: the sandbox's processes), and for the trainer's and the
+engine's threads how their wall time splits into running on a core, waiting for one (the scheduler's run-queue
+delay) and the rest (the GIL, I/O). Next to it, the bound: the
 time `model.generate` needs for the same generated tokens on a static batch, plus the bare forward and backward
 passes of the same batch (policy once, critic K times), each on all cores.
 """
@@ -27,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -52,7 +56,7 @@ def probe(arm: str, steps: int, home: Path) -> dict:
     from components.envs.registry import build_env
     from components.jobs import run_sft
     from components.tracking import NullTracker
-    from components.training import algorithms, trainer
+    from components.training import algorithms, learner, trainer
 
     cfg = load_config("tiny-cpu", COMMON + ARMS[arm] + [f"train.max_steps={steps}"])
     sft_dir = run_sft(load_config("tiny-cpu"), home, log=lambda _: None)
@@ -72,7 +76,7 @@ def probe(arm: str, steps: int, home: Path) -> dict:
             if "reward/mean" not in metrics:
                 return
             stats = engines[0].engine.stats if engines and hasattr(engines[0], "engine") else None
-            rows[-1].update({"t": time.perf_counter(), "counters": dict(counters),
+            rows[-1].update({"t": time.perf_counter(), "counters": dict(counters), "cpu": cpu_seconds(),
                              "engine": dict(vars(stats)) if stats else {},
                              **{k: v for k, v in metrics.items() if k.startswith(("trainer/", "rollout/"))}})
 
@@ -108,12 +112,56 @@ def probe(arm: str, steps: int, home: Path) -> dict:
             counters["critic_s"] += time.perf_counter() - began
 
     algorithms.critic_updates = timed_critic
+    _time_thread(learner.Learner, "_step", counters, "trainer")
+    from components.rollout import embedded
+    _time_thread(embedded.EmbeddedEngine, "_step", counters, "engine")
     trainer._row, trainer.open_rollouts = row, open_rollouts
     with tempfile.TemporaryDirectory() as run_home:
         trainer.train(cfg, setup, sft_dir, Path(run_home), Recorder(), log=lambda _: None)
     import components
 
     return {"arm": arm, "rows": rows, "code": str(Path(components.__file__).parent.parent)}
+
+
+def _time_thread(cls, name: str, counters: dict, key: str) -> None:
+    """Count the wall, the calling thread's CPU and its wait for a core (the scheduler's run-queue delay) in
+    `cls.name` into `counters` (`<key>_s`, `<key>_cpu_s`, `<key>_queued_s`); the rest of the wall is waiting
+    for a lock (the GIL) or for I/O."""
+    original = getattr(cls, name, None)
+    if original is None:  # a base revision without it
+        return
+    for part in ("s", "cpu_s", "queued_s"):
+        counters[f"{key}_{part}"] = 0.0
+
+    def timed(*args, **kwargs):
+        wall, cpu, queued = time.perf_counter(), time.thread_time(), _queued_s()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            counters[f"{key}_s"] += time.perf_counter() - wall
+            counters[f"{key}_cpu_s"] += time.thread_time() - cpu
+            counters[f"{key}_queued_s"] += _queued_s() - queued
+
+    setattr(cls, name, timed)
+
+
+def _queued_s() -> float:
+    """Seconds the calling thread has waited on a run queue (runnable, no core free): /proc schedstat."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except OSError:
+        return 0.0
+
+
+def cpu_seconds() -> dict:
+    """CPU seconds so far: this process's (all its threads: trainer and engine) and the whole machine's busy time
+    (every core, from /proc/stat: the sandbox's processes and anything else running)."""
+    own = os.times()
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return {"process": own.user + own.system, "machine": (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")}
 
 
 def _rates(rows: list[dict]) -> dict:
@@ -175,6 +223,17 @@ def breakdown(result: dict) -> list[tuple[str, float]]:
             parts.append((f"engine: {name}", _delta(all_rows, ("engine", key))))
         new, redo = _delta(all_rows, ("engine", "prefill_tokens")), _delta(all_rows, ("engine", "recompute_tokens"))
         parts.append((f"engine: prefill tokens per step: {new:.0f} new, {redo:.0f} recomputed after updates", 0.0))
+    if "cpu" in all_rows[-1]:
+        process, machine = _delta(all_rows, ("cpu", "process")), _delta(all_rows, ("cpu", "machine"))
+        parts.append((f"CPU per step: {machine * 1000:.0f} ms busy on the machine ({machine / result['step_s']:.2f} of "
+                      f"{os.cpu_count()} cores), {process * 1000:.0f} ms in this process (trainer, engine), "
+                      f"{(machine - process) * 1000:.0f} ms elsewhere (the sandbox's processes)", 0.0))
+    for key, what in (("trainer", "the learner step"), ("engine", "the engine's steps")):
+        if f"{key}_s" in all_rows[-1]["counters"]:
+            wall, cpu, queued = (_delta(all_rows, ("counters", f"{key}_{part}")) for part in ("s", "cpu_s", "queued_s"))
+            parts.append((f"{key} thread, in {what}: {wall * 1000:.0f} ms = {cpu * 1000:.0f} ms on a core + "
+                          f"{queued * 1000:.0f} ms waiting for one + {(wall - cpu - queued) * 1000:.0f} ms for the "
+                          f"GIL or I/O", 0.0))
     calls = _delta(all_rows, ("counters", "tool_calls"))
     parts.append((f"tools: {calls:.1f} env steps per step, "
                   f"{1000 * _delta(all_rows, ('counters', 'tool_s')) / max(calls, 1e-9):.1f} ms each (wall, concurrent)",

@@ -263,8 +263,8 @@ class RolloutConfig:
     max_batch: PositiveInt = 64
     """Sequences the embedded engine decodes together at most."""
     engine_threads: NonNegativeInt = 0
-    """torch CPU threads of the embedded engine. 0: half the cores in async mode (the trainer gets the rest;
-    sharing cores between OpenMP teams stalls both), all of them in sync mode."""
+    """torch CPU threads of the embedded engine. 0: half the cores, in both modes (in async mode the trainer gets
+    the rest: sharing cores between OpenMP teams stalls both; in sync mode the rest serve the tool calls)."""
     backend: Literal["embedded", "http"] = "embedded"
     """Where policies generate: the in-process engine (embedded) or external engine servers (http, `urls`)."""
     urls: TupleOf[str] = ()

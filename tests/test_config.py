@@ -24,7 +24,7 @@ def test_tiny_cpu_keeps_its_values():
     assert (cfg.sft.steps, cfg.sft.lr, cfg.sft.min_lr, cfg.sft.log_every) == (1000, 3e-3, 3e-4, 100)
     assert cfg.algo.dis_window == (0.3, 5.0) and cfg.algo.lam_policy == 0.95
     assert (cfg.train.warmup_steps, cfg.train.min_lr_ratio, cfg.train.backend) == (20, 0.1, "deepspeed")
-    assert (cfg.rollout.concurrency, cfg.rollout.max_wall_s, cfg.tracking.backend) == (8, 120.0, "mlflow")
+    assert (cfg.rollout.concurrency, cfg.rollout.max_wall_s, cfg.tracking.backend) == (16, 120.0, "mlflow")
     # the new tables default to what the code did before they existed
     assert (cfg.rollout.backend, cfg.rollout.urls, cfg.rollout.server) == ("embedded", (), "sao")
     assert (cfg.env.name, cfg.env.tasks, cfg.env.judge, cfg.store.uri) == ("tir_math", "", "lexical", "")

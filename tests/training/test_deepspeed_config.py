@@ -104,3 +104,30 @@ def test_the_learner_passes_the_file_to_both_engines(tmp_path):
     learner = Learner(cfg, model_dir, settings_from(cfg), threads=1)
     for engine, lr in ((learner.policy, cfg.train.policy_lr), (learner.critic, cfg.train.critic_lr)):
         assert (engine.zero_stage, engine.engine.gradient_clipping(), engine.base_lr) == (2, 0.25, lr)
+
+
+def test_one_rank_at_stage_0_skips_the_gradient_all_reduce_and_steps_the_same():
+    """loss = w . x with x = [3, 4]: g = [3, 4], |g| = 5, clipped to 1.0: g' = [0.6, 0.8]. Adam's first step
+    moves each weight by -lr * sign(g') (m / sqrt(v) = 1 up to eps): w = [1 - 1e-3, 2 - 1e-3]. ZeRO-2 keeps its
+    reduction (it fills the optimizer's partitions) and takes the same step."""
+    for stage, all_reduce in ((0, False), (2, True)):
+        engine = DeepSpeedEngine(_linear([1.0, 2.0]), lr=1e-3, grad_clip=1.0, zero_stage=stage)
+        assert engine.engine.enable_backward_allreduce is all_reduce
+        norm = engine.backward_step(engine.module(torch.tensor([[3.0, 4.0]])).sum())
+        assert float(norm) == pytest.approx(5.0, rel=1e-6)
+        assert engine.module.weight.detach()[0].tolist() == pytest.approx([1.0 - 1e-3, 2.0 - 1e-3], abs=1e-7)
+
+
+def test_skipping_the_one_rank_all_reduce_leaves_every_bit_of_the_updates():
+    """Three steps of a small MLP with and without the all-reduce (forced back on): the same weights, bit for bit."""
+    weights = []
+    for all_reduce in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        engine = DeepSpeedEngine(model, lr=1e-2, grad_clip=0.5, zero_stage=0)
+        engine.engine.enable_backward_allreduce = all_reduce
+        for step in range(3):
+            x = torch.linspace(-1, 1, 12).reshape(3, 4) * (step + 1)
+            engine.backward_step((engine.module(x) ** 2).mean())
+        weights.append([p.detach().clone() for p in engine.module.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
