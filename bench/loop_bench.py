@@ -20,7 +20,8 @@ machine's from /proc/stat, this process's, the rest: the sandbox's processes), a
 engine's threads how their wall time splits into running on a core, waiting for one (the scheduler's run-queue
 delay) and the rest (the GIL, I/O). Next to it, the bound: the
 time `model.generate` needs for the same generated tokens on a static batch, plus the bare forward and backward
-passes of the same batch (policy once, critic K times), each on all cores.
+passes of the same batch that the algorithm needs (the policy once; SAO's critic K times, and once more forward for
+the advantages), each on all cores.
 """
 
 from __future__ import annotations
@@ -243,12 +244,15 @@ def breakdown(result: dict) -> list[tuple[str, float]]:
 
 def bound(result: dict, home: Path) -> dict:
     """Seconds per step of the same work with no overhead: `model.generate` of the step's generated tokens on a
-    static batch, plus the bare forward and backward passes of the same batch (policy, critic K times)."""
+    static batch, plus the bare passes the arm's algorithm needs on the same batch: the policy's forward and
+    backward, and with a critic (SAO) its K forwards and backwards and the updated critic's forward for the
+    advantages (V_old shares the first update's forward)."""
     import torch
 
     from components.config import load_config
     from components.jobs import run_sft
     from components.models import ValueModel, load_policy, token_logprobs
+    from components.training.algorithms import ALGORITHMS
 
     rows = result["rows"][WARMUP:]
     batch = round(statistics.fmean(r["n"] for r in rows))
@@ -268,10 +272,15 @@ def bound(result: dict, home: Path) -> dict:
     ids = torch.randint(10, policy.config.vocab_size, (batch, length))
     mask = torch.ones_like(ids)
 
+    uses_critic = ALGORITHMS[load_config("tiny-cpu", ARMS[result["arm"]]).train.algo].uses_critic
+
     def forward_backward() -> None:
         token_logprobs(policy, ids, 1.0, mask).sum().backward()
-        for _ in range(cfg.algo.critic_updates):
-            critic(ids, mask).sum().backward()
+        if uses_critic:
+            for _ in range(cfg.algo.critic_updates):
+                critic(ids, mask).sum().backward()
+            with torch.no_grad():
+                critic(ids, mask)
 
     def timed(fn) -> float:
         fn()
@@ -283,7 +292,9 @@ def bound(result: dict, home: Path) -> dict:
         return statistics.median(times)
 
     gen, train = timed(generate), timed(forward_backward)
-    return {"generate_s": gen, "train_s": train, "step_s": gen + train, "batch": batch,
+    passes = (f"policy fwd+bwd, critic {cfg.algo.critic_updates} x fwd+bwd + fwd" if uses_critic
+              else "policy fwd+bwd")
+    return {"generate_s": gen, "train_s": train, "step_s": gen + train, "batch": batch, "passes": passes,
             "new_tokens": new_tokens, "length": length}
 
 
@@ -311,9 +322,9 @@ def run() -> None:
             print(f"      {name:<44} {seconds * 1000:7.1f} ms" if seconds else f"      {name}", flush=True)
         limit = bound(now, home)
         print(f"      bound: generate {limit['batch']}x{limit['new_tokens']} tokens {limit['generate_s'] * 1000:.0f} ms"
-              f" + forward/backward ({limit['batch']}x{limit['length']}) {limit['train_s'] * 1000:.0f} ms = "
-              f"{limit['step_s'] * 1000:.0f} ms/step; loop / bound = {now['step_s'] / limit['step_s']:.2f}x "
-              f"(goal <= 1.5x)", flush=True)
+              f" + {limit['passes']} ({limit['batch']}x{limit['length']}) {limit['train_s'] * 1000:.0f} ms = "
+              f"{limit['step_s'] * 1000:.0f} ms/step; loop / bound = {now['step_s'] / limit['step_s']:.2f}x"
+              + (" (goal <= 1.5x)" if arm == "sao async" else ""), flush=True)
 
 
 if __name__ == "__main__":
