@@ -57,6 +57,7 @@ def probe(arm: str, steps: int, home: Path) -> dict:
     from components.envs.registry import build_env
     from components.jobs import run_sft
     from components.tracking import NullTracker
+    from components.rollout import embedded
     from components.training import algorithms, learner, trainer
 
     cfg = load_config("tiny-cpu", COMMON + ARMS[arm] + [f"train.max_steps={steps}"])
@@ -64,7 +65,7 @@ def probe(arm: str, steps: int, home: Path) -> dict:
     setup = build_env(cfg)
     rows: list[dict] = []
     engines: list = []
-    counters = {"tool_s": 0.0, "tool_calls": 0, "critic_s": 0.0}
+    counters = {"tool_s": 0.0, "tool_calls": 0}
 
     original_row, original_open = trainer._row, trainer.open_rollouts
 
@@ -103,18 +104,8 @@ def probe(arm: str, steps: int, home: Path) -> dict:
         return episode
 
     setup.env.start = start
-    critic_updates = algorithms.critic_updates
-
-    def timed_critic(*args, **kwargs):
-        began = time.perf_counter()
-        try:
-            return critic_updates(*args, **kwargs)
-        finally:
-            counters["critic_s"] += time.perf_counter() - began
-
-    algorithms.critic_updates = timed_critic
+    _time_thread(algorithms, "critic_updates", counters, "critic")
     _time_thread(learner.Learner, "_step", counters, "trainer")
-    from components.rollout import embedded
     _time_thread(embedded.EmbeddedEngine, "_step", counters, "engine")
     trainer._row, trainer.open_rollouts = row, open_rollouts
     with tempfile.TemporaryDirectory() as run_home:
@@ -124,11 +115,11 @@ def probe(arm: str, steps: int, home: Path) -> dict:
     return {"arm": arm, "rows": rows, "code": str(Path(components.__file__).parent.parent)}
 
 
-def _time_thread(cls, name: str, counters: dict, key: str) -> None:
+def _time_thread(owner, name: str, counters: dict, key: str) -> None:
     """Count the wall, the calling thread's CPU and its wait for a core (the scheduler's run-queue delay) in
-    `cls.name` into `counters` (`<key>_s`, `<key>_cpu_s`, `<key>_queued_s`); the rest of the wall is waiting
-    for a lock (the GIL) or for I/O."""
-    original = getattr(cls, name, None)
+    `owner.name` (a class's method or a module's function) into `counters` (`<key>_s`, `<key>_cpu_s`,
+    `<key>_queued_s`); the rest of the wall is waiting for a lock (the GIL) or for I/O."""
+    original = getattr(owner, name, None)
     if original is None:  # a base revision without it
         return
     for part in ("s", "cpu_s", "queued_s"):
@@ -143,7 +134,7 @@ def _time_thread(cls, name: str, counters: dict, key: str) -> None:
             counters[f"{key}_cpu_s"] += time.thread_time() - cpu
             counters[f"{key}_queued_s"] += _queued_s() - queued
 
-    setattr(cls, name, timed)
+    setattr(owner, name, timed)
 
 
 def _queued_s() -> float:

@@ -246,14 +246,14 @@ class DeepSpeedEngine(_Checkpointable):
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=params,
                                                                  config=config)
         self.module = self.engine.module
-        if self.engine.zero_optimization_stage() == 0 and self.engine.world_size == 1:
+        self.config = config
+        self.base_lr = config["optimizer"]["params"]["lr"]
+        self.zero_stage = config["zero_optimization"].get("stage", 0)
+        if self.zero_stage == 0 and self.engine.world_size == 1:
             # Stage 0 on one rank: the gradient all-reduce after each backward flattens, "averages" over one
             # rank and copies back every gradient (about 2% of the tiny preset's step); without it the
             # gradients are the same bits. ZeRO-1/2 keep it: their reduction fills the optimizer's partitions.
             self.engine.enable_backward_allreduce = False
-        self.config = config
-        self.base_lr = config["optimizer"]["params"]["lr"]
-        self.zero_stage = config["zero_optimization"].get("stage", 0)
         if self.zero_stage:
             # A ZeRO-1/2 optimizer checks its gradient partition for inf/NaN before the update, all-reduces the
             # flag (`has_overflow`), and on overflow skips the update and empties its averaged-gradient buffers
