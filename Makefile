@@ -50,7 +50,7 @@ server: $(STAMP)
 prefect-ui: server
 
 deploy: $(STAMP)
-	PREFECT_API_URL=$(DEPLOY_API_URL) $(PY) -m components.ops.deploy
+	PREFECT_API_URL=$(DEPLOY_API_URL) $(PY) -m tools.deploy
 
 worker: $(STAMP)
 	PREFECT_API_URL=$(DEPLOY_API_URL) $(VENV)/bin/prefect worker start --pool sao-process
@@ -80,7 +80,7 @@ soak: $(STAMP)
 # Static checks of infra/ and dashboards/ (no Docker engine needed): compose through the real Compose binary,
 # Dockerfiles through hadolint, Prometheus rules and scrape targets, Grafana provisioning, DeepSpeed configs, presets.
 infra-check: $(STAMP)
-	$(PY) -m components.ops.infra_check
+	$(PY) -m tools.infra_check
 
 # A real Prefect server, `make deploy` and a process worker running deployments; the report in headless Chromium
 # (Debian's chromium package, installed here when missing).

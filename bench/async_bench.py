@@ -24,7 +24,7 @@ from pathlib import Path
 
 from components.config import load_config
 from components.envs.registry import build_env
-from components.jobs import run_sft
+from components.stages.sft import run_sft
 from components.tracking import NullTracker
 from components.training.trainer import thread_budget, train
 

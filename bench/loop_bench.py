@@ -55,7 +55,7 @@ def probe(arm: str, steps: int, home: Path) -> dict:
 
     from components.config import load_config
     from components.envs.registry import build_env
-    from components.jobs import run_sft
+    from components.stages.sft import run_sft
     from components.tracking import NullTracker
     from components.rollout import embedded
     from components.training import algorithms, learner, trainer
@@ -241,7 +241,7 @@ def bound(result: dict, home: Path) -> dict:
     import torch
 
     from components.config import load_config
-    from components.jobs import run_sft
+    from components.stages.sft import run_sft
     from components.models import ValueModel, load_policy, token_logprobs
     from components.training.algorithms import ALGORITHMS
 
@@ -293,7 +293,7 @@ def run() -> None:
     home = Path(os.environ.get("SAO_HOME", REPO / ".sao")).resolve()
     base_rev = os.environ.get("BENCH_BASE", "HEAD")
     from components.config import load_config
-    from components.jobs import run_sft
+    from components.stages.sft import run_sft
 
     run_sft(load_config("tiny-cpu"), home, log=lambda line: print(f"  {line}", flush=True))
     base = _base_tree(base_rev) if base_rev else None

@@ -23,8 +23,9 @@ import resource
 import statistics
 import time
 
-from components.envs import sandbox, sandbox_zygote
-from components.envs.sandbox import run_python
+from components.sandbox import run as sandbox
+from components.sandbox import zygote as sandbox_zygote
+from components.sandbox.run import run_python
 
 PROGRAM = "print(1)"
 

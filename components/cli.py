@@ -9,7 +9,7 @@ import sys
 import typing
 from pathlib import Path
 
-from components.config import ConfigError, load_config
+from components.config import AlgoName, ConfigError, load_config
 from components.storage import HomeStateError, StoreError
 
 
@@ -141,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_train = sub.add_parser("train", help="asynchronous RL from the SFT policy (SAO or a baseline)")
     common(p_train)
-    p_train.add_argument("--algo", default=None, help="sao, sao-k1, sao-full-critic, sao-running-mean, grpo, "
-                                                      "grpo-dis, ppo (default: the preset's)")
+    p_train.add_argument("--algo", default=None,
+                         help=f"{', '.join(typing.get_args(AlgoName))} (default: the preset's)")
     p_train.add_argument("--max-steps", type=POSITIVE, default=None, help="policy updates (default: the preset's)")
     p_train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p_train.add_argument("--rollback-to", type=NON_NEGATIVE, default=None, metavar="STEP",
@@ -221,7 +221,7 @@ def _main(args: argparse.Namespace) -> int:
         args.overrides += [f'distill.model="{args.teacher_model}"'] if args.teacher_model else []
     _check_paths(args)
     if args.command == "compare":
-        from components.pipeline.compare import run_compare
+        from components.eval.compare import run_compare
 
         run_compare(args.runs, args.home, args.tracking_uri, args.out)
         return 0
@@ -244,18 +244,20 @@ def _main(args: argparse.Namespace) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from components import jobs  # heavy imports (transformers) only after argument parsing
+    from components.stages.home import default_home  # heavy imports (transformers) only after argument parsing
 
     hf_logging.disable_progress_bar()  # one concise line per step is our progress display
 
-    home = args.home or jobs.default_home()
+    home = args.home or default_home()
     if home.exists() and not home.is_dir():
         raise NotADirectoryError(f"--home: {home} is not a directory")
     if args.command == "eval" and args.checkpoint is not None:
         _check_checkpoint(cfg, home, args.checkpoint)
     if args.command == "train" and args.rollback_to is not None:
         args.resume = True
-        if int(os.environ.get("RANK", "0")) == 0:  # one rank deletes, before the others are released
+        from components.stages.train import is_driver
+
+        if is_driver():  # one rank deletes, before the others are released
             _rollback(cfg, home, args.rollback_to)
     if args.command in FLOW_COMMANDS:
         _run_flow(args, home)
@@ -292,7 +294,7 @@ def _check_port(host: str, port: int) -> None:
 
 
 def _check_checkpoint(cfg, home: Path, step: int) -> None:
-    from components.training.trainer import checkpoint_store
+    from components.training.checkpoint import checkpoint_store
 
     store = checkpoint_store(cfg, home)
     steps = store.steps()
@@ -305,8 +307,8 @@ def _registry(args: argparse.Namespace) -> int:
     from mlflow.tracking import MlflowClient
 
     from components.config import TrackingConfig
-    from components.jobs import default_home
-    from components.pipeline.model_registry import versions_table
+    from components.stages.home import default_home
+    from components.tracking.registry import versions_table
     from components.tracking import mlflow_uri
 
     client = MlflowClient(args.tracking_uri or mlflow_uri(TrackingConfig(), args.home or default_home()))
@@ -322,7 +324,7 @@ def _registry(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from components.jobs import default_home
+    from components.stages.home import default_home
     from components.tracking import replay_spool, spool_dir
 
     spools = spool_dir(args.home or default_home())
@@ -341,7 +343,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _rollback(cfg, home: Path, step: int) -> None:
-    from components.training.trainer import checkpoint_store
+    from components.training.checkpoint import checkpoint_store
 
     deleted = checkpoint_store(cfg, home).discard_after(step, print)
     print(f"train: rolled back to step {step} ({len(deleted)} newer checkpoint(s) deleted); resuming")
@@ -386,18 +388,11 @@ def _run_flow(args: argparse.Namespace, home: Path) -> None:
         print(f"critic: {result['uri']}, held-out explained variance {result['ev_cold']:.3f} (cold) -> "
               f"{result['ev_best']:.3f} (pretrained)")
     elif command == "train":
-        if int(os.environ.get("RANK", "0")) != 0:  # under torchrun the flow is rank 0's; the others serve its steps
-            from components import jobs
-            from components.config import load_config
+        from components.stages.train import is_driver, run_rank
 
+        if not is_driver():  # under torchrun the flow is rank 0's; the others serve its steps
             overrides = args.overrides + ([f'train.critic_path="{args.critic}"'] if args.critic else [])
-            jobs.run_train(load_config(args.preset, overrides), home, resume=args.resume)
-            # Nothing is left for this rank, and its interpreter's teardown can abort in C++ (gloo or DeepSpeed
-            # threads still joinable: "terminate called without an active exception", seen here in about one
-            # run in four, on the code before the throughput work too), which torchrun reports as the job failing.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+            run_rank(load_config(args.preset, overrides), home, resume=args.resume)
         from flows.train import train
 
         train(**params, critic_path=str(args.critic or ""), resume=args.resume)
@@ -471,8 +466,6 @@ def _print_summary(summary: dict, home: Path) -> None:
 
 def _dispatch(args: argparse.Namespace, cfg, home: Path) -> None:
     """The commands that are not flows."""
-    from components import jobs
-
     if args.command == "model":
         from components.models import init_model_dir
 
@@ -481,13 +474,14 @@ def _dispatch(args: argparse.Namespace, cfg, home: Path) -> None:
         except OSError as exc:
             raise OSError(f"--out: cannot write a model directory at {args.out}: {exc}") from exc
     elif args.command == "sweep":
-        from components.sweep import run_sweep
+        from components.stages.sweep import run_sweep
 
         run_sweep(cfg, home, args.seeds, args.first_seed, args.name)
     elif args.command == "rollout":
-        from components.agent.rollout_job import run_rollout
+        from components.stages.rollout import run_rollout
+        from components.stages.sft import run_sft
 
-        model_dir = args.model or jobs.run_sft(cfg, home)
+        model_dir = args.model or run_sft(cfg, home)
         run_rollout(cfg, model_dir, args.episodes, args.out)
     elif args.command == "engine":
         from components.rollout.server import serve

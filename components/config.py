@@ -23,6 +23,13 @@ from pydantic import (BeforeValidator, ConfigDict, Field, NonNegativeFloat, NonN
 PRESET_DIR = Path(__file__).parent / "presets"
 
 EnvName = Literal["tir_math", "coding", "style"]
+"""Environments (components/envs/registry.py builds each)."""
+AlgoName = Literal["sao", "sao-k1", "sao-full-critic", "sao-running-mean", "grpo", "grpo-dis", "ppo"]
+"""Algorithms, all trained by one loop (components/training/algorithms.py defines each)."""
+AdmissionRule = Literal["capacity", "oldest"]
+"""How the trajectory buffer bounds staleness (components/training/buffer.py)."""
+LatencyKind = Literal["none", "fixed", "lognormal"]
+"""Simulated tool latency (components/envs/latency.py)."""
 Style = Literal["cute", "chuunibyou", "classical"]
 STYLES: tuple[str, ...] = typing.get_args(Style)
 """Target styles of the style environment's preference schedule (components/envs/style.py renders them)."""
@@ -254,7 +261,7 @@ class RolloutConfig:
     """Wall-clock limit per episode."""
     tool_timeout_s: PositiveFloat = 5.0
     """Sandbox time limit per tool call."""
-    latency: Literal["none", "fixed", "lognormal"] = "none"
+    latency: LatencyKind = "none"
     """Simulated extra tool latency (benchmarks): none, fixed or lognormal (heavy tail)."""
     latency_mean_s: NonNegativeFloat = 0.0
     """Mean of the simulated tool latency."""
@@ -294,7 +301,7 @@ class RolloutConfig:
 
 @_section("train")
 class TrainConfig:
-    algo: Literal["sao", "sao-k1", "sao-full-critic", "sao-running-mean", "grpo", "grpo-dis", "ppo"] = "sao"
+    algo: AlgoName = "sao"
     """Algorithm (one loop for all; see components/training/algorithms.py)."""
     batch_size: PositiveInt = 16
     """Trajectories per policy update (whole groups for GRPO)."""
@@ -302,7 +309,7 @@ class TrainConfig:
     """Policy updates."""
     max_staleness: NonNegativeInt = 2
     """Admission control bound, in policy versions (see `admission`)."""
-    admission: Literal["capacity", "oldest"] = "capacity"
+    admission: AdmissionRule = "capacity"
     """capacity: at most (version + max_staleness + 1) x batch_size episodes ever started (AReaL); oldest: no
     new episode while the oldest in-flight one started more than max_staleness versions ago (one straggler
     stalls every start). See components/training/buffer.py."""

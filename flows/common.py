@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from components.config import Config, load_config
-from components.pipeline.mlflow_runs import NullRun, stage_run
+from components.stages.home import default_home
+from components.tracking.stage_runs import NullRun, stage_run
 
 from prefect import get_run_logger
 from prefect.cache_policies import NO_CACHE  # noqa: F401  (re-exported for the flows)
@@ -31,8 +32,6 @@ class Context:
 
 def context(preset: str, overrides: list[str] | None, home: str | None) -> Context:
     """The flow's config, home and logger. Config errors surface before any work, naming the field."""
-    from components.jobs import default_home
-
     cfg = load_config(preset, list(overrides or []))
     logger = get_run_logger()
     return Context(cfg, Path(home) if home else default_home(), logger.info)

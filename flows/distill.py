@@ -10,8 +10,9 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
-from components.pipeline import distill as stage
-from components.pipeline.store import artifact_uri
+from components.stages import distill as stage
+from components.stages.home import artifact_uri
+from components.stages.recipes import dataset_key
 from flows.common import IO_RETRIES, NO_CACHE, context, markdown_table, tracked
 
 
@@ -37,7 +38,7 @@ def distill(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: 
     """Returns the dataset's URI."""
     ctx = context(preset, overrides, home)
     cfg, log = ctx.cfg, ctx.log
-    key = stage.dataset_key(cfg)
+    key = dataset_key(cfg)
     if stage.existing_dataset(cfg, ctx.home, log) is not None:
         log(f"distill: {key} is complete for these inputs; skipped")
         return artifact_uri(cfg, ctx.home, key)

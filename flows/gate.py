@@ -4,34 +4,24 @@ the report is also the run's artifact."""
 
 from __future__ import annotations
 
-import io
 from typing import Literal
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
+from components.stages import gate as stage
 from flows.common import IO_RETRIES, NO_CACHE, context
 
 
 @task(cache_policy=NO_CACHE, **IO_RETRIES)
 def read_dataset(kind: str, uri: str) -> list:
     """Traces or trajectories from a Parquet file or object (I/O: retried)."""
-    from components.contracts.trajectory import read_trajectories
-    from components.data.problem_sets import read_bytes
-    from components.data.traces import read_traces
-
-    data = io.BytesIO(read_bytes(uri))
-    return read_traces(data) if kind == "traces" else read_trajectories(data)
+    return stage.read_dataset(kind, uri)
 
 
 @task(cache_policy=NO_CACHE)
 def check(cfg, kind: str, rows: list):
-    from components.data.gates import check_rollouts
-    from components.pipeline.distill import gate_traces
-
-    if kind == "traces":
-        return gate_traces(cfg, rows)
-    return check_rollouts(rows, max_tokens=cfg.rollout.max_total_tokens)
+    return stage.check(cfg, kind, rows)
 
 
 @flow(name="gate")

@@ -11,9 +11,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from components.config import to_dict
-from components.pipeline.mlflow_runs import pipeline_run
-from components.pipeline.store import fingerprint
+from components.stages import pipeline as stage
 from flows.common import context, markdown_table
 from flows.distill import distill
 from flows.evaluate import evaluate
@@ -27,37 +25,20 @@ def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, home:
     """Returns the headline numbers of every stage."""
     ctx = context(preset, overrides, home)
     params = {"preset": preset, "overrides": list(overrides or []), "home": str(ctx.home)}
-    parent = pipeline_run(ctx.cfg, ctx.home, fingerprint({"config": to_dict(ctx.cfg), "home": str(ctx.home)}))
+    parent = stage.parent_run(ctx.cfg, ctx.home)
     failed = True
     try:
         dataset = distill(**params, parent_run_id=parent.run_id)
         policy = sft(**params, parent_run_id=parent.run_id)
-        uses_critic = _uses_critic(ctx.cfg)
-        critic = value_pretrain(**params, parent_run_id=parent.run_id) if uses_critic else None
+        critic = value_pretrain(**params, parent_run_id=parent.run_id) if stage.uses_critic(ctx.cfg) else None
         warm = critic is not None and ctx.cfg.value_pretrain.warm_start
         trained = train(**params, critic_path=critic["critic_dir"] if warm else "", resume=True,
                         evaluate=False, parent_run_id=parent.run_id)
         scored = evaluate(**params, checkpoint_step=trained["checkpoint_step"], parent_run_id=parent.run_id)
-        summary = {
-            "dataset": dataset, "sft_policy": policy["uri"], "sft_accuracy": policy["accuracy"],
-            "critic": critic["uri"] if critic else None,
-            "critic_ev_cold": critic["ev_cold"] if critic else None,
-            "critic_ev_pretrained": critic["ev_best"] if critic else None, "critic_warm_start": warm,
-            "ev_step1": trained.get("explained_variance_step1"),
-            "version": trained["version"], "rollbacks": trained["rollbacks"],
-            "trajectories_per_s": trained["trajectories_per_s"], "trainer_idle": trained["idle_frac"],
-            "accuracy": scored["accuracy"], "eval_set": scored["eval_set"],
-            "registered": scored.get("registered"), "champion": scored.get("champion"),
-        }
+        summary = stage.summary(dataset, policy, critic, warm, trained, scored)
         parent.log_metrics({f"pipeline/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))})
         failed = False
     finally:
         parent.finish(failed)
     create_markdown_artifact(key="pipeline", markdown=markdown_table([summary]))
     return summary
-
-
-def _uses_critic(cfg) -> bool:
-    from components.training.algorithms import ALGORITHMS
-
-    return ALGORITHMS[cfg.train.algo].uses_critic

@@ -21,16 +21,16 @@ def main() -> None:
     import flows  # noqa: F401  (offline settings before prefect is imported)
     from prefect.flow_engine import load_flow_run
 
-    from components import jobs
     from components.config import load_config
+    from components.stages.home import default_home
+    from components.stages.train import run_rank
 
     params = load_flow_run(flow_run_id=os.environ["PREFECT__FLOW_RUN_ID"]).parameters
     overrides = list(params.get("overrides") or [])
     if params.get("critic_path"):
         overrides.append(f'train.critic_path="{params["critic_path"]}"')
-    home = Path(params["home"]) if params.get("home") else jobs.default_home()
-    jobs.run_train(load_config(params.get("preset", "tiny-cpu"), overrides), home,
-                   resume=bool(params.get("resume", False)), evaluate=bool(params.get("evaluate", True)))
+    home = Path(params["home"]) if params.get("home") else default_home()
+    run_rank(load_config(params.get("preset", "tiny-cpu"), overrides), home, resume=bool(params.get("resume", False)))
 
 
 if __name__ == "__main__":

@@ -9,19 +9,20 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
-from components import jobs
-from components.pipeline.store import artifact_uri
+from components.stages import sft as stage
+from components.stages.home import artifact_uri
+from components.stages.recipes import sft_key
 from flows.common import NO_CACHE, context, markdown_table, tracked
 
 
 @task(cache_policy=NO_CACHE)
 def train_policy(cfg, home, force: bool, log):
-    return jobs.run_sft(cfg, home, force=force, log=log)
+    return stage.run_sft(cfg, home, force=force, log=log)
 
 
 @task(cache_policy=NO_CACHE)
 def held_out_accuracy(cfg, sft_dir, home, log) -> float:
-    return jobs.sft_eval(cfg, sft_dir, home, log)
+    return stage.sft_eval(cfg, sft_dir, home, log)
 
 
 @flow(name="sft")
@@ -34,6 +35,6 @@ def sft(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: str 
         sft_dir = train_policy(cfg, ctx.home, force, ctx.log)
         accuracy = held_out_accuracy(cfg, sft_dir, ctx.home, ctx.log)
         run.log_metrics({f"eval/{cfg.env.name}/accuracy": accuracy})
-    uri = artifact_uri(cfg, ctx.home, f"models/sft-{cfg.env.name}")
+    uri = artifact_uri(cfg, ctx.home, sft_key(cfg))
     create_markdown_artifact(key="sft", markdown=markdown_table([{"policy": uri, "held-out accuracy": accuracy}]))
     return {"model_dir": str(sft_dir), "uri": uri, "accuracy": accuracy}

@@ -14,8 +14,8 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.events import emit_event
 
-from components import jobs
 from components.config import Config
+from components.stages import train as stage
 from flows.common import context, markdown_table
 
 CHECKPOINT_EVENT = "sao.checkpoint.saved"
@@ -49,11 +49,9 @@ def train(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: st
     def on_checkpoint(step: int, uri: str) -> None:
         emit_event(**checkpoint_event(cfg, step, uri, overrides, str(ctx.home.resolve())))
 
-    result = jobs.run_train(cfg, ctx.home, resume=resume, log=ctx.log, parent_run_id=parent_run_id,
+    result = stage.run_train(cfg, ctx.home, resume=resume, log=ctx.log, parent_run_id=parent_run_id,
                             on_checkpoint=on_checkpoint, evaluate=evaluate)
-    from components.training.trainer import checkpoint_store
-
-    result["checkpoint_step"] = checkpoint_store(cfg, ctx.home).latest_step()
+    result["checkpoint_step"] = stage.latest_checkpoint(cfg, ctx.home)
     result["policy_dir"] = str(result.get("policy_dir", ""))
     create_markdown_artifact(key="train", markdown=markdown_table([{
         k: result.get(k) for k in ("version", "before", "after", "rollbacks", "checkpoint_step",

@@ -1,5 +1,5 @@
 """`value_pretrain`: the critic trained on rollouts of the SFT policy until its held-out explained variance stops
-improving (components/training/value_pretrain.py); `train` starts its critic from it. Skipped when a complete
+improving (components/stages/value_pretrain.py); `train` starts its critic from it. Skipped when a complete
 critic with the same recipe is in the home or the store."""
 
 from __future__ import annotations
@@ -7,20 +7,20 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
-from components import jobs
-from components.pipeline.critic import critic_key, run_value_pretrain
-from components.pipeline.store import artifact_uri
+from components.stages import value_pretrain as stage
+from components.stages.home import artifact_uri
+from components.stages.recipes import critic_key
 from flows.common import NO_CACHE, context, markdown_table, tracked
 
 
 @task(cache_policy=NO_CACHE)
 def sft_policy(cfg, home, log):
-    return jobs.run_sft(cfg, home, log=log)
+    return stage.sft_policy(cfg, home, log)
 
 
 @task(cache_policy=NO_CACHE)
 def pretrain(cfg, home, sft_dir, log):
-    return run_value_pretrain(cfg, home, sft_dir, log)
+    return stage.run_value_pretrain(cfg, home, sft_dir, log)
 
 
 @flow(name="value_pretrain")

@@ -1,11 +1,16 @@
 """Shared fixtures: one briefly-trained tiny policy for the tests that need a model that can do the task."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from components.config import load_config
 from components.data.tasks import generate_problems
 from components.data.teacher import teacher_trace
-from components.models import build_policy, build_tokenizer
+from components.models import build_policy, build_tokenizer, save_model_dir
+from components.stages.sft import sft_recipe
+from components.storage import atomic_dir, write_json
 from components.training.sft import train_sft
 
 
@@ -97,3 +102,19 @@ def child_env(**extra: str) -> dict[str, str]:
 def prefect_env(prefect_api):
     """The environment of a subprocess that runs flows against the session's harness."""
     return child_env(PREFECT_API_URL=prefect_api)
+
+
+@pytest.fixture(scope="session")
+def sft_dir(sft_policy, tmp_path_factory):
+    model, tokenizer = sft_policy
+    return save_model_dir(model, tokenizer, tmp_path_factory.mktemp("sft") / "policy")
+
+
+@pytest.fixture
+def seeded_home(tmp_path: Path, sft_dir: Path) -> Path:
+    """A run home whose SFT step reuses the test policy (saved with the preset's recipe) instead of training."""
+    home = tmp_path / "home"
+    with atomic_dir(home / "models" / "sft-tir_math") as tmp:
+        shutil.copytree(sft_dir, tmp, dirs_exist_ok=True)
+        write_json(tmp / "sao_sft.json", {"recipe": sft_recipe(load_config("tiny-cpu"))})
+    return home

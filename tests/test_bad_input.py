@@ -127,7 +127,7 @@ def test_a_port_in_use_is_refused_before_the_engine_loads(files, capsys):
 
 
 def test_an_unexpected_exception_is_an_internal_error_with_exit_1(monkeypatch, capsys):
-    import components.pipeline.compare as compare
+    import components.eval.compare as compare
 
     def broken(*_):
         raise KeyError("boom")

@@ -1,6 +1,7 @@
-"""Packages import inward: no cycle between the packages of `components/`, and the leaves import no package.
+"""Packages import inward: no cycle between the packages of `components/`, the leaves import no package, and
+each room keeps to its role (docs/design.md, layout).
 
-A package is a top-level subpackage (`components/envs`) or module (`components/jobs.py`). Every import
+A package is a top-level subpackage (`components/envs`) or module (`components/config.py`). Every import
 counts, function-level ones too: a cycle hidden in a function is still a cycle.
 """
 
@@ -10,8 +11,22 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "components"
-LEAVES = ("contracts", "algo")
-"""Packages that import no other package of the project (contracts: the shared types; algo: pure math)."""
+LEAVES = ("contracts", "algo", "sandbox", "faults")
+"""Packages that import no other package of the project (contracts: the shared types; algo: pure math; sandbox:
+the security boundary, which trusts nothing else; faults: the fault points every layer may call)."""
+FORBIDDEN = {
+    "training": ("stages", "envs", "eval", "cli"),
+    "rollout": ("training", "stages", "envs", "agent", "cli"),
+    "agent": ("training", "stages", "envs", "eval", "cli"),
+    "models": ("training", "stages", "rollout", "envs", "cli"),
+    "tracking": ("training", "stages", "rollout", "envs", "eval", "cli"),
+    "storage": ("training", "stages", "rollout", "envs", "tracking", "cli"),
+    "envs": ("training", "stages", "rollout", "agent", "eval", "cli"),
+    "eval": ("training", "stages", "cli"),
+    "data": ("training", "stages", "envs", "cli"),
+}
+"""What each room may not import: training knows the learner and the loop, not how episodes are made or how the
+lifecycle's stages reuse artifacts; the stages are imported only by the CLI (and by `flows/`, outside)."""
 
 
 def package_graph(root: Path = ROOT) -> dict[str, dict[str, str]]:
@@ -69,6 +84,41 @@ def test_leaves_import_no_package():
     for leaf in LEAVES:
         assert leaf in graph, f"components/{leaf} is gone: update LEAVES"
         assert not graph[leaf], f"components/{leaf} must import no other package, imports {graph[leaf]}"
+
+
+def test_each_room_keeps_to_its_role():
+    graph = package_graph()
+    broken = [f"{source} imports {target} ({graph[source][target]})" for source, banned in FORBIDDEN.items()
+              for target in banned if target in graph.get(source, {})]
+    assert not broken, "\n".join(broken)
+    assert {s for s, targets in graph.items() if "stages" in targets} <= {"stages", "cli"}
+
+
+def test_the_library_imports_neither_flows_nor_tools():
+    """Only the CLI runs flows (each command is its flow); nothing imports the tools, the benchmarks or tests."""
+    for path in sorted(ROOT.rglob("*.py")):
+        allowed = ("flows",) if path.name == "cli.py" else ()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            banned = [n for n in names if n.split(".")[0] in ("flows", "tools", "bench", "tests")
+                      and n.split(".")[0] not in allowed]
+            assert not banned, f"{path} imports {banned}"
+
+
+def test_flows_call_their_own_stage():
+    """`flows/X.py` imports `components.stages.X` and the shared `home` and `recipes`, no other stage
+    (`flows/ranks.py` is the `train` flow's other ranks)."""
+    flows = ROOT.parent / "flows"
+    for path in sorted(flows.glob("*.py")):
+        stages = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "components.stages":
+                stages |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("components.stages."):
+                stages.add(node.module.split(".")[2])
+        own = {"ranks": "train"}.get(path.stem, path.stem)
+        assert stages <= {own, "home", "recipes"}, f"{path.name} imports stages {sorted(stages)}"
 
 
 def test_the_check_finds_a_planted_cycle(tmp_path):

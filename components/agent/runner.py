@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
 from components.contracts.trajectory import Timings, Trajectory
-from components.envs.base import Environment, Task
+from components.contracts.environment import Environment
+from components.contracts.task import Task
 from components.rollout.pool import EnginesDown
 from components.rollout.protocol import SamplingRequest
 

@@ -5,16 +5,15 @@ stable ids (default `<file stem>-<row>`, the row counted from 0 among non-blank 
 goes to `Task.metadata`. A row with a missing or empty prompt or answer is an error naming the row and the
 field: a bad problem set is never silently shortened.
 
-S3 objects are read with boto3 (imported only for `s3://` URIs; it is not a core dependency). The endpoint
-comes from `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` when set (MinIO, moto, ...), credentials from the
-usual boto3 chain.
+S3 objects are read through the artifact store's S3 client (components/storage/stores.py `read_uri`: retries,
+bounded timeouts; boto3 imported only for `s3://` URIs). The endpoint comes from `AWS_ENDPOINT_URL_S3` or
+`AWS_ENDPOINT_URL` when set (MinIO, moto, ...), credentials from the usual boto3 chain.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -22,46 +21,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from components.contracts.task import Task
+from components.storage import read_uri
 
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
-def split_s3_uri(uri: str) -> tuple[str, str]:
-    """`s3://bucket/some/key` -> `("bucket", "some/key")`; ValueError when either part is missing."""
-    if not uri.startswith("s3://"):
-        raise ValueError(f"not an s3:// URI: {uri!r}")
-    bucket, _, key = uri[len("s3://"):].partition("/")
-    if not bucket or not key:
-        raise ValueError(f"s3 URI must be s3://bucket/key, got {uri!r}")
-    return bucket, key
-
-
 def read_bytes(uri: str) -> bytes:
     """The raw bytes of a local file or an S3 object; FileNotFoundError names the URI when it does not exist."""
-    if not uri.startswith("s3://"):
-        path = Path(uri)
-        if not path.is_file():
-            raise FileNotFoundError(f"problem set not found: {uri}")
-        return path.read_bytes()
-    bucket, key = split_s3_uri(uri)
     try:
-        import boto3
-        from botocore.exceptions import ClientError
-    except ImportError as exc:
-        raise ImportError(
-            f"loading {uri} needs boto3, which is not installed in this environment; install it "
-            "with `pip install boto3`"
-        ) from exc
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
-    client = boto3.client("s3", endpoint_url=endpoint)
-    try:
-        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
-    except ClientError as exc:
-        code = exc.response.get("Error", {}).get("Code", "")
-        if code in ("NoSuchKey", "NoSuchBucket", "404"):
-            raise FileNotFoundError(f"problem set not found: {uri} ({code})") from exc
-        raise
+        return read_uri(uri)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"problem set not found: {uri}") from None
 
 
 def _format(name: str) -> str:

@@ -29,10 +29,12 @@ from typing import Literal
 from components.contracts.markers import CALL, CALL_END, END, observation_text, prompt_text
 from components.contracts.trace import Trace, Turn
 from components.data.problem_sets import load_tasks
-from components.envs.base import StepResult, Task, ToolLatency
+from components.contracts.environment import StepResult
+from components.contracts.task import Task
+from components.envs.latency import ToolLatency
 from components.envs.coding_harness import RESULT_MARKER, harness_program
 from components.envs.python_tool import PythonTool
-from components.envs.sandbox import SandboxError, run_python
+from components.sandbox.run import SandboxError, run_python
 
 DEFAULT_PROBLEMS = Path(__file__).resolve().parents[2] / "data" / "coding" / "problems.jsonl"
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)

@@ -3,7 +3,7 @@ becomes the observation text the model sees next."""
 
 from __future__ import annotations
 
-from components.envs.sandbox import SandboxResult, run_python
+from components.sandbox.run import SandboxResult, run_python
 
 
 def observation_from_result(result: SandboxResult, max_chars: int = 256) -> str:

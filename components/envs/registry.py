@@ -23,7 +23,7 @@ import functools
 import itertools
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from components.config import Config
 from components.contracts.task import Task
@@ -31,7 +31,8 @@ from components.contracts.trace import Trace
 from components.data.problem_sets import load_tasks
 from components.data.tasks import generate_problems
 from components.data.teacher import teacher_trace
-from components.envs.base import Environment, ToolLatency
+from components.contracts.environment import EnvSetup, Prompts
+from components.envs.latency import ToolLatency
 from components.envs.coding import CodingEnvironment, load_coding_tasks, solution_trace
 from components.envs.style import LexicalJudge, LLMJudge, PreferenceSchedule, StyleEnvironment, StyleJudge
 from components.envs.style import load_style_tasks
@@ -40,56 +41,6 @@ from components.envs.tir_math import TIRMathEnvironment, tasks_from_problems
 
 SYNTHETIC_CHUNK = 4096
 """Problems generated at a time by the synthetic stream (changing it changes nothing but speed)."""
-
-Prompts = Callable[[int], Iterator[tuple[int, Task]]]
-StepHook = Callable[[int], tuple[dict[str, float], str | None]]
-
-
-def no_hook(step: int) -> tuple[dict[str, float], str | None]:
-    """The per-step hook of environments that do not change during a run."""
-    return {}, None
-
-
-@dataclass
-class EnvSetup:
-    name: str
-    """The environment's name (`cfg.env.name`)."""
-    env: Environment
-    """The environment rollouts run episodes in."""
-    prompts: Prompts
-    """`prompts(start)`: endless `(index, task)` pairs of the training set from prompt index `start` on; each
-    task id is unique per index."""
-    held_out: Callable[[], list[Task]]
-    """Loads the held-out set; called by `eval_tasks`, so a job that never evaluates never reads it."""
-    hook: StepHook = field(default=no_hook)
-    """What `on_step` runs: the style preference schedule, else `no_hook`."""
-
-    def train_tasks(self, start: int, group_size: int) -> Iterator[Task]:
-        """Endless training tasks from prompt index `start` on (the cursor a checkpoint stores), each prompt
-        `group_size` times (ids suffixed `#g{k}` when group_size > 1), with `metadata["cursor"] = index`."""
-        if start < 0:
-            raise ValueError(f"start: must be >= 0, got {start}")
-        if group_size < 1:
-            raise ValueError(f"group_size: must be >= 1, got {group_size}")
-        return self._grouped(start, group_size)
-
-    def _grouped(self, start: int, group_size: int) -> Iterator[Task]:
-        for index, task in self.prompts(start):
-            for g in range(group_size):
-                suffix = f"#g{g}" if group_size > 1 else ""
-                yield Task(task.task_id + suffix, task.prompt, task.answer, {**task.metadata, "cursor": index})
-
-    def eval_tasks(self) -> list[Task]:
-        """The held-out set: `env.eval_tasks` when set, else the environment's built-in one. For the tiny
-        built-in coding and style sets that is the training set itself (eval and train overlap); real
-        held-out sets come through `env.eval_tasks`."""
-        return self.held_out()
-
-    def on_step(self, step: int) -> tuple[dict[str, float], str | None]:
-        """Called before policy step `step` (0-based count of completed updates): `(metrics, message)`,
-        the message (to log) only when something changed, e.g. the style preference flipped."""
-        return self.hook(step)
-
 
 def synthetic_prompts(kinds: tuple[str, ...], seed: int, operand_max: int, start: int
                       ) -> Iterator[tuple[int, Task]]:

@@ -20,7 +20,8 @@ import httpx
 
 from components.contracts.markers import END, prompt_text
 from components.data.problem_sets import load_tasks
-from components.envs.base import StepResult, Task
+from components.contracts.environment import StepResult
+from components.contracts.task import Task
 
 STYLES = ("cute", "chuunibyou", "classical")
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "style" / "prompts.jsonl"

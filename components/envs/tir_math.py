@@ -11,7 +11,9 @@ import asyncio
 
 from components.contracts.markers import CALL, CALL_END, END, observation_text, prompt_text
 from components.data.tasks import Problem
-from components.envs.base import StepResult, Task, ToolLatency
+from components.contracts.environment import StepResult
+from components.contracts.task import Task
+from components.envs.latency import ToolLatency
 from components.envs.grading import grade_answer, reference_answer
 from components.envs.python_tool import PythonTool
 

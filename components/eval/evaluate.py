@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from components.agent.runner import AgentRunner, EpisodeLimits
 from components.contracts.task import Task
 from components.contracts.trajectory import Trajectory
-from components.envs.base import Environment
+from components.contracts.environment import Environment
 
 
 @dataclass

@@ -23,7 +23,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from components.pipeline.compare import metric_history, resolve_runs
+from components.eval.compare import metric_history, resolve_runs
 
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#000000", "#8C6D31")
 """Okabe-Ito (colour-blind safe, its yellow left out: unreadable on white), then two darks; run i gets colour i."""

@@ -7,7 +7,7 @@
 - `GET /health`: `{"status", "version", "path", "in_flight"}`; `path` is that of the last weights loaded
   through `/v1/weights` (null for the starting weights), so a resumed trainer can tell its own crashed
   predecessor's versions from another run's.
-- `GET /metrics`: Prometheus text (`sao_engine_*`, label `model`; components/prometheus.py, docs/metrics.md).
+- `GET /metrics`: Prometheus text (`sao_engine_*`, label `model`; components/tracking/prometheus.py, docs/metrics.md).
 - `POST /v1/weights` with `{"path": <HF model directory or safetensors file>, "version": <int>}`. The version
   must be above the one served, unless the body also has `"rewind": true` (a resumed trainer taking back
   versions its crashed predecessor published).
@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from safetensors import SafetensorError
 
-from components.prometheus import EngineMetrics
+from components.tracking.prometheus import EngineMetrics
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.protocol import SamplingRequest
 

@@ -215,29 +215,3 @@ class LocalStore:
         if path.exists():
             (path / MARKER).unlink(missing_ok=True)
             shutil.rmtree(path)
-
-
-def open_store(uri: str | Path, **s3_options) -> ArtifactStore:
-    """The store at `uri`: a local path, or `s3://bucket[/prefix]` (options such as multipart sizes and
-    retries go to `S3Store`)."""
-    uri = str(uri)
-    if not uri:
-        raise ValueError("store uri must not be empty: give a local path or s3://bucket/prefix")
-    if uri.startswith("s3://"):
-        from components.storage.s3 import S3Store
-
-        return S3Store.from_uri(uri, **s3_options)
-    if "://" in uri:
-        raise ValueError(f"store uri {uri!r}: unsupported scheme; give a local path or s3://bucket/prefix")
-    if s3_options:
-        raise ValueError(f"store uri {uri!r} is local; options {sorted(s3_options)} apply to s3:// stores only")
-    return LocalStore(uri)
-
-
-def resolve_store_uri(configured: str, home: Path) -> str:
-    """Where artifacts go: `configured` (the config's store.uri) when set, else env SAO_STORE_URI, else the run
-    home itself (so checkpoints stay at `<home>/checkpoints/<name>/step-XXXXXXXX`)."""
-    if configured and configured.strip():
-        return configured.strip()
-    env = os.environ.get("SAO_STORE_URI", "").strip()
-    return env or str(home)

@@ -170,6 +170,12 @@ class S3Store:
                 raise
         return self._retry(object_key, get)
 
+    def read_object(self, key: str) -> bytes | None:
+        """The bytes of one object `key` under the prefix (a file, not an artifact: no manifest), retried like
+        every read; None when it does not exist."""
+        with self._errors(key):
+            return self._get(self._key(key))
+
     def _put(self, object_key: str, body: bytes) -> None:
         self._retry(object_key, lambda: self.client.put_object(Bucket=self.bucket, Key=object_key, Body=body))
 

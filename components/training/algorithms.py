@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -47,11 +47,11 @@ from components.algo import (
     normalize_advantages,
     ppo_policy_loss,
 )
+from components.config import AlgoName
 from components.models import token_logprobs
 from components.training.collective import SOLO, Collective, global_moments
 from components.training.diagnostics import policy_diagnostics
 
-AlgoName = Literal["sao", "sao-k1", "sao-full-critic", "sao-running-mean", "grpo", "grpo-dis", "ppo"]
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,7 @@ class Algorithm:
     """One prompt is sampled `group_size` times and trained as a group (GRPO's barrier)."""
 
 
-ALGORITHMS: dict[str, Algorithm] = {
+ALGORITHMS: dict[AlgoName, Algorithm] = {
     "sao": Algorithm(sao_step, True, True, None, False),
     "sao-k1": Algorithm(sao_step, True, True, 1, False),
     "sao-full-critic": Algorithm(sao_step, True, False, None, False),

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from typing import get_args
 
+from components.config import AdmissionRule
 from components.contracts.task import Task
 from components.contracts.trajectory import Trajectory
 
-
-ADMISSION_RULES = ("capacity", "oldest")
+ADMISSION_RULES: tuple[str, ...] = get_args(AdmissionRule)
 
 
 class TrajectoryBuffer:
-    def __init__(self, max_staleness: int, batch_size: int = 1, group_size: int = 1, rule: str = "capacity",
+    def __init__(self, max_staleness: int, batch_size: int = 1, group_size: int = 1, rule: AdmissionRule = "capacity",
                  version: int = 0) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")

@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import torch
 
+from components.config import Config
+from components.storage import open_store, resolve_store_uri
 from components.storage.artifacts import (ArtifactStore, CorruptArtifact, IncompleteArtifact, LocalStore, check_key,
                                           join)
 
@@ -119,3 +121,11 @@ class LocalCheckpointStore(CheckpointStore):
         self.root = Path(root)
         """The directory holding the `step-XXXXXXXX` checkpoints."""
         super().__init__(LocalStore(self.root), "", self.root / ".cache")
+
+
+def checkpoint_store(cfg: Config, home: Path) -> CheckpointStore:
+    """This config's checkpoints: `checkpoints/<name>/step-<n>` in the artifact store (`store.uri`, else
+    `$SAO_STORE_URI`, else the run home)."""
+    uri = resolve_store_uri(cfg.store.uri, home)
+    store = open_store(uri, **cfg.store.options(uri))
+    return CheckpointStore(store, f"checkpoints/{cfg.name}", Path(home) / "cache" / "checkpoints")

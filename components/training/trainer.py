@@ -42,19 +42,18 @@ from components.contracts.trajectory import Trajectory, to_tensors
 from components.faults import fault_point
 from components.models import load_tokenizer, save_model_dir, stop_token_ids
 from components.rollout.backends import EmbeddedRollouts, HttpRollouts, Rollouts
-from components.storage import (HomeStateError, StoreError, atomic_dir, open_store, resolve_store_uri,
-                                weights_fingerprint)
+from components.storage import (HomeStateError, StoreError, atomic_dir, weights_fingerprint)
 from components.tracking import Tracker
 from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.buffer import TrajectoryBuffer
-from components.training.checkpoint import CheckpointStore
+from components.training.checkpoint import CheckpointStore, checkpoint_store
 from components.training import memory
 from components.training.learner import Learner
 from components.training.schedule import warmup_cosine
 from components.training.stability import Collapse, CollapseDetector
 
 if TYPE_CHECKING:  # the trainer is handed an environment; it imports none
-    from components.envs.registry import EnvSetup
+    from components.contracts.environment import EnvSetup
 
 OnCheckpoint = Callable[[int, str], None]
 """Called with (step, URI) once a checkpoint is complete in the store."""
@@ -120,14 +119,6 @@ def settings_from(cfg: Config) -> AlgoSettings:
                         cfg.algo.temperature, algorithm.critic_updates or cfg.algo.critic_updates,
                         cfg.algo.value_clip, cfg.algo.normalize_advantages,
                         group_size=cfg.train.group_size if algorithm.grouped else 1)
-
-
-def checkpoint_store(cfg: Config, home: Path) -> CheckpointStore:
-    """This config's checkpoints: `checkpoints/<name>/step-<n>` in the artifact store (`store.uri`, else
-    `$SAO_STORE_URI`, else the run home)."""
-    uri = resolve_store_uri(cfg.store.uri, home)
-    store = open_store(uri, **cfg.store.options(uri))
-    return CheckpointStore(store, f"checkpoints/{cfg.name}", home / "cache" / "checkpoints")
 
 
 def open_rollouts(cfg: Config, module: torch.nn.Module, tokenizer, home: Path, version: int,

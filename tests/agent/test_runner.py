@@ -11,7 +11,7 @@ from components.agent.runner import AgentRunner, EpisodeLimits
 from components.contracts.markers import observation_text, prompt_text
 from components.contracts.trajectory import read_trajectories, to_tensors, write_trajectories
 from components.data.tasks import generate_problems, make_problem
-from components.envs.base import ToolLatency
+from components.envs.latency import ToolLatency
 from components.envs.grading import grade_answer
 from components.envs.python_tool import PythonTool
 from components.envs.tir_math import TIRMathEnvironment, last_tool_code, tasks_from_problems

@@ -110,7 +110,7 @@ def test_teacher_answers_small_products_without_the_tool():
 
 
 def test_teacher_observations_are_what_the_sandbox_prints():
-    from components.envs.sandbox import run_python
+    from components.sandbox.run import run_python
 
     for problem in generate_problems(("affine", "two_step"), 4, 0, 999, "train"):
         turns = teacher_trace(problem).turns

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from components.data.problem_sets import load_tasks, split_s3_uri
+from components.data.problem_sets import load_tasks
+from components.storage.stores import split_s3_uri
 
 ROWS = [
     {"problem": "Compute 2+2.", "answer": 4, "level": 1},

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from components.envs.base import Task, ToolLatency
+from components.contracts.task import Task
+from components.envs.latency import ToolLatency
 from components.envs.coding import (
     CodingEnvironment,
     extract_solution,

@@ -18,9 +18,10 @@ from components.contracts.markers import END
 from components.contracts.task import Task
 from components.data.tasks import generate_problems
 from components.data.traces import read_traces, render_segments, write_traces
-from components.envs.base import ToolLatency
+from components.envs.latency import ToolLatency
 from components.envs.coding import CodingEnvironment, solution_trace
-from components.envs.registry import ENVIRONMENTS, EnvSetup, build_env, judge_from, sft_traces
+from components.contracts.environment import EnvSetup
+from components.envs.registry import ENVIRONMENTS, build_env, judge_from, sft_traces
 from components.envs.style import STYLES, LexicalJudge, LLMJudge
 from components.envs.style_teacher import MAX_ANSWER_CHARS, PHRASES, style_answer, style_traces
 from components.models import build_tokenizer

@@ -43,7 +43,7 @@ def test_the_distill_flow_with_an_endpoint_teacher_writes_the_programmatic_teach
     programmatic teacher's, byte for byte, under another dataset key (the teacher is part of its recipe)."""
     from components.data.solver_server import SOLVER_MODEL, running_solver
     from components.envs.registry import sft_traces
-    from components.pipeline.distill import dataset_key
+    from components.stages.distill import dataset_key
     from flows.distill import distill
 
     overrides = FAST + ["task.train_size=12"]
@@ -111,7 +111,7 @@ def test_the_evaluate_task_picks_the_newest_checkpoint_else_the_sft_policy(tmp_p
     mark_complete(tmp_path / "models" / "sft-tir_math")
     import json
 
-    from components.jobs import sft_recipe
+    from components.stages.recipes import sft_recipe
 
     (tmp_path / "models" / "sft-tir_math" / "sao_sft.json").write_text(json.dumps({"recipe": sft_recipe(tiny_cfg)}))
     directory, source, label = model_to_score.fn(tiny_cfg, tmp_path, "", None, print)

@@ -85,3 +85,13 @@ def test_the_critic_step_shares_v_old_with_its_first_update(sft_policy, batch):
     with torch.no_grad():
         assert torch.equal(values, model(batch["input_ids"], batch["attention_mask"]))
     assert torch.isfinite(metrics["critic/grad_norm"])
+
+
+def test_every_configurable_algorithm_is_defined_once():
+    """`train.algo`'s choices are `AlgoName` (components/config.py); ALGORITHMS defines exactly those."""
+    import typing
+
+    from components.config import AlgoName
+    from components.training.algorithms import ALGORITHMS
+
+    assert set(ALGORITHMS) == set(typing.get_args(AlgoName))

@@ -15,8 +15,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from components.envs.registry import build_env
-from components.jobs import run_eval
-from components.prometheus import EXPORTED, TRAINER_METRICS
+from components.stages.evaluate import run_eval
+from components.tracking.prometheus import EXPORTED, TRAINER_METRICS
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.server import ServerThread, create_app
 from components.tracking import open_tracker
@@ -80,7 +80,7 @@ def test_every_dashboard_series_is_scraped_from_a_real_run(tmp_path, tiny_cfg, s
             try:
                 result = train(cfg, build_env(cfg), sft_dir, tmp_path, tracker, log=lambda _: None,
                                on_checkpoint=on_checkpoint)
-                # What jobs.run_train logs after training: the held-out accuracy at the final version.
+                # What stages.train.run_train logs after training: the held-out accuracy at the final version.
                 accuracy = run_eval(cfg, result.policy_dir, tmp_path, "after", log=lambda _: None).accuracy
                 tracker.log_metrics({f"eval/{cfg.env.name}/accuracy": accuracy}, result.version)
                 trainer = _scrape(trainer_url)
@@ -91,7 +91,7 @@ def test_every_dashboard_series_is_scraped_from_a_real_run(tmp_path, tiny_cfg, s
         engine.shutdown()
 
     # A metric the trainer logs but the exporter leaves out is invisible to dashboards and alerts: add new ones
-    # to TRAINER_METRICS (components/prometheus.py).
+    # to TRAINER_METRICS (components/tracking/prometheus.py).
     assert set(result.history[-1]) - set(TRAINER_METRICS) == set()
     run = {"preset": "tiny-cpu", "algo": "sao", "env": "tir_math"}
     assert [(s.labels, s.value) for s in live] == [(run, 1.0)]

@@ -1,10 +1,10 @@
-"""The collapse rule (components/training/stability.py) and its replay over a logged run (components/sweep.py)."""
+"""The collapse rule (components/training/stability.py) and its replay over a logged run (components/stages/sweep.py)."""
 
 import math
 
 import pytest
 
-from components.sweep import replay_collapses, summarize
+from components.stages.sweep import replay_collapses, summarize
 from components.training.stability import CollapseDetector, collapsed_on_eval
 
 

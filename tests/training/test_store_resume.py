@@ -7,7 +7,7 @@ import pytest
 
 from components.cli import main
 from components.config import load_config
-from components.jobs import run_train
+from components.stages.train import run_train
 
 
 def test_a_run_resumes_from_s3_alone(tmp_path, seeded_home, s3_env):

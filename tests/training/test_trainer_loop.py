@@ -8,7 +8,7 @@ from components.training.trainer import train
 
 
 def train_env(cfg, *args, **kwargs):
-    """The trainer on the config's own environment (`jobs.run_train` does the same)."""
+    """The trainer on the config's own environment (`stages.train.run_train` does the same)."""
     return train(cfg, build_env(cfg), *args, **kwargs)
 
 

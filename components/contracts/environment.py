@@ -1,0 +1,99 @@
+"""What the agent runner and the trainer know of an environment: the episode protocol they drive
+(prompt -> [generate <-> env.step]*, docs/design.md, architecture) and the set-up a run is handed (`EnvSetup`:
+the environment, its training stream, held-out set and per-step hook).
+
+An `Environment` is created once per run from a task list; `start(task)` opens one `EnvEpisode`. An
+episode turns each model turn (the decoded text of one generation, ending with a stop marker or cut off) into
+either an observation the model sees next (a tool result) or the end of the episode with its reward.
+Episodes keep their own state, so many run concurrently. `components/envs/registry.py` builds an `EnvSetup` for
+the environment `env.name` names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from components.contracts.task import Task
+
+
+@dataclass(frozen=True)
+class StepResult:
+    observation: str | None
+    """Text appended as observation tokens (action_mask 0), or None when the episode ends."""
+    done: bool
+    """The episode is over."""
+    reward: float = 0.0
+    """Outcome reward (meaningful when done); it lands on the last action token."""
+    finish_reason: str | None = None
+    """Why it ended when done: `stop` (answered), `tool_error`, ... (see `Trajectory.finish_reason`)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Environment details for the trajectory's metadata (grading, test counts, ...)."""
+
+
+class EnvEpisode(Protocol):
+    def prompt_text(self) -> str:
+        """The full prompt (chat markers included) the first model turn continues."""
+
+    async def step(self, turn_text: str, truncated: bool) -> StepResult:
+        """React to one model turn; `truncated` is True when the turn hit its token limit."""
+
+
+class Environment(Protocol):
+    name: str
+    success_threshold: float
+    """An episode whose reward reaches this counts as solved (evaluation's accuracy, avg@k and pass@k)."""
+
+    def start(self, task: Task) -> EnvEpisode:
+        """A fresh episode for `task`."""
+
+
+Prompts = Callable[[int], Iterator[tuple[int, Task]]]
+StepHook = Callable[[int], tuple[dict[str, float], str | None]]
+
+
+def no_hook(step: int) -> tuple[dict[str, float], str | None]:
+    """The per-step hook of environments that do not change during a run."""
+    return {}, None
+
+
+@dataclass
+class EnvSetup:
+    name: str
+    """The environment's name (`cfg.env.name`)."""
+    env: Environment
+    """The environment rollouts run episodes in."""
+    prompts: Prompts
+    """`prompts(start)`: endless `(index, task)` pairs of the training set from prompt index `start` on; each
+    task id is unique per index."""
+    held_out: Callable[[], list[Task]]
+    """Loads the held-out set; called by `eval_tasks`, so a job that never evaluates never reads it."""
+    hook: StepHook = field(default=no_hook)
+    """What `on_step` runs: the style preference schedule, else `no_hook`."""
+
+    def train_tasks(self, start: int, group_size: int) -> Iterator[Task]:
+        """Endless training tasks from prompt index `start` on (the cursor a checkpoint stores), each prompt
+        `group_size` times (ids suffixed `#g{k}` when group_size > 1), with `metadata["cursor"] = index`."""
+        if start < 0:
+            raise ValueError(f"start: must be >= 0, got {start}")
+        if group_size < 1:
+            raise ValueError(f"group_size: must be >= 1, got {group_size}")
+        return self._grouped(start, group_size)
+
+    def _grouped(self, start: int, group_size: int) -> Iterator[Task]:
+        for index, task in self.prompts(start):
+            for g in range(group_size):
+                suffix = f"#g{g}" if group_size > 1 else ""
+                yield Task(task.task_id + suffix, task.prompt, task.answer, {**task.metadata, "cursor": index})
+
+    def eval_tasks(self) -> list[Task]:
+        """The held-out set: `env.eval_tasks` when set, else the environment's built-in one. For the tiny
+        built-in coding and style sets that is the training set itself (eval and train overlap); real
+        held-out sets come through `env.eval_tasks`."""
+        return self.held_out()
+
+    def on_step(self, step: int) -> tuple[dict[str, float], str | None]:
+        """Called before policy step `step` (0-based count of completed updates): `(metrics, message)`,
+        the message (to log) only when something changed, e.g. the style preference flipped."""
+        return self.hook(step)

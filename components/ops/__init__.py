@@ -1,1 +1,0 @@
-"""Operations: deployments, work pools and static checks of the production files (infra/, dashboards/)."""

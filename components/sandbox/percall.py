@@ -1,0 +1,158 @@
+"""The per-call path of the sandbox: one fresh interpreter per call.
+
+`run_percall` starts `python -I -S -B -X utf8 -c <bootstrap>` (under `unshare --net --pid --fork --mount
+--kill-child` when namespaces are used), where the bootstrap is the text of `seal.py` and
+`child.py` (`_sandbox_main`): it seals the root, drops privileges, supervises the program and reports
+on a status pipe. It is the path of the degraded sandbox (no namespaces), the fallback when the zygote cannot
+start, and what `run.ZYGOTE = False` forces (to compare against the zygote, `bench/sandbox_bench.py`).
+The program's source, stdout and stderr are files in a root-only per-call host directory (under `/dev/shm`
+with namespaces, where the program cannot see it; the default temp dir otherwise), removed afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from components.sandbox.proc import (
+    Outcome,
+    SandboxError,
+    _kill_group,
+    _kill_sandbox,
+    _parse_status,
+    _pidfd_open,
+    _read_available,
+    _wait_exit_nowait,
+    read_output,
+)
+
+# The child side, passed with -c: seal.py (the sealed root, seccomp, audit hook) comes first, the
+# child calls its functions.
+_BOOTSTRAP = "".join(Path(__file__).with_name(name).read_text() + "\n"
+                     for name in ("seal.py", "child.py")) + "_sandbox_main()\n"
+
+
+def run_percall(
+    code: str,
+    timeout_s: float,
+    *,
+    python: str,
+    unshare: str | None,
+    plan: tuple[str, str] | None,
+    uid: int,
+    gid: int,
+    limits: tuple[int, int, int, int, int],
+    tmpfs_bytes: int,
+    env: dict[str, str],
+    host_dir: str | None,
+    max_output_bytes: int,
+    max_file_bytes: int,
+) -> Outcome:
+    """Run `code` in a fresh interpreter; namespaces when `unshare` is given (with the root's `plan`).
+
+    `limits` are (RLIMIT_AS bytes, RLIMIT_CPU s, RLIMIT_FSIZE, RLIMIT_NPROC, RLIMIT_NOFILE); `host_dir` is the
+    base of the per-call directory (None: the default temp dir).
+    """
+    use_ns = unshare is not None
+    start = time.monotonic()
+    top = tempfile.mkdtemp(prefix="sao-sandbox-", dir=host_dir)
+    fds: list[int] = []
+    try:
+        os.chmod(top, 0o711)  # traversable (for the workdir), not listable
+        src_path = os.path.join(top, "main.py")
+        fd = os.open(src_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as f:
+            f.write(code.encode("utf-8", "surrogatepass"))
+        work = os.path.join(top, "work")
+        os.mkdir(work, 0o700)
+        if os.geteuid() == 0 and not use_ns:
+            os.chown(work, uid, gid)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        out_fd = os.open(os.path.join(top, "stdout"), flags, 0o600)
+        fds.append(out_fd)
+        err_fd = os.open(os.path.join(top, "stderr"), flags, 0o600)
+        fds.append(err_fd)
+        status_r, status_w = os.pipe()
+        fds += [status_r, status_w]
+
+        argv = [python, "-I", "-S", "-B", "-X", "utf8", "-c", _BOOTSTRAP]
+        argv += ["ns" if use_ns else "plain", src_path, work, str(status_w)]
+        argv += [str(v) for v in (uid, gid, *limits, tmpfs_bytes, os.getpid())]
+        argv += list(plan) if plan is not None else ["{}", ""]
+        if use_ns:
+            argv = [unshare, "--net", "--pid", "--fork", "--mount", "--kill-child", "--", *argv]
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out_fd,
+                stderr=err_fd,
+                cwd=top,
+                env=dict(env, HOME=work),
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=(status_w,),
+            )
+        except OSError as exc:
+            raise SandboxError(f"cannot start sandbox process {argv[0]!r}: {exc}") from exc
+        os.close(status_w)
+        fds.remove(status_w)
+        try:
+            import resource
+
+            resource.prlimit(proc.pid, resource.RLIMIT_CORE, (0, 0))
+        except (ImportError, OSError, ValueError):
+            pass
+
+        timed_out = False
+        status = bytearray()
+        pidfd = _pidfd_open(proc.pid)
+        try:
+            remaining = timeout_s - (time.monotonic() - start)
+            if not _wait_exit_nowait(proc.pid, pidfd, max(0.0, remaining)):
+                timed_out = True
+                _kill_sandbox(proc, pidfd, use_ns, status_r, status)
+            else:
+                # Sweep the group while the exited (zombie) leader still reserves the pgid, then reap the leader.
+                _kill_group(proc.pid)
+                proc.wait()
+        except BaseException:  # e.g. KeyboardInterrupt in the caller
+            if proc.returncode is None:
+                _kill_sandbox(proc, pidfd, use_ns, status_r, status)
+            raise
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+        wall_s = time.monotonic() - start
+        _read_available(status_r, status)
+        report, status_exit, _ = _parse_status(bytes(status))
+        stdout_b, stderr_b, err_tail, truncated = read_output(out_fd, err_fd, max_output_bytes, max_file_bytes)
+        return Outcome(report, status_exit, proc.returncode, timed_out, stdout_b, stderr_b, err_tail, truncated,
+                       wall_s)
+    finally:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        _rmtree(top)
+
+
+def _rmtree(path: str) -> None:
+    def onerror(func, p, exc_info):  # noqa: ANN001 - shutil callback
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            os.chmod(p, 0o700)
+            func(p)
+        except OSError:
+            pass
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=onerror)
+    else:
+        shutil.rmtree(path, onerror=onerror)

@@ -1,0 +1,210 @@
+"""`sao sweep`: one config trained with N RL seeds from one shared SFT policy, and a table of how each ended.
+
+    home/models/sft-<env>/                  the shared SFT policy (trained once, as `sao train` does)
+    home/sweeps/<name>/config.json          the swept config (a re-run with another config is refused)
+    home/sweeps/<name>/seed-<k>/            each seed's own run home: checkpoints, metrics, policy, report
+    home/sweeps/<name>/seed-<k>/result.json that seed's row, written last (a finished seed is not re-run)
+    home/sweeps/<name>/results.{md,csv}     the table
+
+Seeds run one after another: each run already takes both cores of this machine (engine and trainer threads),
+so running two at once would only slow both. Re-running the same command continues where it stopped:
+finished seeds are read back, an interrupted one resumes from its newest checkpoint.
+
+MLflow: a parent run `sweep/<name>` with one nested run per seed, and the table as the parent's artifact.
+A collapse is what `components/training/stability.py` says it is, online (replayed from the logged reward
+curve, exactly as the trainer's guard saw it) or on the held-out set after training.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from components.config import Config, to_dict
+from components.envs.registry import build_env
+from components.stages.evaluate import run_eval
+from components.stages.home import Log
+from components.stages.recipes import fingerprint
+from components.stages.sft import run_sft, sft_eval
+from components.storage import HomeStateError, write_json
+from components.tracking import DiskTracker, mlflow_experiment, open_tracker
+from components.training.stability import CollapseDetector, collapsed_on_eval
+
+
+@dataclass
+class SeedResult:
+    seed: int
+    accuracy: float
+    """Held-out greedy accuracy after training."""
+    delta: float
+    """accuracy - the SFT policy's, in points."""
+    collapsed: bool
+    collapse_step: int | None
+    """Step at which the online rule first fired (None if it never did)."""
+    cause: str
+    """`reward` (online rule), `eval` (held-out below SFT), both, or empty."""
+    rollbacks: int
+    peak_entropy: float
+    max_masked_frac: float
+    """Largest dis/masked_frac_low + dis/masked_frac_high of any step."""
+    final_ev: float
+    """critic/explained_variance, mean of the last 10 steps (NaN without a critic)."""
+    final_reward: float
+    """reward/mean, mean of the last 10 steps."""
+    minutes: float
+
+
+def run_sweep(cfg: Config, home: Path, seeds: int, first_seed: int = 1, name: str | None = None,
+              log: Log = print) -> list[SeedResult]:
+    if seeds < 1:
+        raise ValueError(f"--seeds: must be >= 1, got {seeds}")
+    swept = json.loads(json.dumps({**to_dict(cfg), "train": {**to_dict(cfg.train), "task_seed": None}}))
+    name = name or f"sweep-{fingerprint(swept)}"
+    root = home / "sweeps" / name
+    stored = root / "config.json"
+    if stored.exists() and json.loads(stored.read_text()) != swept:
+        raise HomeStateError(f"{root} holds a sweep of another config; pick another --name or remove it")
+    write_json(stored, swept)
+    sft_dir = run_sft(cfg, home, log=log)
+    sft_accuracy = sft_eval(cfg, sft_dir, home, log)
+    parent = _parent_run(cfg, home, name)
+    log(f"sweep {name}: {seeds} seed(s) from {first_seed}, SFT held-out accuracy {sft_accuracy:.1%}; "
+        f"table at {root}/results.md")
+    results = []
+    for seed in range(first_seed, first_seed + seeds):
+        # Each seed keeps its checkpoints in its own home: seeds of one config would share one store prefix.
+        seeded = replace(cfg, train=replace(cfg.train, task_seed=seed),
+                         store=replace(cfg.store, uri=str(root / f"seed-{seed}")))
+        results.append(_run_seed(seeded, home, root, sft_dir, sft_accuracy, parent, log))
+        _write_table(root, results, sft_accuracy)
+    if parent is not None:
+        _finish_parent(parent, root, results)
+    log(summary_line(results, sft_accuracy))
+    return results
+
+
+def _run_seed(cfg: Config, home: Path, root: Path, sft_dir: Path, sft_accuracy: float, parent, log: Log) -> SeedResult:
+    from components.training.trainer import train
+
+    seed, seed_home = cfg.train.task_seed, root / f"seed-{cfg.train.task_seed}"
+    done = seed_home / "result.json"
+    if done.exists():
+        log(f"sweep: seed {seed} finished earlier")
+        return SeedResult(**json.loads(done.read_text()))
+    metrics = seed_home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl"
+    tracker = open_tracker(cfg.tracking, home, f"{root.name}/seed-{seed}", metrics,
+                           parent_run_id=parent[1] if parent is not None else None)
+    start, failed = time.perf_counter(), True
+    try:
+        result = train(cfg, build_env(cfg), sft_dir, seed_home, tracker, resume=True,
+                       log=_every_tenth_step(log, f"[seed {seed}] "))
+        accuracy = run_eval(cfg, result.policy_dir, seed_home, f"{cfg.train.algo}-eval", log=log).accuracy
+        tracker.log_metrics({"eval/tir_math/accuracy": accuracy}, result.version)
+        failed = False
+    finally:
+        tracker.close(failed)
+    history = [r for r in DiskTracker.read(metrics) if "metrics" in r]
+    row = summarize(seed, history, accuracy, sft_accuracy, (time.perf_counter() - start) / 60)
+    write_json(done, asdict(row))
+    log(f"sweep: seed {seed}: {accuracy:.1%} ({row.delta:+.1f} points)"
+        + (f", COLLAPSED ({row.cause}, step {row.collapse_step})" if row.collapsed else ""))
+    return row
+
+
+def _every_tenth_step(log: Log, prefix: str) -> Log:
+    """The trainer's lines, with only every tenth progress line (`step   10/200 ...`)."""
+    def filtered(line: str) -> None:
+        if not line.startswith("step") or int(line.split()[1].split("/")[0]) % 10 == 0:
+            log(prefix + line)
+    return filtered
+
+
+def replay_collapses(history: list[dict]) -> list[int]:
+    """Steps at which the online rule fired, replayed over a logged run (`{"step", "metrics"}` records) the way
+    the trainer saw it: a rollback record (`trainer/rollback_to`) resets the detector."""
+    detector, fired = CollapseDetector(), []
+    for record in sorted(history, key=lambda r: r["step"]):
+        m = record["metrics"]
+        if "trainer/rollback_to" in m:
+            detector.reset()
+        elif "reward/mean" in m and detector.update(record["step"], m["reward/mean"]) is not None:
+            fired.append(record["step"])
+    return fired
+
+
+def summarize(seed: int, history: list[dict], accuracy: float, sft_accuracy: float, minutes: float) -> SeedResult:
+    steps = [r["metrics"] for r in sorted(history, key=lambda r: r["step"]) if "reward/mean" in r["metrics"]]
+    fired = replay_collapses(history)
+    on_eval = collapsed_on_eval(accuracy, sft_accuracy)
+    cause = "+".join(c for c, hit in (("reward", bool(fired)), ("eval", on_eval)) if hit)
+    last = steps[-10:]
+    evs = [m["critic/explained_variance"] for m in last if "critic/explained_variance" in m]
+    return SeedResult(
+        seed=seed, accuracy=accuracy, delta=100 * (accuracy - sft_accuracy), collapsed=bool(cause),
+        collapse_step=fired[0] if fired else None, cause=cause,
+        rollbacks=int(max((r["metrics"].get("trainer/rollbacks", 0) for r in history), default=0)),
+        peak_entropy=max((m.get("policy/entropy", 0.0) for m in steps), default=0.0),
+        max_masked_frac=max((m.get("dis/masked_frac_low", 0.0) + m.get("dis/masked_frac_high", 0.0) for m in steps),
+                            default=0.0),
+        final_ev=statistics.fmean(evs) if evs else float("nan"),
+        final_reward=statistics.fmean(m["reward/mean"] for m in last) if last else float("nan"),
+        minutes=minutes,
+    )
+
+
+def summary_line(results: list[SeedResult], sft_accuracy: float) -> str:
+    accs = [r.accuracy for r in results]
+    return (f"sweep: {len(results)} seed(s), SFT {sft_accuracy:.1%}; held-out accuracy mean {statistics.fmean(accs):.1%}"
+            f" (SFT {100 * (statistics.fmean(accs) - sft_accuracy):+.1f} points), worst {min(accs):.1%}, best "
+            f"{max(accs):.1%}; collapsed {sum(r.collapsed for r in results)}; rollbacks "
+            f"{sum(r.rollbacks for r in results)}; {sum(r.minutes for r in results):.0f} min")
+
+
+def _write_table(root: Path, results: list[SeedResult], sft_accuracy: float) -> None:
+    fields = list(SeedResult.__dataclass_fields__)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fields)
+    writer.writeheader()
+    writer.writerows(asdict(r) for r in results)
+    (root / "results.csv").write_text(buffer.getvalue())
+    lines = ["| seed | held-out | vs SFT | collapse (step, cause) | rollbacks | peak entropy | max masked | "
+             "final EV | final reward | min |", "|" + "---|" * 10]
+    for r in results:
+        collapse = f"yes ({r.collapse_step or '-'}, {r.cause})" if r.collapsed else "no"
+        lines.append(f"| {r.seed} | {r.accuracy:.1%} | {r.delta:+.1f} | {collapse} | {r.rollbacks} | "
+                     f"{r.peak_entropy:.3f} | {r.max_masked_frac:.3f} | {r.final_ev:.2f} | {r.final_reward:.3f} | "
+                     f"{r.minutes:.1f} |")
+    lines += ["", summary_line(results, sft_accuracy), ""]
+    (root / "results.md").write_text("\n".join(lines))
+
+
+def _parent_run(cfg: Config, home: Path, name: str) -> tuple | None:
+    """(MLflow client, run id) of the sweep's parent run, found again by its tag on a re-run; None with
+    `tracking.backend=disk`."""
+    if cfg.tracking.backend == "disk":
+        return None
+    client, experiment = mlflow_experiment(cfg.tracking, home)
+    runs = client.search_runs([experiment], filter_string=f"tags.`sao.sweep` = '{name}'", max_results=1)
+    run = runs[0] if runs else client.create_run(experiment, run_name=f"sweep/{name}", tags={"sao.sweep": name})
+    return client, run.info.run_id
+
+
+def _finish_parent(parent: tuple, root: Path, results: list[SeedResult]) -> None:
+    """The table as the parent run's artifacts and its headline numbers as metrics."""
+    from mlflow.entities import Metric
+
+    client, run_id = parent
+    accs = [r.accuracy for r in results]
+    now = int(time.time() * 1000)
+    headline = {"sweep/accuracy_mean": statistics.fmean(accs), "sweep/accuracy_min": min(accs),
+                "sweep/collapsed": float(sum(r.collapsed for r in results)),
+                "sweep/rollbacks": float(sum(r.rollbacks for r in results))}
+    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in headline.items()])
+    for filename in ("results.md", "results.csv"):
+        client.log_artifact(run_id, str(root / filename))
+    client.set_terminated(run_id, "FINISHED")

@@ -1,0 +1,108 @@
+"""The train stage: the SFT policy bootstrapped if needed, then the RL run (`train.algo`: SAO or a baseline),
+evaluated before and after on the held-out set unless the caller evaluates.
+
+Metrics go to `runs/<preset>/<algo>.jsonl` under the home and to MLflow; checkpoints to the artifact store. Under
+torchrun rank 0 does all of this while the other ranks only join the training steps (`run_rank`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from components.config import Config
+from components.envs.registry import build_env
+from components.stages.evaluate import run_eval
+from components.stages.home import Log, publish
+from components.stages.sft import run_sft, sft_eval
+from components.tracking import DiskTracker, NullTracker, mlflow_uri, open_tracker
+from components.training.collective import SOLO, from_environment, launched_world_size
+from components.training.checkpoint import checkpoint_store
+from components.training.engines import init_single_process_group
+from components.training.trainer import train
+
+
+def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, force_sft: bool = False,
+              parent_run_id: str | None = None, on_checkpoint=None, evaluate: bool = True) -> dict:
+    """`sao train`: bootstrap the SFT policy if needed, train with `cfg.train.algo` (the critic from
+    `train.critic_path` when set), evaluate before and after on the held-out set (`evaluate=False`: the caller evaluates).
+    Metrics go to `runs/<preset>/<algo>.jsonl` and to MLflow (`tracking.*`, nested under `parent_run_id`);
+    `on_checkpoint(step, uri)` is called for every complete checkpoint.
+
+    Under torchrun, rank 0 does everything above while the other ranks only join the training steps."""
+    setup = build_env(cfg)
+    comm = SOLO
+    if launched_world_size() > 1:
+        init_single_process_group()
+        comm = from_environment()
+    if comm.rank != 0:
+        sft_dir = Path(comm.broadcast(None))  # waits for rank 0's SFT policy
+        train(cfg, setup, sft_dir, home, NullTracker(), resume=resume, log=lambda _: None)
+        return {}
+    sft_dir = run_sft(cfg, home, force=force_sft, log=log)
+    comm.broadcast(str(sft_dir))  # releases the other ranks (a no-op in one process)
+    before = sft_eval(cfg, sft_dir, home, log) if evaluate else None
+    log(f"train: {cfg.train.algo}, {cfg.train.max_steps} steps x {cfg.train.batch_size} trajectories, "
+        f"{'sync' if cfg.train.sync else 'async'}, backend {cfg.train.backend}, {comm.world} process(es)"
+        + (f"; SFT held-out accuracy {before:.1%}" if evaluate else ""))
+    run_name = f"{cfg.name}/{cfg.train.algo}"
+    jsonl = home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl"
+    tracker = open_tracker(cfg.tracking, home, run_name, jsonl, parent_run_id=parent_run_id)
+    accuracy_key = f"eval/{cfg.env.name}/accuracy"
+    failed = True
+    try:
+        result = train(cfg, setup, sft_dir, home, tracker, resume=resume, log=log, on_checkpoint=on_checkpoint)
+        publish(cfg, home, str(result.policy_dir.relative_to(home)), log)
+        if not evaluate:
+            failed = False
+            return _summary(result, tracker, jsonl, cfg.train.batch_size)
+        after = run_eval(cfg, result.policy_dir, home, f"{cfg.train.algo}-eval", log=log)
+        # Logged after training: a resumed run rewinds its tracker first, so nothing it logged is duplicated.
+        tracker.log_metrics({accuracy_key: before}, 0)
+        tracker.log_metrics({accuracy_key: after.accuracy}, result.version)
+        failed = False
+    finally:
+        tracker.close(failed)
+    log(f"train: held-out accuracy {before:.1%} -> {after.accuracy:.1%} after {result.version} policy "
+        f"versions ({result.policy_dir})")
+    log(f"reports: {home / 'reports'}; metrics: {home / 'runs' / cfg.name}"
+        + (f", MLflow at {mlflow_uri(cfg.tracking, home)}" if cfg.tracking.backend == "mlflow" else ""))
+    return {"before": before, "after": after.accuracy, **_summary(result, tracker, jsonl, cfg.train.batch_size)}
+
+
+def _summary(result, tracker, jsonl: Path, batch_size: int) -> dict:
+    """What a training run hands on: version, rollbacks, the policy, its MLflow run, and from the run's JSON lines
+    (the whole run, across resumes): explained variance at step 1, trajectories/s over wall-clock time, trainer
+    idle fraction."""
+    rows = [r for r in DiskTracker.read(jsonl) if "step" in r] if jsonl.exists() else []
+    steps = [r for r in rows if "reward/mean" in r["metrics"]]
+    rate = None
+    if len(steps) >= 2 and steps[-1]["time"] > steps[0]["time"]:
+        rate = (len(steps) - 1) * batch_size / (steps[-1]["time"] - steps[0]["time"])
+    return {"version": result.version, "rollbacks": result.rollbacks, "policy_dir": result.policy_dir,
+            "run_id": getattr(tracker, "run_id", None), "trajectories_per_s": rate,
+            "idle_frac": steps[-1]["metrics"].get("trainer/idle_frac") if steps else None,
+            "explained_variance_step1": steps[0]["metrics"].get("critic/explained_variance") if steps else None}
+
+
+def latest_checkpoint(cfg: Config, home: Path) -> int | None:
+    """The step of this config's newest complete checkpoint in the store (None: none yet)."""
+    return checkpoint_store(cfg, home).latest_step()
+
+
+def is_driver() -> bool:
+    """True in the process that drives a run: the only one, or rank 0 under torchrun."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def run_rank(cfg: Config, home: Path, resume: bool = False) -> None:
+    """A non-zero torchrun rank of a training run: join rank 0's training steps, then end the process.
+
+    Nothing is left for this rank once training returns, and the interpreter's teardown can abort in C++ (gloo or
+    DeepSpeed threads still joinable: "terminate called without an active exception"), which torchrun reports as
+    the job failing; so the rank flushes and leaves with `os._exit(0)` (docs/reliability.md)."""
+    run_train(cfg, home, resume=resume)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
