@@ -26,7 +26,8 @@ from components.config import load_config
 from components.envs.registry import build_env
 from components.stages.sft import run_sft
 from components.tracking import NullTracker
-from components.training.trainer import thread_budget, train
+from components.training.parts import thread_budget
+from components.training.trainer import train
 
 STEPS = int(os.environ.get("BENCH_ASYNC_STEPS", "20"))
 HEAVY_TAIL = ["rollout.latency=\"lognormal\"", "rollout.latency_mean_s=0.5", "rollout.latency_sigma=1.5"]

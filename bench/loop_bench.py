@@ -31,7 +31,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -50,100 +49,86 @@ COMMON = ["train.checkpoint_every=0", "train.collapse_guard=\"off\""]
 
 def probe(arm: str, steps: int, home: Path) -> dict:
     """Run `arm` for `steps` updates in this process; per-step wall times and token counts, the trainer's own
-    timing metrics and the embedded engine's and the tools' time."""
+    timing metrics, the embedded engine's phase times, the tools' time, and the CPU and run-queue time of the
+    learner's and the engine's threads. The loop is watched through its own seams: an observer of every step
+    (`train(on_step=...)`) and an environment that times its steps; nothing of the trainer is replaced."""
     import tempfile
+    from dataclasses import replace
 
     from components.config import load_config
     from components.envs.registry import build_env
     from components.stages.sft import run_sft
     from components.tracking import NullTracker
-    from components.rollout import embedded
-    from components.training import algorithms, learner, trainer
+    from components.training.trainer import train
 
     cfg = load_config("tiny-cpu", COMMON + ARMS[arm] + [f"train.max_steps={steps}"])
     sft_dir = run_sft(load_config("tiny-cpu"), home, log=lambda _: None)
     setup = build_env(cfg)
+    tools = TimedEnvironment(setup.env)
     rows: list[dict] = []
-    engines: list = []
-    counters = {"tool_s": 0.0, "tool_calls": 0}
+    totals = {"trainer_s": 0.0}
 
-    original_row, original_open = trainer._row, trainer.open_rollouts
+    def observe(trainer, batch, row) -> None:
+        engine = getattr(trainer.parts.rollouts, "engine", None)
+        totals["trainer_s"] += row["trainer/step_s"]
+        critic = trainer.parts.learner.critic
+        counters = {"tool_s": tools.seconds, "tool_calls": tools.calls, "critic_s": critic.busy_s if critic else 0.0,
+                    "trainer_s": totals["trainer_s"]}
+        counters.update(_thread_counters("trainer", trainer.learner_thread_id))
+        stats = getattr(engine, "stats", None)
+        if stats is not None:
+            engine_wall = stats.decode_s + stats.prefill_s + stats.sample_s + stats.update_s
+            counters.update({"engine_s": engine_wall, **_thread_counters("engine", engine.thread_id)})
+        rows.append({"n": len(batch), "tokens": sum(t.num_actions for t in batch), "t": time.perf_counter(),
+                     "counters": counters, "cpu": cpu_seconds(), "engine": dict(vars(stats)) if stats else {},
+                     **{k: v for k, v in row.items() if k.startswith(("trainer/", "rollout/"))}})
 
-    def row(metrics, batch, *args, **kwargs):  # the batch's size and tokens (both codes make a row per step)
-        rows.append({"n": len(batch), "tokens": sum(t.num_actions for t in batch)})
-        return original_row(metrics, batch, *args, **kwargs)
-
-    class Recorder(NullTracker):  # the whole row as logged, when it is logged
-        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-            if "reward/mean" not in metrics:
-                return
-            stats = engines[0].engine.stats if engines and hasattr(engines[0], "engine") else None
-            rows[-1].update({"t": time.perf_counter(), "counters": dict(counters), "cpu": cpu_seconds(),
-                             "engine": dict(vars(stats)) if stats else {},
-                             **{k: v for k, v in metrics.items() if k.startswith(("trainer/", "rollout/"))}})
-
-    def open_rollouts(*args, **kwargs):
-        engines.append(original_open(*args, **kwargs))
-        return engines[-1]
-
-    start_episode = setup.env.start
-
-    def start(task):
-        episode = start_episode(task)
-        step = episode.step
-
-        async def timed(*args, **kwargs):
-            began = time.perf_counter()
-            try:
-                return await step(*args, **kwargs)
-            finally:
-                counters["tool_s"] += time.perf_counter() - began
-                counters["tool_calls"] += 1
-
-        episode.step = timed
-        return episode
-
-    setup.env.start = start
-    _time_thread(algorithms, "critic_updates", counters, "critic")
-    _time_thread(learner.Learner, "_step", counters, "trainer")
-    _time_thread(embedded.EmbeddedEngine, "_step", counters, "engine")
-    trainer._row, trainer.open_rollouts = row, open_rollouts
     with tempfile.TemporaryDirectory() as run_home:
-        trainer.train(cfg, setup, sft_dir, Path(run_home), Recorder(), log=lambda _: None)
+        train(cfg, replace(setup, env=tools), sft_dir, Path(run_home), NullTracker(), log=lambda _: None,
+              on_step=[observe])
     import components
 
     return {"arm": arm, "rows": rows, "code": str(Path(components.__file__).parent.parent)}
 
 
-def _time_thread(owner, name: str, counters: dict, key: str) -> None:
-    """Count the wall, the calling thread's CPU and its wait for a core (the scheduler's run-queue delay) in
-    `owner.name` (a class's method or a module's function) into `counters` (`<key>_s`, `<key>_cpu_s`,
-    `<key>_queued_s`); the rest of the wall is waiting for a lock (the GIL) or for I/O."""
-    original = getattr(owner, name, None)
-    if original is None:  # a base revision without it
-        return
-    for part in ("s", "cpu_s", "queued_s"):
-        counters[f"{key}_{part}"] = 0.0
+class TimedEnvironment:
+    """An environment that counts its episodes' steps (the tool calls) and their wall time, around another."""
 
-    def timed(*args, **kwargs):
-        wall, cpu, queued = time.perf_counter(), time.thread_time(), _queued_s()
+    def __init__(self, env) -> None:
+        self.env, self.seconds, self.calls = env, 0.0, 0
+        self.name, self.success_threshold = env.name, env.success_threshold
+
+    def start(self, task):
+        return _TimedEpisode(self, self.env.start(task))
+
+
+class _TimedEpisode:
+    def __init__(self, owner: TimedEnvironment, episode) -> None:
+        self.owner, self.episode = owner, episode
+
+    def prompt_text(self) -> str:
+        return self.episode.prompt_text()
+
+    async def step(self, turn_text: str, truncated: bool):
+        began = time.perf_counter()
         try:
-            return original(*args, **kwargs)
+            return await self.episode.step(turn_text, truncated)
         finally:
-            counters[f"{key}_s"] += time.perf_counter() - wall
-            counters[f"{key}_cpu_s"] += time.thread_time() - cpu
-            counters[f"{key}_queued_s"] += _queued_s() - queued
-
-    setattr(owner, name, timed)
+            self.owner.seconds += time.perf_counter() - began
+            self.owner.calls += 1
 
 
-def _queued_s() -> float:
-    """Seconds the calling thread has waited on a run queue (runnable, no core free): /proc schedstat."""
+def _thread_counters(key: str, thread_id: int | None) -> dict:
+    """`<key>_cpu_s` and `<key>_queued_s`: the thread's time on a core and waiting for one (its run queue), from
+    /proc/self/task/<id>/schedstat; nothing when the thread is not known yet."""
+    if thread_id is None:
+        return {}
     try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as stat:
-            return int(stat.read().split()[1]) / 1e9
+        with open(f"/proc/self/task/{thread_id}/schedstat") as stat:
+            on_cpu, queued = (int(x) / 1e9 for x in stat.read().split()[:2])
     except OSError:
-        return 0.0
+        return {}
+    return {f"{key}_cpu_s": on_cpu, f"{key}_queued_s": queued}
 
 
 def cpu_seconds() -> dict:
@@ -166,7 +151,8 @@ def _rates(rows: list[dict]) -> dict:
 
 def _run_arm(arm: str, tree: Path, home: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--probe", arm, "--steps", str(STEPS),
+    # Each tree's own probe: a base revision is watched with its own code (its API may differ from this one's).
+    out = subprocess.run([sys.executable, str(tree / "bench" / "loop_bench.py"), "--probe", arm, "--steps", str(STEPS),
                           "--home", str(home)], env=env, cwd=tree, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"bench loop: arm {arm!r} in {tree} failed:\n{out.stderr[-4000:]}")

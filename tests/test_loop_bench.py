@@ -1,8 +1,9 @@
 """The loop bench's step breakdown (bench/loop_bench.py) on hand-made rows: per-step deltas after the warm-up."""
 
 import threading
+import time
 
-from bench.loop_bench import WARMUP, _queued_s, breakdown
+from bench.loop_bench import WARMUP, _thread_counters, breakdown
 
 
 def _row(i: int) -> dict:
@@ -30,18 +31,27 @@ def test_breakdown_gives_per_step_parts_and_the_cpu_split():
     assert tools.startswith("tools: 28.0 env steps per step, 20.0 ms each") and abs(parts[tools] - 0.56) < 1e-9
 
 
-def test_run_queue_delay_is_the_calling_threads_schedstat():
-    """The second field of /proc/self/task/<tid>/schedstat (nanoseconds runnable without a core), in seconds; it
-    only grows."""
-    seen = []
+def test_thread_counters_read_another_threads_schedstat():
+    """A thread's time on a core and on its run queue (the first two fields of /proc/self/task/<tid>/schedstat, in
+    seconds), read from another thread by its native id; they only grow, and a busy thread gains CPU time."""
+    ids, done = [], threading.Event()
 
-    def read() -> None:
-        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as stat:
-            before = int(stat.read().split()[1]) / 1e9
-        seen.append((before, _queued_s()))
+    def spin() -> None:
+        ids.append(threading.get_native_id())
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+        done.wait()
 
-    worker = threading.Thread(target=read)
+    worker = threading.Thread(target=spin)
     worker.start()
+    while not ids:
+        time.sleep(0.001)
+    time.sleep(0.1)
+    first = _thread_counters("w", ids[0])
+    with open(f"/proc/self/task/{ids[0]}/schedstat") as stat:
+        on_cpu, queued = (int(x) / 1e9 for x in stat.read().split()[:2])
+    done.set()
     worker.join()
-    before, after = seen[0]
-    assert before <= after < before + 1.0
+    assert first["w_cpu_s"] >= 0.05 and first["w_cpu_s"] <= on_cpu and first["w_queued_s"] <= queued
+    assert _thread_counters("w", None) == {}

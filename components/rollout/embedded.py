@@ -136,6 +136,12 @@ class EmbeddedEngine:
             self._thread.start()
         return self
 
+    @property
+    def thread_id(self) -> int | None:
+        """Native id of the engine loop's thread (None before `start`): what a profiler reads the thread's CPU
+        and run-queue time by (/proc/self/task/<id>/schedstat)."""
+        return self._thread.native_id if self._thread is not None else None
+
     def shutdown(self) -> None:
         with self._cond:
             self._stopped = True

@@ -50,7 +50,7 @@ LABELS = ("preset", "algo", "env")
 """Labels of every trainer series, from the run's config (`name`, `train.algo`, `env.name`)."""
 
 STEP_ROW = "reward/mean"
-"""A logged row holding this metric is a training step (the trainer's per-step row; jobs.py reads the same)."""
+"""A logged row holding this metric is a training step (the trainer's per-step row; stages/train.py reads the same)."""
 
 
 def series_name(metric: str) -> str:

@@ -164,7 +164,8 @@ def _variance(comm: Collective):
 
 
 def _critic_step(policy, critic, batch, s: AlgoSettings, use_dis: bool, comm: Collective) -> dict:
-    values, metrics = critic_updates(critic, batch, s, s.critic_updates, comm)
+    with critic.busy():  # the K updates and the updated critic's values (the loop benchmark's split)
+        values, metrics = critic_updates(critic, batch, s, s.critic_updates, comm)
     act = batch["action_mask"]
     advantages, _ = gae(batch["rewards"], values, act, s.gamma, s.lam_policy)
     if s.normalize_advantages:

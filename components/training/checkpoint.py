@@ -20,8 +20,11 @@ import torch
 
 from components.config import Config
 from components.storage import open_store, resolve_store_uri
-from components.storage.artifacts import (ArtifactStore, CorruptArtifact, IncompleteArtifact, LocalStore, check_key,
-                                          join)
+from components.storage.artifacts import (ArtifactStore, CorruptArtifact, IncompleteArtifact, LocalStore, StoreError,
+                                          check_key, join)
+
+OnCheckpoint = Callable[[int, str], None]
+"""Called with (step, URI) once a checkpoint is complete in the store."""
 
 _STEP = re.compile(r"step-(\d{8,})")
 
@@ -129,3 +132,39 @@ def checkpoint_store(cfg: Config, home: Path) -> CheckpointStore:
     uri = resolve_store_uri(cfg.store.uri, home)
     store = open_store(uri, **cfg.store.options(uri))
     return CheckpointStore(store, f"checkpoints/{cfg.name}", Path(home) / "cache" / "checkpoints")
+
+
+class Checkpointer:
+    """A run's checkpoints with a failure budget: a checkpoint lost to a store outage (its retries spent) does not
+    end the run, up to `max_failures` in a row (`train.checkpoint_failures`; docs/reliability.md). The first
+    checkpoint of a process and the run's last one must be stored: without them there is nothing to resume
+    from, or the result is lost."""
+
+    def __init__(self, store: CheckpointStore, max_failures: int, on_checkpoint: OnCheckpoint | None = None,
+                 log: Callable[[str], None] = print) -> None:
+        self.store, self.max_failures, self.log = store, max_failures, log
+        self.on_checkpoint = on_checkpoint or (lambda step, uri: None)
+        self.stored = 0
+        """Checkpoints this process stored."""
+        self.failed = 0
+        """Checkpoints this process could not store (`trainer/checkpoint_failures`)."""
+        self.failed_in_a_row = 0
+
+    def save(self, step: int, payload: dict[str, Any], final: bool = False) -> str | None:
+        """Store `payload` as checkpoint `step` and call `on_checkpoint(step, uri)`; returns the URI, or None when
+        the store failed and the budget lets the run go on. Raises the `StoreError` otherwise (`final`: the run's
+        last checkpoint)."""
+        try:
+            uri = self.store.save(step, payload)
+        except StoreError as exc:  # the store's retries are spent: an outage, or a store that never worked
+            self.failed += 1
+            self.failed_in_a_row += 1
+            if not self.stored or final or self.failed_in_a_row > self.max_failures:
+                raise
+            self.log(f"train: checkpoint {step} not stored ({exc}); training goes on, {self.failed_in_a_row} of "
+                     f"train.checkpoint_failures={self.max_failures} in a row")
+            return None
+        self.stored += 1
+        self.failed_in_a_row = 0
+        self.on_checkpoint(step, uri)
+        return uri

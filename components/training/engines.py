@@ -28,7 +28,9 @@ import copy
 import json
 import math
 import os
-from collections.abc import KeysView
+import time
+from collections.abc import Iterator, KeysView
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,18 @@ class _Checkpointable:
         self.module.load_state_dict(state["module"])  # first: an optimizer may pick up the module's weights
         self._load_optimizer(state)
         self.skipped_steps = state["skipped_steps"]
+
+    busy_s: float = 0.0
+    """Wall seconds of the algorithm steps' work timed with `busy()` (the critic's K updates): what the loop
+    benchmark splits a step by. Not checkpointed."""
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_s += time.perf_counter() - began
 
     def skip_update(self) -> Tensor:
         """Count an update the step skipped before its backward (non-finite inputs, decided on every rank

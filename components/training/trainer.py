@@ -1,5 +1,5 @@
 """The asynchronous RL loop: trajectories stream from the agent runner into the trainer, one algorithm step per
-batch, weights published to the engine after every step (DESIGN section 3).
+batch, weights published to the engine after every step (docs/design.md, architecture).
 
     runner (asyncio, C episodes) --finished trajectory--> buffer --B in arrival order--> step --> publish v+1
 
@@ -7,15 +7,14 @@ In async mode nothing waits for a group. The buffer's admission control bounds s
 (`train.sync`), a batch is generated, all of it is awaited, and then the trainer trains on it. Both modes
 run the same code, so async and sync are measured on equal terms.
 
+The loop (`Trainer.run`) reads as a recipe: take a batch, step, publish, log, checkpoint, watch for a collapse.
+What it uses comes in as `TrainerParts` (components/training/parts.py builds them once for the flows, the CLI,
+the sweep and the benchmarks): the learner, the rollouts, the buffer and the runner, the checkpointer with its
+failure budget, the collapse guard and the tracker. Observers (`on_step`) see every step's batch and row, which
+is how the loop benchmark watches it.
+
 Under torchrun (DeepSpeed backend) rank 0 runs everything here and the learner splits each batch over the
 ranks (components/training/learner.py); the result is the single-process step of the whole batch.
-
-Both learning rates follow `lr_scale` (warm-up, cosine decay), and a collapse guard watches the reward
-(`components/training/stability.py`): when the collapse rule fires it restores the newest checkpoint from
-before the collapse as a new policy version. docs/stability.md has the mechanism and the evidence.
-
-The environment and its task stream come in as an `EnvSetup` (components/envs/registry.py, chosen by
-`env.name`); checkpoints go to the artifact store (`store.uri`: the run home, a path or S3).
 
 Departures:
 - with the embedded engine (`rollout.backend = "embedded"`) the trainer and the engine share one process,
@@ -27,36 +26,38 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import os
 import random
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-from components.agent.runner import AgentRunner, episode_limits
 from components.config import Config, TrainConfig, to_dict
+from components.contracts.environment import EnvSetup
 from components.contracts.trajectory import Trajectory, to_tensors
 from components.faults import fault_point
-from components.models import load_tokenizer, save_model_dir, stop_token_ids
-from components.rollout.backends import EmbeddedRollouts, HttpRollouts, Rollouts
-from components.storage import (HomeStateError, StoreError, atomic_dir, weights_fingerprint)
-from components.tracking import Tracker
-from components.training.algorithms import ALGORITHMS, AlgoSettings
-from components.training.buffer import TrajectoryBuffer
-from components.training.checkpoint import CheckpointStore, checkpoint_store
+from components.models import save_model_dir
+from components.storage import atomic_dir
 from components.training import memory
+from components.training.buffer import TrajectoryBuffer
+from components.tracking import Tracker
+from components.training.checkpoint import OnCheckpoint
 from components.training.learner import Learner
+from components.training.parts import TrainerParts, build_parts, settings_from, thread_budget
 from components.training.schedule import warmup_cosine
-from components.training.stability import Collapse, CollapseDetector
+from components.training.stability import CollapseDetector
 
-if TYPE_CHECKING:  # the trainer is handed an environment; it imports none
-    from components.contracts.environment import EnvSetup
+Observer = Callable[["Trainer", list[Trajectory], dict], None]
+"""Called with (trainer, batch, row) after every step's row is logged."""
 
-OnCheckpoint = Callable[[int, str], None]
-"""Called with (step, URI) once a checkpoint is complete in the store."""
+HISTORY_ROWS = 10_000
+"""Per-step metric rows a run keeps in memory for its `TrainResult` (about 3 KB each)."""
+TRAINED_IDS = 100_000
+"""Trajectory ids a run keeps in memory for its `TrainResult`."""
 
 
 @dataclass
@@ -83,300 +84,208 @@ class TrainResult:
     both times)."""
 
 
-HISTORY_ROWS = 10_000
-"""Per-step metric rows a run keeps in memory for its `TrainResult` (about 3 KB each)."""
-TRAINED_IDS = 100_000
-"""Trajectory ids a run keeps in memory for its `TrainResult`."""
-
-
-def thread_budget(cfg: Config, cores: int | None = None) -> tuple[int, int]:
-    """(engine, trainer) torch CPU threads. torch's thread count is per thread, so the engine thread and the
-    trainer thread each get their own share of the cores. The embedded engine gets half of them in both modes:
-    while it generates, the rest serve the tool calls and the agent runner (a second engine thread on 2 cores
-    made synchronous GRPO 23% slower and the async loop 2x slower: its small decode steps do not pay for it).
-    The trainer gets the rest in async mode, where both run at once, and every core in sync mode, where they
-    take turns; with external engines (`rollout.backend = "http"`) it has them all. Explicit
-    `rollout.engine_threads` / `train.threads` win."""
-    cores = cores or len(os.sched_getaffinity(0))
-    if cfg.rollout.backend == "http":
-        return cfg.rollout.engine_threads or cores, cfg.train.threads or cores
-    engine = cfg.rollout.engine_threads or max(1, cores // 2)
-    if cfg.train.sync:
-        return engine, cfg.train.threads or cores
-    return engine, cfg.train.threads or max(1, cores - engine)
-
-
 def lr_scale(tc: TrainConfig, step: int) -> float:
     """Both learning rates at 0-based step `step`, as a fraction of the configured ones: linear warm-up over
     `warmup_steps`, then cosine decay to `min_lr_ratio` at `max_steps` (docs/stability.md says why)."""
     return warmup_cosine(step, tc.max_steps, 1.0, tc.min_lr_ratio, tc.warmup_steps)
 
 
-def settings_from(cfg: Config) -> AlgoSettings:
-    algorithm = ALGORITHMS[cfg.train.algo]
-    eps_low, eps_high = cfg.algo.dis_window
-    return AlgoSettings(cfg.algo.gamma, cfg.algo.lam_critic, cfg.algo.lam_policy, eps_low, eps_high,
-                        cfg.algo.temperature, algorithm.critic_updates or cfg.algo.critic_updates,
-                        cfg.algo.value_clip, cfg.algo.normalize_advantages,
-                        group_size=cfg.train.group_size if algorithm.grouped else 1)
-
-
-def open_rollouts(cfg: Config, module: torch.nn.Module, tokenizer, home: Path, version: int,
-                  engine_threads: int) -> Rollouts:
-    """Where episodes are generated (`rollout.backend`): the embedded engine on a copy of `module` in this
-    process, or the `rollout.urls` servers, which load each version from `rollout.publish_dir`."""
-    rc = cfg.rollout
-    backends: dict[str, Callable[[], Rollouts]] = {
-        "embedded": lambda: EmbeddedRollouts(module, tokenizer, rc.max_batch, version, engine_threads),
-        "http": lambda: HttpRollouts(list(rc.urls), module, tokenizer, Path(rc.publish_dir or home / "published"),
-                                     rc.server, rc.request_timeout_s, rc.request_retries, version,
-                                     max_wait_s=rc.engine_wait_s),
-    }
-    return backends[rc.backend]()
-
-
 def train(cfg: Config, setup: EnvSetup, sft_dir: Path, home: Path, tracker: Tracker, resume: bool = False,
           log: Callable[[str], None] = print, detector: CollapseDetector | None = None,
-          on_checkpoint: OnCheckpoint | None = None) -> TrainResult:
-    """Train from `sft_dir` on `setup`'s environment and task stream. Under torchrun every rank calls this;
-    rank 0 runs the agent loop and returns the result, the other ranks serve rank 0's steps and return an
-    empty result. `detector` is the collapse rule (default: `CollapseDetector()`, the one definition; tests
-    pass a hair-trigger one). `on_checkpoint(step, uri)` is called after each checkpoint is complete in the
-    store (the train flow emits `sao.checkpoint.saved` from it)."""
+          on_checkpoint: OnCheckpoint | None = None, on_step: list[Observer] | None = None) -> TrainResult:
+    """Train from `sft_dir` on `setup`'s environment and task stream; the policy lands in
+    `models/<name>-<algo>-policy` under `home`. Under torchrun every rank calls this; rank 0 runs the loop and
+    returns the result, the other ranks serve rank 0's steps and return an empty result. `detector` is the
+    collapse rule (tests pass a hair-trigger one); `on_checkpoint(step, uri)` is called after each checkpoint is
+    complete in the store (the train flow emits `sao.checkpoint.saved` from it); `on_step` observe the loop."""
     engine_threads, trainer_threads = thread_budget(cfg)
     learner = Learner(cfg, sft_dir, settings_from(cfg), trainer_threads)
     if not learner.is_driver:
         learner.serve()
         learner.close()
         return TrainResult(0, 0, None, [])
+
+    async def run() -> TrainResult:
+        parts = build_parts(cfg, setup, learner, sft_dir, home, tracker, engine_threads, resume, log, detector,
+                            on_checkpoint)
+        out = Path(home) / "models" / f"{cfg.name}-{cfg.train.algo}-policy"
+        return await Trainer(cfg.train, parts, out, log, on_step).run()
+
     try:
-        return asyncio.run(_train(cfg, setup, learner, sft_dir, home, tracker, resume, engine_threads, log,
-                                  detector or CollapseDetector(), on_checkpoint or (lambda step, uri: None)))
+        return asyncio.run(run())
     finally:
         learner.release()
         learner.close()
 
 
-async def _train(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, home: Path, tracker: Tracker,
-                 resume: bool, engine_threads: int, log, detector: CollapseDetector,
-                 on_checkpoint: OnCheckpoint) -> TrainResult:
-    tc = cfg.train
-    tokenizer = load_tokenizer(sft_dir)
-    store = checkpoint_store(cfg, home)
-    step, cursor, origin = 0, 0, weights_fingerprint(sft_dir)
-    guard = {"rollbacks": 0, "lr_scale": 1.0}  # the collapse guard's record, carried in checkpoints
-    latest = store.latest_step()
-    if latest is not None and not resume:
-        raise HomeStateError(f"{store.location} holds checkpoints up to step {latest} of an earlier run: pass "
-                             f"--resume to continue it, or remove them to start over")
-    found = store.load_latest(log) if resume and latest is not None else None
-    if found is not None:
-        latest, saved = found
-        if saved["state"].get("origin") != origin:
-            raise HomeStateError(f"{store.location}/step-{latest:08d} was trained from other starting weights than "
-                                 f"{sft_dir}; remove {store.location} to start over from them")
-        learner.load_state_dicts(saved)
-        step, cursor = saved["state"]["step"], saved["state"]["cursor"]
-        guard.update(saved["state"].get("guard", {}))
-        torch.set_rng_state(saved["state"]["torch_rng"])
-        random.setstate(saved["state"]["py_rng"])
-        tracker.rewind(step)
-        log(f"train: resumed from {store.location}/step-{latest:08d} (version {step})")
-    elif latest is not None:
-        raise HomeStateError(f"{store.location}: no checkpoint up to step {latest} loads (see above); remove them "
-                             f"to start over")
+class Trainer:
+    """One run of the loop on `parts`, from `parts.start` to `tc.max_steps` (or the guard's end)."""
 
-    saves = {"stored": 0, "failed_in_a_row": 0, "failed": 0}  # this process's checkpoints
+    def __init__(self, tc: TrainConfig, parts: TrainerParts, out_dir: Path, log: Callable[[str], None] = print,
+                 on_step: list[Observer] | None = None) -> None:
+        self.tc, self.parts, self.out_dir, self.log = tc, parts, out_dir, log
+        self.on_step = list(on_step or [])
+        self.step, self.cursor = parts.start.step, parts.start.cursor
+        self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_ROWS)
+        self.trained_ids: collections.deque[str] = collections.deque(maxlen=TRAINED_IDS)
+        self.updates = self.trajectories = 0
+        self.idle = self.loop_s = 0.0
+        self.lagged: collections.deque = collections.deque()  # weights not yet published (train.sync_lag)
+        self.learner_thread_id: int | None = None
+        """Native id of the thread the learner's steps run on (one thread for the whole run)."""
+        self._learner_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sao-learner")
 
-    def save_checkpoint() -> None:
+    async def run(self) -> TrainResult:
+        p, tc = self.parts, self.tc
+        if p.start.fresh and p.guard.active:
+            self.save_checkpoint()  # the starting weights: the guard always has a checkpoint to return to
+        env_row = self._task_hook(first=True)
+        stop = asyncio.Event()
+        producer = None if tc.sync else asyncio.create_task(p.runner.run(p.tasks, p.intake.put, p.buffer.admit, stop))
+        p.tracker.log_params({"config": to_dict(p.cfg), "resumed_at": self.step})
+        self.started = self.last_row = time.perf_counter()
         try:
-            _save_checkpoint()
+            while self.step < tc.max_steps:
+                env_row = self._task_hook() if self.step != self._hooked else env_row
+                batch, waited = await self._next_batch(producer)
+                metrics, step_s = await self._update(batch)
+                publish_s = await self._publish()
+                row = self._record(batch, metrics, waited, step_s, publish_s, env_row)
+                if self.step == tc.max_steps or (tc.checkpoint_every and self.step % tc.checkpoint_every == 0):
+                    self.save_checkpoint()
+                if not await self._watch(row["reward/mean"]):
+                    break
+        finally:
+            stop.set()
+            await p.buffer.close()
+            try:
+                if producer is not None:
+                    await producer
+            finally:  # also when the producer failed (every engine down): its probes and connections end here
+                await p.rollouts.close()
+                self._learner_thread.shutdown()
+        with atomic_dir(self.out_dir) as tmp:
+            save_model_dir(p.learner.policy.module, p.tokenizer, tmp)
+        return TrainResult(self.updates, self.step, self.out_dir, list(self.history), seconds=self.loop_s,
+                           idle_seconds=self.idle, trajectories=self.trajectories, rollbacks=p.guard.rollbacks,
+                           trained_ids=list(self.trained_ids))
+
+    # ---- the loop's parts, in the order the loop calls them --------------------------------------------------
+
+    def _task_hook(self, first: bool = False) -> dict[str, float]:
+        """The environment's per-step hook (the style preference schedule): its metrics from now on. A change
+        (a preference flip) drops the reward on purpose: the guard starts over, and a new task's starting
+        weights are checkpointed, as what the guard may return to."""
+        p = self.parts
+        self._hooked = self.step
+        metrics, message = p.setup.on_step(self.step)
+        if message:
+            self.log(message)
+            p.guard.task_changed(self.step, hold=self.tc.max_staleness + 1)
+            if not first and p.guard.active and p.checkpoints.store.latest_step() != self.step:
+                self.save_checkpoint()
+        return metrics
+
+    async def _next_batch(self, producer: asyncio.Task | None) -> tuple[list[Trajectory], float]:
+        """The next `batch_size` trajectories (sync mode: generated now, in task order) and the seconds waited."""
+        p, n = self.parts, self.tc.batch_size
+        began = time.perf_counter()
+        while self.tc.sync and p.buffer.ready < n:  # generate one batch, wait for all of it
+            await p.runner.run(itertools.islice(p.tasks, n - p.buffer.ready), p.intake.put)
+        batch = await _take(p.buffer, n, producer)
+        if self.tc.sync:  # one batch, one policy: task order rather than finish order makes runs reproducible
+            batch.sort(key=lambda t: (t.metadata.get("cursor", 0), t.prompt_id))
+        waited = time.perf_counter() - began
+        self.idle += waited
+        return batch, waited
+
+    async def _update(self, batch: list[Trajectory]) -> tuple[dict, float]:
+        """One algorithm step on `batch`; the version moves on. Returns (metrics, seconds)."""
+        p = self.parts
+        began = time.perf_counter()
+        tensors = to_tensors(batch, p.tokenizer.pad_token_id)
+        self.scale = p.guard.lr_scale * lr_scale(self.tc, self.step)
+        loop = asyncio.get_running_loop()
+        metrics = await loop.run_in_executor(self._learner_thread, self._learner_step, tensors, self.scale)
+        fault_point("trainer.step")  # the weights moved, the version is not yet counted nor published
+        self.step += 1
+        self.cursor = max(t.metadata.get("cursor", 0) for t in batch) + 1
+        return metrics, time.perf_counter() - began
+
+    def _learner_step(self, tensors: dict, scale: float) -> dict:
+        self.learner_thread_id = threading.get_native_id()
+        return self.parts.learner.step(tensors, scale)
+
+    async def _publish(self) -> float:
+        """Send the weights of version `step - sync_lag` to the engines; returns the seconds it took. Publishing
+        awaits the engines, so with no lag the live weights can go as they are: nothing moves them until the next
+        step. A lagged version must be a copy."""
+        p, began = self.parts, time.perf_counter()
+        policy = p.learner.policy
+        self.lagged.append((self.step, _weights(policy) if self.tc.sync_lag else _live_weights(policy)))
+        if len(self.lagged) > self.tc.sync_lag:  # versions are consecutive: the oldest is `step - sync_lag`
+            version, weights = self.lagged.popleft()
+            await p.rollouts.publish(weights, version)
+        await p.buffer.set_version(self.step)
+        return time.perf_counter() - began
+
+    def _record(self, batch: list[Trajectory], metrics: dict, waited: float, step_s: float, publish_s: float,
+                env_row: dict[str, float]) -> dict:
+        """The step's row: logged, kept in the history, shown to the observers and as a progress line."""
+        p, now = self.parts, time.perf_counter()
+        row = step_row(metrics, batch, self.step, waited, step_s, self.idle, now - self.started, now - self.last_row)
+        self.last_row = now
+        row.update({"trainer/publish_s": publish_s, "trainer/lr_scale": self.scale,
+                    "trainer/rollbacks": float(p.guard.rollbacks), **env_row, **_skipped_steps(p.learner),
+                    "trainer/checkpoint_failures": float(p.checkpoints.failed), **p.rollouts.metrics(),
+                    "rollout/episodes_dropped": float(p.buffer.discarded)})
+        self.history.append(row)
+        self.updates += 1
+        self.trajectories += len(batch)
+        self.trained_ids.extend(t.prompt_id for t in batch)
+        self.loop_s = time.perf_counter() - self.started
+        p.tracker.log_metrics(row, self.step)
+        for observer in self.on_step:
+            observer(self, batch, row)
+        self.log(progress_line(self.step, self.tc.max_steps, row))
+        return row
+
+    async def _watch(self, reward: float) -> bool:
+        """The collapse guard after step `step`; False when the run ends here. A rollback's restored weights go
+        out as a new version: versions only ever grow."""
+        p = self.parts
+        collapse = p.guard.check(self.step, reward)
+        if collapse is None:
+            return True
+        if not p.guard.active:
+            self.log(f"train: collapse at step {self.step} ({collapse.cause}); train.collapse_guard=off, continuing")
+            return True
+        restored = p.guard.roll_back(collapse, p.checkpoints.store, p.learner, self.log)
+        if restored is None:
+            return False
+        self.step += 1
+        self.lagged.clear()
+        await p.rollouts.publish(_weights(p.learner.policy), self.step)
+        await p.buffer.set_version(self.step)
+        p.tracker.log_metrics({"trainer/rollbacks": float(p.guard.rollbacks), "trainer/rollback_to": restored},
+                              self.step)
+        self.log(f"train: rolled back to the checkpoint of step {restored} as version {self.step} "
+                 f"(rollback {p.guard.rollbacks})")
+        self.save_checkpoint()
+        return not p.guard.ends
+
+    def save_checkpoint(self) -> None:
+        """Checkpoint the learner, the loop's position, the guard's record and the RNG states at `step`."""
+        p = self.parts
+        try:
+            p.checkpoints.save(self.step, {
+                **p.learner.state_dicts(),
+                "state": {"step": self.step, "cursor": self.cursor, "world_size": p.learner.comm.world,
+                          "origin": p.start.origin, "guard": p.guard.state(), "torch_rng": torch.get_rng_state(),
+                          "py_rng": random.getstate()},
+            }, final=self.step >= self.tc.max_steps)
         finally:  # what the steps and the checkpoint's I/O freed since the last one goes back to the OS
             memory.trim()
-
-    def _save_checkpoint() -> None:
-        try:
-            uri = store.save(step, {
-                **learner.state_dicts(),
-                "state": {"step": step, "cursor": cursor, "world_size": learner.comm.world, "origin": origin,
-                          "guard": dict(guard), "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()},
-            })
-        except StoreError as exc:  # the store's retries are spent: an outage, or a store that never worked
-            saves["failed"] += 1
-            saves["failed_in_a_row"] += 1
-            if not saves["stored"] or step >= tc.max_steps or saves["failed_in_a_row"] > tc.checkpoint_failures:
-                raise
-            log(f"train: checkpoint {step} not stored ({exc}); training goes on, {saves['failed_in_a_row']} of "
-                f"train.checkpoint_failures={tc.checkpoint_failures} in a row")
-            return
-        saves["stored"] += 1
-        saves["failed_in_a_row"] = 0
-        on_checkpoint(step, uri)
-
-    if latest is None and tc.collapse_guard != "off":
-        save_checkpoint()  # the starting weights: the guard always has a checkpoint to return to
-
-    policy = learner.policy
-    rollouts = open_rollouts(cfg, policy.module, tokenizer, home, step, engine_threads)
-    group = learner.settings.group_size
-    buffer = TrajectoryBuffer(tc.max_staleness, tc.batch_size, group, tc.admission, version=step)
-    runner = AgentRunner(rollouts.engine, tokenizer, setup.env, episode_limits(cfg), cfg.rollout.concurrency,
-                         tuple(stop_token_ids(tokenizer)), seed=cfg.task.seed + step)
-    tasks = setup.train_tasks(cursor, group)
-    env_row, _ = _env_step(setup, step, log, detector, tc.max_staleness)  # e.g. the style preference from now on
-    regime = step  # the guard never rolls back to weights trained for an earlier task (a preference flip)
-    intake = _Intake(buffer, limit=max(2 * cfg.rollout.concurrency, 16))
-    stop = asyncio.Event()
-    producer = None if tc.sync else asyncio.create_task(runner.run(tasks, intake.put, buffer.admit, stop))
-    tracker.log_params({"config": to_dict(cfg), "resumed_at": step})
-    history: collections.deque[dict] = collections.deque(maxlen=HISTORY_ROWS)
-    updates = 0
-    lagged: collections.deque = collections.deque()  # weights not yet published (train.sync_lag)
-    run_start, idle, loop_s, trajectories = time.perf_counter(), 0.0, 0.0, 0
-    last_row = run_start  # when the previous step's row was made: consecutive rows span the wall clock
-    trained_ids: collections.deque[str] = collections.deque(maxlen=TRAINED_IDS)
-    env_step = step
-    try:
-        while step < tc.max_steps:
-            if step != env_step:
-                (env_row, changed), env_step = _env_step(setup, step, log, detector, tc.max_staleness), step
-                if changed and tc.collapse_guard != "off":
-                    regime = step
-                    if store.latest_step() != step:
-                        save_checkpoint()  # the task's starting weights: what the guard may return to
-            wait_start = time.perf_counter()
-            while tc.sync and buffer.ready < tc.batch_size:  # generate one batch, wait for all of it
-                await runner.run(itertools.islice(tasks, tc.batch_size - buffer.ready), intake.put)
-            batch = await _take(buffer, tc.batch_size, producer)
-            if tc.sync:  # one batch, one policy: task order rather than finish order makes runs reproducible
-                batch.sort(key=lambda t: (t.metadata.get("cursor", 0), t.prompt_id))
-            waited = time.perf_counter() - wait_start
-            idle += waited
-            step_start = time.perf_counter()
-            tensors = to_tensors(batch, tokenizer.pad_token_id)
-            scale = guard["lr_scale"] * lr_scale(tc, step)
-            metrics = await asyncio.to_thread(learner.step, tensors, scale)
-            fault_point("trainer.step")  # the weights moved, the version is not yet counted nor published
-            step += 1
-            step_s = time.perf_counter() - step_start
-            # Publishing awaits the engines, so with no lag the live weights can go as they are: nothing moves
-            # them until the next step. A lagged version must be a copy.
-            lagged.append((step, _weights(policy) if tc.sync_lag else _live_weights(policy)))
-            if len(lagged) > tc.sync_lag:  # versions are consecutive: the oldest is `step - sync_lag`
-                version, weights = lagged.popleft()
-                await rollouts.publish(weights, version)
-            await buffer.set_version(step)
-            cursor = max(t.metadata.get("cursor", 0) for t in batch) + 1
-            now = time.perf_counter()
-            row = _row(metrics, batch, step, waited, step_s, idle, now - run_start, now - last_row)
-            row["trainer/publish_s"] = now - step_start - step_s
-            last_row = now
-            row.update({"trainer/lr_scale": scale, "trainer/rollbacks": float(guard["rollbacks"]), **env_row,
-                        **_skipped_steps(learner), "trainer/checkpoint_failures": float(saves["failed"]),
-                        **rollouts.metrics(), "rollout/episodes_dropped": float(buffer.discarded)})
-            history.append(row)
-            updates += 1
-            trajectories += len(batch)
-            trained_ids.extend(t.prompt_id for t in batch)
-            loop_s = time.perf_counter() - run_start
-            tracker.log_metrics(row, step)
-            log(_progress_line(step, tc.max_steps, row))
-            if step == tc.max_steps or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
-                save_checkpoint()
-            collapse = detector.update(step, row["reward/mean"])
-            if collapse is None:
-                continue
-            if tc.collapse_guard == "off":
-                log(f"train: collapse at step {step} ({collapse.cause}); train.collapse_guard=off, continuing")
-                continue
-            restored = _roll_back(collapse, store, learner, guard, tc, log, floor=regime)
-            if restored is None:
-                break
-            ending = _guard_ends(guard, tc)
-            step += 1  # the restored weights go out as a new version: versions only ever grow
-            lagged.clear()
-            await rollouts.publish(_weights(policy), step)
-            await buffer.set_version(step)
-            detector.reset()
-            tracker.log_metrics({"trainer/rollbacks": float(guard["rollbacks"]), "trainer/rollback_to": restored},
-                                step)
-            log(f"train: rolled back to the checkpoint of step {restored} as version {step} "
-                f"(rollback {guard['rollbacks']})")
-            save_checkpoint()
-            if ending:
-                break
-    finally:
-        stop.set()
-        await buffer.close()
-        try:
-            if producer is not None:
-                await producer
-        finally:  # also when the producer failed (every engine down): its probes and connections end here
-            await rollouts.close()
-    out = home / "models" / f"{cfg.name}-{tc.algo}-policy"
-    with atomic_dir(out) as tmp:
-        save_model_dir(policy.module, tokenizer, tmp)
-    return TrainResult(updates, step, out, list(history), seconds=loop_s, idle_seconds=idle,
-                       trajectories=trajectories, rollbacks=guard["rollbacks"], trained_ids=list(trained_ids))
-
-
-def _roll_back(collapse: Collapse, store: CheckpointStore, learner: Learner, guard: dict, tc: TrainConfig,
-               log: Callable[[str], None], floor: int = 0) -> int | None:
-    """The collapse guard (docs/stability.md): load the newest checkpoint from before the collapse's onset, and
-    not before step `floor` (the current task's start), into the learner and update the guard's record
-    (count, learning-rate factor). Returns the restored step, or None when there is none to return to."""
-    found = store.load_latest(log, at_most=collapse.last_good_step)
-    if found is None or found[0] < floor:
-        log(f"train: collapse at step {collapse.step} ({collapse.cause}) and no checkpoint between steps {floor} "
-            f"and {collapse.onset} to roll back to; stopping")
-        return None
-    restored, saved = found
-    learner.load_state_dicts(saved)
-    guard["rollbacks"] += 1
-    if not _guard_ends(guard, tc):
-        guard["lr_scale"] *= tc.rollback_lr_scale
-    log(f"train: collapse at step {collapse.step} ({collapse.cause}); "
-        + ("rolling back and stopping" if _guard_ends(guard, tc) else
-           f"rolling back, learning rates now x{guard['lr_scale']:g}"))
-    return restored
-
-
-def _guard_ends(guard: dict, tc: TrainConfig) -> bool:
-    """After a rollback: does the run end there (`stop`, or more rollbacks than `max_rollbacks`)?"""
-    return tc.collapse_guard == "stop" or guard["rollbacks"] > tc.max_rollbacks
-
-
-class _Intake:
-    """Where finished episodes go. An episode an engine failed (`engine_error`: a refused request, a malformed
-    answer; every server staying down raises `EnginesDown` instead) has nothing to train on: it is dropped and
-    its admission slot given back (grouped baselines keep it, since a group needs every member). `limit` such
-    episodes in a row end the run."""
-
-    def __init__(self, buffer: TrajectoryBuffer, limit: int) -> None:
-        self.buffer, self.limit, self.failing = buffer, limit, 0
-
-    async def put(self, trajectory: Trajectory) -> None:
-        if trajectory.finish_reason != "engine_error" or self.buffer.group_size != 1:
-            self.failing = 0
-            await self.buffer.put(trajectory)
-            return
-        await self.buffer.discard(trajectory)
-        self.failing += 1
-        if self.failing >= self.limit:
-            raise RuntimeError(f"rollout: {self.failing} episodes in a row failed on every engine; the last: "
-                               f"{trajectory.metadata.get('error', 'no message')}")
-
-
-def _env_step(setup: EnvSetup, step: int, log: Callable[[str], None], detector: CollapseDetector,
-              max_staleness: int) -> tuple[dict[str, float], bool]:
-    """The environment's per-step hook (the style preference schedule): (its metrics, whether the task
-    changed), logging the change. A change (a preference flip) drops the reward on purpose: the collapse rule
-    starts over, and skips the next `max_staleness + 1` batches, which still hold episodes of the old task."""
-    metrics, message = setup.on_step(step)
-    if message:
-        log(message)
-        detector.reset(hold=max_staleness + 1)
-    return metrics, bool(message)
 
 
 def _weights(policy) -> dict[str, torch.Tensor]:
@@ -402,8 +311,8 @@ async def _take(buffer: TrajectoryBuffer, n: int, producer: asyncio.Task | None)
     raise RuntimeError("the agent runner stopped before the trainer had its batch")
 
 
-def _row(metrics: dict, batch: list[Trajectory], version: int, waited: float, step_s: float, idle: float,
-         elapsed: float, interval: float) -> dict:
+def step_row(metrics: dict, batch: list[Trajectory], version: int, waited: float, step_s: float, idle: float,
+             elapsed: float, interval: float) -> dict:
     """The step's metrics row. Rates are over `interval`, the wall-clock time since the previous step's row
     (consecutive intervals tile the run): a batch's own time span would overstate them in async mode, where
     the episodes of consecutive batches run at the same time."""
@@ -436,7 +345,7 @@ def _skipped_steps(learner: Learner) -> dict[str, float]:
     return row
 
 
-def _progress_line(step: int, max_steps: int, row: dict) -> str:
+def progress_line(step: int, max_steps: int, row: dict) -> str:
     return (f"step {step:>4}/{max_steps}  reward {row['reward/mean']:.3f}  "
             f"stale {row['rollout/staleness_mean']:.2f}/{row['rollout/staleness_max']:.0f}  "
             f"masked {row.get('dis/masked_frac_low', 0):.3f}/{row.get('dis/masked_frac_high', 0):.3f}  "

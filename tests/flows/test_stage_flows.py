@@ -101,7 +101,7 @@ def test_the_evaluate_task_picks_the_newest_checkpoint_else_the_sft_policy(tmp_p
     import torch
 
     from components.models import load_policy, save_model_dir
-    from components.training.trainer import checkpoint_store
+    from components.training.checkpoint import checkpoint_store
     from flows.evaluate import model_to_score
 
     model, tokenizer = sft_policy

@@ -11,7 +11,7 @@ from components.contracts.trajectory import read_trajectories, to_tensors
 from components.models import load_tokenizer
 from components.training.engines import init_single_process_group
 from components.training.learner import Learner
-from components.training.trainer import settings_from
+from components.training.parts import settings_from
 
 
 def main(model_dir: str, trajectories: str, out: str, algos: str) -> None:

@@ -64,3 +64,52 @@ def test_a_store_that_never_took_a_checkpoint_stops_the_run_at_once(proxied_s3, 
     proxy.mode("down", match="step-00000000/")  # the starting weights' checkpoint: a broken store, not an outage
     with pytest.raises(StoreError, match="step-00000000"):
         train_env(_outage_cfg(tiny_cfg, "c"), sft_dir, tmp_path, NullTracker(), log=lambda _: None)
+
+
+def _checkpointer(prefix: str, max_failures: int, tmp_dir):
+    from components.storage import open_store
+    from components.training.checkpoint import Checkpointer, CheckpointStore
+
+    store = open_store(f"s3://{BUCKET}/{prefix}", attempts=2, backoff_s=0.05)
+    stored, log = [], []
+    checkpoints = Checkpointer(CheckpointStore(store, "run", tmp_dir), max_failures,
+                               on_checkpoint=lambda step, uri: stored.append((step, uri)), log=log.append)
+    return checkpoints, stored, log
+
+
+def test_the_checkpointer_spends_its_budget_on_failures_in_a_row(proxied_s3, tmp_path):
+    """Budget 1: step 0 stored; 1 lost (1 in a row, within budget: None, logged); 2 stored (the count starts
+    over); 3 lost (1 in a row again); 4 lost too (2 in a row > 1): raised. Only stored steps are announced."""
+    import torch
+
+    proxy, s3 = proxied_s3
+    checkpoints, stored, log = _checkpointer("budget", 1, tmp_path)
+    payload = {"weights": torch.arange(4.0)}
+    assert checkpoints.save(0, payload) is not None
+    for step, down in ((1, True), (2, False), (3, True), (4, True)):
+        proxy.mode("down", match=f"step-{step:08d}/") if down else proxy.mode("pass")
+        if step == 4:
+            with pytest.raises(StoreError, match="step-00000004"):
+                checkpoints.save(step, payload)
+        else:
+            assert (checkpoints.save(step, payload) is None) == down
+    assert [s for s, _ in stored] == [0, 2] and all(uri.endswith(f"step-{s:08d}") for s, uri in stored)
+    assert (checkpoints.stored, checkpoints.failed, checkpoints.failed_in_a_row) == (2, 3, 2)
+    assert sum("not stored" in line for line in log) == 2  # steps 1 and 3; step 4 raised instead
+    assert _complete(s3, "budget/") == [0, 2]
+
+
+def test_the_checkpointer_never_forgives_the_first_or_the_final_checkpoint(proxied_s3, tmp_path):
+    import torch
+
+    proxy, _ = proxied_s3
+    first, _, _ = _checkpointer("first", 5, tmp_path)
+    proxy.mode("down", match="step-00000000/")
+    with pytest.raises(StoreError):  # nothing stored yet: a broken store, not an outage to ride out
+        first.save(0, {"x": torch.zeros(1)})
+    proxy.mode("pass")
+    final, _, _ = _checkpointer("final", 5, tmp_path)
+    assert final.save(0, {"x": torch.zeros(1)}) is not None
+    proxy.mode("down", match="step-00000007/")
+    with pytest.raises(StoreError):  # the run's last checkpoint holds its result
+        final.save(7, {"x": torch.zeros(1)}, final=True)

@@ -1,0 +1,182 @@
+"""What the training loop uses, built in one place: `build_parts` makes the rollouts, the buffer and its intake,
+the runner and its task stream, the checkpointer and the collapse guard around a learner, after resuming from the
+newest checkpoint when asked. `components/training/trainer.py`'s `train` is its one caller in the library; the
+flows, the CLI and the sweep reach it through `stages.train`, the benchmarks directly.
+
+A run home holding checkpoints of an earlier run is refused unless `resume` says to continue it, and a checkpoint
+trained from other starting weights is refused as well: a resume never mixes two runs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from components.agent.runner import AgentRunner, episode_limits
+from components.config import Config
+from components.contracts.environment import EnvSetup
+from components.contracts.task import Task
+from components.contracts.trajectory import Trajectory
+from components.models import load_tokenizer, stop_token_ids
+from components.rollout.backends import EmbeddedRollouts, HttpRollouts, Rollouts
+from components.storage import HomeStateError, weights_fingerprint
+from components.tracking import Tracker
+from components.training.algorithms import ALGORITHMS, AlgoSettings
+from components.training.buffer import TrajectoryBuffer
+from components.training.checkpoint import CheckpointStore, Checkpointer, OnCheckpoint, checkpoint_store
+from components.training.guard import CollapseGuard
+from components.training.learner import Learner
+from components.training.stability import CollapseDetector
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RunStart:
+    step: int
+    """Policy version the run starts from (0, or the resumed checkpoint's step)."""
+    cursor: int
+    """Prompt index of the task stream the run continues from."""
+    origin: str
+    """Fingerprint of the starting (SFT) weights; every checkpoint carries it."""
+    fresh: bool
+    """No checkpoint existed: the run starts from the SFT weights."""
+
+
+@dataclass
+class TrainerParts:
+    cfg: Config
+    setup: EnvSetup
+    """The environment, its task stream and its per-step hook."""
+    learner: Learner
+    tokenizer: object
+    rollouts: Rollouts
+    """Where episodes are generated, and where new versions are published."""
+    buffer: TrajectoryBuffer
+    intake: Intake
+    """Where the runner hands finished episodes (to the buffer)."""
+    runner: AgentRunner
+    tasks: Iterator[Task]
+    """The training tasks from the start's cursor on."""
+    checkpoints: Checkpointer
+    guard: CollapseGuard
+    tracker: Tracker
+    start: RunStart
+
+
+def thread_budget(cfg: Config, cores: int | None = None) -> tuple[int, int]:
+    """(engine, trainer) torch CPU threads. torch's thread count is per thread, so the engine thread and the
+    trainer thread each get their own share of the cores. The embedded engine gets half of them in both modes:
+    while it generates, the rest serve the tool calls and the agent runner (a second engine thread on 2 cores
+    made synchronous GRPO 23% slower and the async loop 2x slower: its small decode steps do not pay for it).
+    The trainer gets the rest in async mode, where both run at once, and every core in sync mode, where they
+    take turns; with external engines (`rollout.backend = "http"`) it has them all. Explicit
+    `rollout.engine_threads` / `train.threads` win."""
+    cores = cores or len(os.sched_getaffinity(0))
+    if cfg.rollout.backend == "http":
+        return cfg.rollout.engine_threads or cores, cfg.train.threads or cores
+    engine = cfg.rollout.engine_threads or max(1, cores // 2)
+    if cfg.train.sync:
+        return engine, cfg.train.threads or cores
+    return engine, cfg.train.threads or max(1, cores - engine)
+
+
+def settings_from(cfg: Config) -> AlgoSettings:
+    algorithm = ALGORITHMS[cfg.train.algo]
+    eps_low, eps_high = cfg.algo.dis_window
+    return AlgoSettings(cfg.algo.gamma, cfg.algo.lam_critic, cfg.algo.lam_policy, eps_low, eps_high,
+                        cfg.algo.temperature, algorithm.critic_updates or cfg.algo.critic_updates,
+                        cfg.algo.value_clip, cfg.algo.normalize_advantages,
+                        group_size=cfg.train.group_size if algorithm.grouped else 1)
+
+
+def open_rollouts(cfg: Config, module: torch.nn.Module, tokenizer, home: Path, version: int,
+                  engine_threads: int) -> Rollouts:
+    """Where episodes are generated (`rollout.backend`): the embedded engine on a copy of `module` in this
+    process, or the `rollout.urls` servers, which load each version from `rollout.publish_dir`."""
+    rc = cfg.rollout
+    backends: dict[str, Callable[[], Rollouts]] = {
+        "embedded": lambda: EmbeddedRollouts(module, tokenizer, rc.max_batch, version, engine_threads),
+        "http": lambda: HttpRollouts(list(rc.urls), module, tokenizer, Path(rc.publish_dir or home / "published"),
+                                     rc.server, rc.request_timeout_s, rc.request_retries, version,
+                                     max_wait_s=rc.engine_wait_s),
+    }
+    return backends[rc.backend]()
+
+
+def build_parts(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, home: Path, tracker: Tracker,
+                engine_threads: int, resume: bool = False, log: Log = print,
+                detector: CollapseDetector | None = None, on_checkpoint: OnCheckpoint | None = None) -> TrainerParts:
+    """The loop's parts for `learner` (rank 0's) trained from `sft_dir`, continuing the newest checkpoint when
+    `resume`. `detector` is the collapse rule (default: `CollapseDetector()`); `on_checkpoint(step, uri)` is called
+    after each checkpoint is complete in the store."""
+    tc = cfg.train
+    tokenizer = load_tokenizer(sft_dir)
+    store = checkpoint_store(cfg, home)
+    guard = CollapseGuard.from_config(tc, detector)
+    start = resume_from(store, learner, guard, tracker, sft_dir, resume, log)
+    guard.floor = start.step  # the guard never returns to weights from before the run's start
+    rollouts = open_rollouts(cfg, learner.policy.module, tokenizer, home, start.step, engine_threads)
+    group = learner.settings.group_size
+    buffer = TrajectoryBuffer(tc.max_staleness, tc.batch_size, group, tc.admission, version=start.step)
+    runner = AgentRunner(rollouts.engine, tokenizer, setup.env, episode_limits(cfg), cfg.rollout.concurrency,
+                         tuple(stop_token_ids(tokenizer)), seed=cfg.task.seed + start.step)
+    return TrainerParts(cfg, setup, learner, tokenizer, rollouts, buffer,
+                        Intake(buffer, limit=max(2 * cfg.rollout.concurrency, 16)), runner,
+                        setup.train_tasks(start.cursor, group),
+                        Checkpointer(store, tc.checkpoint_failures, on_checkpoint, log), guard, tracker, start)
+
+
+def resume_from(store: CheckpointStore, learner: Learner, guard: CollapseGuard, tracker: Tracker, sft_dir: Path,
+                resume: bool, log: Log = print) -> RunStart:
+    """Where the run starts: fresh from `sft_dir`, or (`resume`) from the newest checkpoint that loads, with the
+    learner's states, the guard's record, the RNG states and the tracker rewound to it."""
+    origin = weights_fingerprint(sft_dir)
+    latest = store.latest_step()
+    if latest is None:
+        return RunStart(0, 0, origin, fresh=True)
+    if not resume:
+        raise HomeStateError(f"{store.location} holds checkpoints up to step {latest} of an earlier run: pass "
+                             f"--resume to continue it, or remove them to start over")
+    found = store.load_latest(log)
+    if found is None:
+        raise HomeStateError(f"{store.location}: no checkpoint up to step {latest} loads (see above); remove them "
+                             f"to start over")
+    latest, saved = found
+    state = saved["state"]
+    if state.get("origin") != origin:
+        raise HomeStateError(f"{store.location}/step-{latest:08d} was trained from other starting weights than "
+                             f"{sft_dir}; remove {store.location} to start over from them")
+    learner.load_state_dicts(saved)
+    guard.load(state.get("guard", {}))
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["py_rng"])
+    tracker.rewind(state["step"])
+    log(f"train: resumed from {store.location}/step-{latest:08d} (version {state['step']})")
+    return RunStart(state["step"], state["cursor"], origin, fresh=False)
+
+
+class Intake:
+    """Where finished episodes go. An episode an engine failed (`engine_error`: a refused request, a malformed
+    answer; every server staying down raises `EnginesDown` instead) has nothing to train on: it is dropped and
+    its admission slot given back (grouped baselines keep it, since a group needs every member). `limit` such
+    episodes in a row end the run."""
+
+    def __init__(self, buffer: TrajectoryBuffer, limit: int) -> None:
+        self.buffer, self.limit, self.failing = buffer, limit, 0
+
+    async def put(self, trajectory: Trajectory) -> None:
+        if trajectory.finish_reason != "engine_error" or self.buffer.group_size != 1:
+            self.failing = 0
+            await self.buffer.put(trajectory)
+            return
+        await self.buffer.discard(trajectory)
+        self.failing += 1
+        if self.failing >= self.limit:
+            raise RuntimeError(f"rollout: {self.failing} episodes in a row failed on every engine; the last: "
+                               f"{trajectory.metadata.get('error', 'no message')}")
