@@ -16,7 +16,7 @@ from pathlib import Path
 
 from components.config import Config, load_config
 from components.stages.home import default_home
-from components.tracking.stage_runs import NullRun, stage_run
+from components.tracking.stage_runs import StageRun, stage_run
 
 from prefect import get_run_logger
 from prefect.cache_policies import NO_CACHE  # noqa: F401  (re-exported for the flows)
@@ -38,7 +38,7 @@ def context(preset: str, overrides: list[str] | None, home: str | None) -> Conte
 
 
 @contextmanager
-def tracked(ctx: Context, stage: str, parent_run_id: str | None) -> Iterator[NullRun]:
+def tracked(ctx: Context, stage: str, parent_run_id: str | None) -> Iterator[StageRun]:
     """An MLflow run for `stage` (nested under the pipeline's run when given), FAILED if the body raises."""
     run = stage_run(ctx.cfg, ctx.home, stage, parent_run_id)
     failed = True
@@ -46,7 +46,7 @@ def tracked(ctx: Context, stage: str, parent_run_id: str | None) -> Iterator[Nul
         yield run
         failed = False
     finally:
-        run.finish(failed)
+        run.close(failed)
 
 
 def transient(task, task_run, state) -> bool:

@@ -35,10 +35,12 @@ def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, home:
         trained = train(**params, critic_path=critic["critic_dir"] if warm else "", resume=True,
                         evaluate=False, parent_run_id=parent.run_id)
         scored = evaluate(**params, checkpoint_step=trained["checkpoint_step"], parent_run_id=parent.run_id)
+        stage.record_held_out(ctx.cfg, ctx.home, trained.get("run_id"), policy["accuracy"], scored["accuracy"],
+                              trained["version"])
         summary = stage.summary(dataset, policy, critic, warm, trained, scored)
         parent.log_metrics({f"pipeline/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))})
         failed = False
     finally:
-        parent.finish(failed)
+        parent.close(failed)
     create_markdown_artifact(key="pipeline", markdown=markdown_table([summary]))
     return summary

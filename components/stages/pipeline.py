@@ -7,13 +7,24 @@ from pathlib import Path
 
 from components.config import Config, to_dict
 from components.stages.recipes import fingerprint
-from components.tracking.stage_runs import pipeline_run
+from components.tracking.stage_runs import pipeline_run, reopen
 from components.training.algorithms import ALGORITHMS
 
 
 def parent_run(cfg: Config, home: Path):
     """The pipeline's MLflow parent run, found again for the same config and home (a retried flow run)."""
     return pipeline_run(cfg, home, fingerprint({"config": to_dict(cfg), "home": str(home)}))
+
+
+def record_held_out(cfg: Config, home: Path, training_run_id: str | None, before: float, after: float,
+                    version: int) -> None:
+    """The held-out accuracy before RL (step 0) and after it (the final version) in the training run itself, as
+    `sao train` logs them: `sao report` and `sao compare` then show what the run achieved, not only its reward."""
+    run = reopen(cfg, home, training_run_id)
+    key = f"eval/{cfg.env.name}/accuracy"
+    run.log_metrics({key: before}, 0)
+    run.log_metrics({key: after}, version)
+    run.close()
 
 
 def uses_critic(cfg: Config) -> bool:

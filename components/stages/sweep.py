@@ -32,8 +32,12 @@ from components.stages.home import Log
 from components.stages.recipes import fingerprint
 from components.stages.sft import run_sft, sft_eval
 from components.storage import HomeStateError, write_json
-from components.tracking import DiskTracker, mlflow_experiment, open_tracker
+from components.tracking import DiskTracker, open_tracker
+from components.tracking.stage_runs import StageRun, tagged_run
 from components.training.stability import CollapseDetector, collapsed_on_eval
+from components.training.trainer import train
+
+SWEEP_TAG = "sao.sweep"
 
 
 @dataclass
@@ -72,25 +76,27 @@ def run_sweep(cfg: Config, home: Path, seeds: int, first_seed: int = 1, name: st
     write_json(stored, swept)
     sft_dir = run_sft(cfg, home, log=log)
     sft_accuracy = sft_eval(cfg, sft_dir, home, log)
-    parent = _parent_run(cfg, home, name)
+    parent = tagged_run(cfg, home, SWEEP_TAG, name, f"sweep/{name}")
     log(f"sweep {name}: {seeds} seed(s) from {first_seed}, SFT held-out accuracy {sft_accuracy:.1%}; "
         f"table at {root}/results.md")
     results = []
-    for seed in range(first_seed, first_seed + seeds):
-        # Each seed keeps its checkpoints in its own home: seeds of one config would share one store prefix.
-        seeded = replace(cfg, train=replace(cfg.train, task_seed=seed),
-                         store=replace(cfg.store, uri=str(root / f"seed-{seed}")))
-        results.append(_run_seed(seeded, home, root, sft_dir, sft_accuracy, parent, log))
-        _write_table(root, results, sft_accuracy)
-    if parent is not None:
-        _finish_parent(parent, root, results)
+    try:
+        for seed in range(first_seed, first_seed + seeds):
+            # Each seed keeps its checkpoints in its own home: seeds of one config would share one store prefix.
+            seeded = replace(cfg, train=replace(cfg.train, task_seed=seed),
+                             store=replace(cfg.store, uri=str(root / f"seed-{seed}")))
+            results.append(_run_seed(seeded, home, root, sft_dir, sft_accuracy, parent, log))
+            _write_table(root, results, sft_accuracy)
+    except BaseException:
+        parent.close(failed=True)  # a re-run finds it again by its tag and continues under it
+        raise
+    _finish_parent(parent, root, results)
     log(summary_line(results, sft_accuracy))
     return results
 
 
-def _run_seed(cfg: Config, home: Path, root: Path, sft_dir: Path, sft_accuracy: float, parent, log: Log) -> SeedResult:
-    from components.training.trainer import train
-
+def _run_seed(cfg: Config, home: Path, root: Path, sft_dir: Path, sft_accuracy: float, parent: StageRun,
+              log: Log) -> SeedResult:
     seed, seed_home = cfg.train.task_seed, root / f"seed-{cfg.train.task_seed}"
     done = seed_home / "result.json"
     if done.exists():
@@ -98,7 +104,7 @@ def _run_seed(cfg: Config, home: Path, root: Path, sft_dir: Path, sft_accuracy: 
         return SeedResult(**json.loads(done.read_text()))
     metrics = seed_home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl"
     tracker = open_tracker(cfg.tracking, home, f"{root.name}/seed-{seed}", metrics,
-                           parent_run_id=parent[1] if parent is not None else None)
+                           parent_run_id=parent.run_id)
     start, failed = time.perf_counter(), True
     try:
         result = train(cfg, build_env(cfg), sft_dir, seed_home, tracker, resume=True,
@@ -183,28 +189,12 @@ def _write_table(root: Path, results: list[SeedResult], sft_accuracy: float) -> 
     (root / "results.md").write_text("\n".join(lines))
 
 
-def _parent_run(cfg: Config, home: Path, name: str) -> tuple | None:
-    """(MLflow client, run id) of the sweep's parent run, found again by its tag on a re-run; None with
-    `tracking.backend=disk`."""
-    if cfg.tracking.backend == "disk":
-        return None
-    client, experiment = mlflow_experiment(cfg.tracking, home)
-    runs = client.search_runs([experiment], filter_string=f"tags.`sao.sweep` = '{name}'", max_results=1)
-    run = runs[0] if runs else client.create_run(experiment, run_name=f"sweep/{name}", tags={"sao.sweep": name})
-    return client, run.info.run_id
-
-
-def _finish_parent(parent: tuple, root: Path, results: list[SeedResult]) -> None:
+def _finish_parent(parent: StageRun, root: Path, results: list[SeedResult]) -> None:
     """The table as the parent run's artifacts and its headline numbers as metrics."""
-    from mlflow.entities import Metric
-
-    client, run_id = parent
     accs = [r.accuracy for r in results]
-    now = int(time.time() * 1000)
-    headline = {"sweep/accuracy_mean": statistics.fmean(accs), "sweep/accuracy_min": min(accs),
-                "sweep/collapsed": float(sum(r.collapsed for r in results)),
-                "sweep/rollbacks": float(sum(r.rollbacks for r in results))}
-    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in headline.items()])
+    parent.log_metrics({"sweep/accuracy_mean": statistics.fmean(accs), "sweep/accuracy_min": min(accs),
+                        "sweep/collapsed": float(sum(r.collapsed for r in results)),
+                        "sweep/rollbacks": float(sum(r.rollbacks for r in results))})
     for filename in ("results.md", "results.csv"):
-        client.log_artifact(run_id, str(root / filename))
-    client.set_terminated(run_id, "FINISHED")
+        parent.log_artifact(root / filename)
+    parent.close()

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from components.tracking.spool import (LINEAGE_TAG, SPOOL_DIR, Courier, Spool, chunks, permanent, previous_run,
-                                       replay_spool, spool_files)
+from components.tracking.spool import (LINEAGE_TAG, SPOOL_DIR, Courier, Spool, permanent, previous_run, replay_spool,
+                                       spool_files)
 
 logger = logging.getLogger("sao.tracking")
 
@@ -36,27 +36,35 @@ class MlflowTracker:
 
     LINEAGE_TAG = LINEAGE_TAG
 
-    def __init__(self, uri: str, experiment: str, run_name: str, lineage: str,
+    def __init__(self, uri: str, experiment: str, run_name: str, lineage: str = "",
                  artifact_root: str | None = None, parent_run_id: str | None = None,
                  spool_dir: str | Path | None = None, wait_s: float = 2.0, close_timeout_s: float = 30.0,
-                 retry_max_s: float = 10.0) -> None:
+                 retry_max_s: float = 10.0, tags: dict[str, str] | None = None, run_id: str | None = None) -> None:
+        """A new run `run_name` in `experiment` (created with `artifact_root` when missing), tagged with `tags`,
+        `lineage` (when set) and `parent_run_id` (shown nested under it); or with `run_id`, the existing run of
+        that id, reopened (a pipeline's parent run found again, a finished training run given its evaluation)."""
         from mlflow.tracking import MlflowClient
-
 
         bound_mlflow_http()
         if spool_dir and spool_files(spool_dir):  # a killed run's last records first: rewind copies from it
             try:
-                replay_spool(spool_dir)
+                replay_spool(spool_dir, quiet=True)
             except Exception as exc:  # noqa: BLE001 - they stay on disk; this run can start without them
                 logger.warning("MLflow: could not replay the spools left in %s (%s); they stay there", spool_dir,
                                exc)
         self.client = MlflowClient(uri)
         self.lineage = lineage
-        tags = {self.LINEAGE_TAG: lineage}
-        if parent_run_id:  # shown nested under its parent in the MLflow UI (a sweep's seeds)
+        tags = {**(tags or {}), **({self.LINEAGE_TAG: lineage} if lineage else {})}
+        if parent_run_id:  # shown nested under its parent in the MLflow UI (a sweep's seeds, a pipeline's stages)
             tags["mlflow.parentRunId"] = parent_run_id
         for attempt in range(3):  # MLflow's own retries are off (HTTP_DEFAULTS): ride out a blip at start
             try:
+                if run_id is not None:
+                    run = self.client.get_run(run_id)
+                    experiment_id = run.info.experiment_id
+                    if run.info.status != "RUNNING":
+                        self.client.update_run(run_id, status="RUNNING")
+                    break
                 found = self.client.get_experiment_by_name(experiment)
                 experiment_id = found.experiment_id if found else self.client.create_experiment(
                     experiment, artifact_location=artifact_root)
@@ -81,9 +89,28 @@ class MlflowTracker:
     def log_params(self, params: dict) -> None:
         self._submit({"op": "params", "params": {k: str(v)[:6000] for k, v in flatten(params).items()}})
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
         self._submit({"op": "metrics", "step": step, "time_ms": int(time.time() * 1000),
                       "metrics": {k: float(v) for k, v in metrics.items()}})
+
+    def log_dataset(self, rows: list[dict], source: str, name: str, context: str = "training") -> None:
+        """A dataset input (name, digest of its rows, source URI, schema) shown on the run's page; the entity is
+        made now, from the rows, and delivered through the spool like every other call."""
+        import warnings
+
+        import mlflow.data
+        import pandas as pd
+
+        with warnings.catch_warnings():  # MLflow's notes on source resolution and integer columns, not ours
+            warnings.simplefilter("ignore", UserWarning)
+            entity = mlflow.data.from_pandas(pd.DataFrame(rows), source=source, name=name)._to_mlflow_entity()
+        self._submit({"op": "dataset", "context": context, "dataset": {
+            "name": entity.name, "digest": entity.digest, "source_type": entity.source_type,
+            "source": entity.source, "schema": entity.schema, "profile": entity.profile}})
+
+    def log_artifact(self, path: str | Path) -> None:
+        """A file uploaded to the run's artifacts (delivered through the spool: the file must stay in place)."""
+        self._submit({"op": "artifact", "path": str(Path(path).resolve())})
 
     def rewind(self, step: int) -> None:
         self._submit({"op": "rewind", "step": step})
@@ -116,25 +143,6 @@ def bound_mlflow_http() -> None:
     (MLflow reads them on every request, process-wide)."""
     for name, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(name, value)
-
-
-def log_params_batched(client: Any, run_id: str, params: dict) -> None:
-    """Nested params, flattened to dotted keys, in as few `log_batch` calls as MLflow allows."""
-    from mlflow.entities import Param
-
-    flat = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
-    for chunk in chunks(flat, 100):
-        client.log_batch(run_id, params=chunk)
-
-
-def log_metrics_batched(client: Any, run_id: str, metrics: dict[str, float], step: int) -> None:
-    """One step's metrics in as few `log_batch` calls as MLflow allows (never one call per point)."""
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    points = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-    for chunk in chunks(points, 1000):
-        client.log_batch(run_id, metrics=chunk)
 
 
 def mlflow_experiment(config: TrackingConfig, home: Path) -> tuple[Any, str]:

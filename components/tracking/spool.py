@@ -2,7 +2,7 @@
 background thread (`Courier`), so a tracking server that goes away costs the run nothing but delay.
 
 Spool file `<dir>/<run_id>.jsonl`: a header line {"run_id", "uri", "experiment_id", "lineage"}, then one record
-per call, {"seq": 1, 2, ..., "op": "metrics" | "params" | "rewind" | "terminate", ...}, appended and flushed
+per call, {"seq": 1, 2, ..., "op": "metrics" | "params" | "dataset" | "artifact" | "rewind" | "terminate", ...}, appended and flushed
 before the call returns. `<run_id>.delivered` holds the seq of the last delivered record (written atomically
 after each delivery); `<run_id>.rejected.jsonl` keeps records the server refused for good (a 4xx), with the
 reason. Once every record is delivered and no tracker holds the spool, it is removed.
@@ -13,8 +13,9 @@ except when its outcome is in doubt: the first record after a failed request, an
 sends. Then each of its log_batch chunks is first looked up in the run's history (the first metric of the
 chunk at its step with its exact timestamp, both fixed when the record was spooled) and skipped when present.
 With one request in flight at a time, at most one chunk is ever in doubt, so every point lands exactly once.
-Params and tags are idempotent in MLflow (re-logging an equal value is accepted); `rewind` skips the points
-the run already has; terminating twice is harmless.
+Params, dataset inputs and artifacts are idempotent in MLflow (re-logging an equal value is accepted, a dataset
+is one input per digest, an artifact upload replaces the file); `rewind` skips the points the run already has;
+terminating twice is harmless.
 
 A live tracker holds an exclusive lock (flock) on its spool file, so `replay_spool` never delivers a spool its
 writer is still delivering; the lock dies with the process.
@@ -144,6 +145,13 @@ def deliver(client: Any, header: dict, record: dict, in_doubt: bool) -> bool:
     if op == "params":
         for chunk in chunks([Param(k, v) for k, v in record["params"].items()], 100):
             client.log_batch(run_id, params=chunk)
+    elif op == "dataset":  # MLflow keeps one input per dataset digest and run: a repeat changes nothing
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        tag = InputTag("mlflow.data.context", record["context"])
+        client.log_inputs(run_id, datasets=[DatasetInput(Dataset(**record["dataset"]), tags=[tag])])
+    elif op == "artifact":  # an upload to the same path replaces it
+        client.log_artifact(run_id, record["path"])
     elif op == "rewind":
         rewind_run(client, header, record["step"])
     elif op == "terminate":
@@ -283,7 +291,7 @@ def spool_files(path: str | Path) -> list[Path]:
     return sorted(p for p in path.glob("*.jsonl") if not p.name.endswith(".rejected.jsonl"))
 
 
-def replay_spool(path: str | Path, tracking_uri: str | None = None) -> int:
+def replay_spool(path: str | Path, tracking_uri: str | None = None, quiet: bool = False) -> int:
     """Deliver what the spools at `path` (a spool file, a spool directory or a run home) still hold, in order,
     to the URI recorded in each spool (or `tracking_uri`); returns the number of records sent (one found
     already in the run, sent by a writer that died before recording it, is not sent again). A spool whose
@@ -296,7 +304,8 @@ def replay_spool(path: str | Path, tracking_uri: str | None = None) -> int:
         spool = Spool(file)
         try:
             if not spool.lock():
-                logger.warning("%s: its tracker is still running; not replaying it", file)
+                if not quiet:  # a tracker starting beside live ones (a pipeline's stages) expects them
+                    logger.warning("%s: its tracker is still running; not replaying it", file)
                 continue
             client = MlflowClient(tracking_uri or spool.header["uri"])
             for i, record in enumerate(spool.pending()):

@@ -34,10 +34,21 @@ class Tracker(Protocol):
 
 
 class NullTracker:
+    """Records nothing: the other ranks of a run, tests, and every stage run with `tracking.backend = "disk"`
+    (then the JSON lines under the home are the record)."""
+
+    run_id: str | None = None
+
     def log_params(self, params: dict) -> None:
         pass
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        pass
+
+    def log_dataset(self, rows: list[dict], source: str, name: str, context: str = "training") -> None:
+        pass
+
+    def log_artifact(self, path: str | Path) -> None:
         pass
 
     def rewind(self, step: int) -> None:

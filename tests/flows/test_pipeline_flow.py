@@ -88,6 +88,16 @@ def test_mlflow_holds_a_parent_run_with_a_run_per_stage(pipeline_home):
     train_run = next(c for c in children if "sao.stage" not in c.data.tags)
     assert "/models/critic-tir_math-" in train_run.data.params["config.train.critic_path"]  # started warm
     assert [m.step for m in client.get_metric_history(train_run.info.run_id, "policy/loss")] == [1, 2, 3, 4]
+    # The held-out accuracy lives in the training run too (before RL at step 0, after it at the last version):
+    # what `sao report` plots in its main panel. The numbers are the sft and evaluate stages' own.
+    held_out = client.get_metric_history(train_run.info.run_id, "eval/tir_math/accuracy")
+    sft, evaluate = (next(c for c in children if c.data.tags.get("sao.stage") == s) for s in ("sft", "evaluate"))
+    assert [(m.step, m.value) for m in sorted(held_out, key=lambda m: m.step)] == [
+        (0, sft.data.metrics["eval/tir_math/accuracy"]), (4, evaluate.data.metrics["eval/tir_math/accuracy"])]
+    from components.eval.report import latest_runs
+
+    assert train_run.info.run_id in latest_runs(client, "sao")
+    assert not list((home / "mlflow-spool").glob("*.jsonl"))  # every stage's records delivered through the spool
     # The scored checkpoint is a registered version of the policy and of the critic, both pointing into S3.
     for kind in ("policy", "critic"):
         champion = client.get_model_version_by_alias(f"tiny-cpu-tir_math-{kind}", "champion")
