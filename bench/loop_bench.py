@@ -227,8 +227,8 @@ def bound(result: dict, home: Path) -> dict:
     import torch
 
     from components.config import load_config
-    from components.stages.sft import run_sft
     from components.models import ValueModel, load_policy, token_logprobs
+    from components.stages.sft import run_sft
     from components.training.algorithms import ALGORITHMS
 
     rows = result["rows"][WARMUP:]

@@ -1,10 +1,15 @@
-"""`sao` command line."""
+"""`sao` command line.
+
+Each command imports what it runs inside its own branch, after its arguments are parsed: `sao --help`, a refused
+flag or a missing file answer at once, without loading torch, transformers, Prefect or MLflow (seconds each).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import socket
 import sys
 import typing
 from pathlib import Path
@@ -59,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         common(p)
         return p
 
-    p_pipeline = flow_command("pipeline", "the whole lifecycle as Prefect flows: distill -> gate -> sft -> "
+    flow_command("pipeline", "the whole lifecycle as Prefect flows: distill -> gate -> sft -> "
                                           "value_pretrain -> train -> evaluate (re-running continues where it stopped)")
-    p_run = flow_command("run", "the same as `sao pipeline` (`make run`)")
+    flow_command("run", "the same as `sao pipeline` (`make run`)")
     p_distill = flow_command("distill", "a teacher writes TIR traces, the gate checks them, they become a dataset")
     p_distill.add_argument("--teacher", default=None,
                            help="'programmatic' or the /v1 base URL of a chat endpoint with tool calling")
@@ -221,11 +226,13 @@ def _main(args: argparse.Namespace) -> int:
         args.overrides += [f'distill.model="{args.teacher_model}"'] if args.teacher_model else []
     _check_paths(args)
     if args.command == "compare":
+        # loaded after parsing (module docstring)
         from components.eval.compare import run_compare
 
         run_compare(args.runs, args.home, args.tracking_uri, args.out)
         return 0
     if args.command == "report":
+        # loaded after parsing (module docstring)
         from components.eval.report import run_report
 
         run_report(args.runs, args.home, args.experiment, args.out, args.tracking_uri)
@@ -235,6 +242,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.command == "tracking":
         return _replay(args)
     if args.command == "teacher":
+        # loaded after parsing (module docstring)
         from components.data.solver_server import serve_solver
 
         _check_port(args.host, args.port)
@@ -242,9 +250,13 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     cfg = load_config(args.preset, args.overrides)
 
+    # loaded after parsing (module docstring)
     from transformers.utils import logging as hf_logging
 
-    from components.stages.home import default_home  # heavy imports (transformers) only after argument parsing
+    # loaded after parsing (module docstring)
+    from components.stages.home import (
+        default_home,  # heavy imports (transformers) only after argument parsing
+    )
 
     hf_logging.disable_progress_bar()  # one concise line per step is our progress display
 
@@ -255,6 +267,7 @@ def _main(args: argparse.Namespace) -> int:
         _check_checkpoint(cfg, home, args.checkpoint)
     if args.command == "train" and args.rollback_to is not None:
         args.resume = True
+        # loaded after parsing (module docstring)
         from components.stages.train import is_driver
 
         if is_driver():  # one rank deletes, before the others are released
@@ -284,8 +297,6 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 def _check_port(host: str, port: int) -> None:
     """Bind once before loading anything, so a port in use or a bad host is one `sao:` line, not a server log."""
-    import socket
-
     try:
         with socket.create_server((host, port)):
             pass
@@ -294,6 +305,7 @@ def _check_port(host: str, port: int) -> None:
 
 
 def _check_checkpoint(cfg, home: Path, step: int) -> None:
+    # loaded after parsing (module docstring)
     from components.training.checkpoint import checkpoint_store
 
     store = checkpoint_store(cfg, home)
@@ -304,12 +316,14 @@ def _check_checkpoint(cfg, home: Path, step: int) -> None:
 
 
 def _registry(args: argparse.Namespace) -> int:
+    # loaded after parsing (module docstring)
     from mlflow.tracking import MlflowClient
 
+    # loaded after parsing (module docstring)
     from components.config import TrackingConfig
     from components.stages.home import default_home
-    from components.tracking.registry import versions_table
     from components.tracking import mlflow_uri
+    from components.tracking.registry import versions_table
 
     client = MlflowClient(args.tracking_uri or mlflow_uri(TrackingConfig(), args.home or default_home()))
     rows = versions_table(client, args.name)
@@ -324,6 +338,7 @@ def _registry(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    # loaded after parsing (module docstring)
     from components.stages.home import default_home
     from components.tracking import replay_spool, spool_dir
 
@@ -331,6 +346,7 @@ def _replay(args: argparse.Namespace) -> int:
     if not spools.is_dir():
         print(f"tracking: nothing to replay ({spools} does not exist)")
         return 0
+    # loaded after parsing (module docstring)
     from mlflow.exceptions import MlflowException
 
     try:
@@ -343,6 +359,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _rollback(cfg, home: Path, step: int) -> None:
+    # loaded after parsing (module docstring)
     from components.training.checkpoint import checkpoint_store
 
     deleted = checkpoint_store(cfg, home).discard_after(step, print)
@@ -358,14 +375,17 @@ def _run_flow(args: argparse.Namespace, home: Path) -> None:
     _quiet_expected_tracebacks()
     command = args.command
     if command in ("pipeline", "run"):
+        # loaded after parsing (module docstring)
         from flows.pipeline import pipeline
 
         _print_summary(pipeline(**params), home)
     elif command == "distill":
+        # loaded after parsing (module docstring)
         from flows.distill import distill
 
         print(f"dataset: {distill(**params)}")
     elif command == "gate":
+        # loaded after parsing (module docstring)
         from components.data.gates import GateFailed
         from flows.gate import gate
 
@@ -377,26 +397,31 @@ def _run_flow(args: argparse.Namespace, home: Path) -> None:
             raise ValueError(f"{args.uri}: {exc}") from exc  # the flow reads the data as bytes, without the name
         print(f"gate: passed, {report['row_count']} rows")
     elif command == "sft":
+        # loaded after parsing (module docstring)
         from flows.sft import sft
 
         result = sft(**params, force=args.force)
         print(f"sft: {result['uri']}, held-out accuracy {result['accuracy']:.1%}")
     elif command == "value-pretrain":
+        # loaded after parsing (module docstring)
         from flows.value_pretrain import value_pretrain
 
         result = value_pretrain(**params)
         print(f"critic: {result['uri']}, held-out explained variance {result['ev_cold']:.3f} (cold) -> "
               f"{result['ev_best']:.3f} (pretrained)")
     elif command == "train":
+        # loaded after parsing (module docstring)
         from components.stages.train import is_driver, run_rank
 
         if not is_driver():  # under torchrun the flow is rank 0's; the others serve its steps
             overrides = args.overrides + ([f'train.critic_path="{args.critic}"'] if args.critic else [])
             run_rank(load_config(args.preset, overrides), home, resume=args.resume)
+        # loaded after parsing (module docstring)
         from flows.train import train
 
         train(**params, critic_path=str(args.critic or ""), resume=args.resume)
     elif command == "eval":
+        # loaded after parsing (module docstring)
         from flows.evaluate import evaluate
 
         result = evaluate(**params, model=str(args.model or ""), checkpoint_step=args.checkpoint,
@@ -405,6 +430,7 @@ def _run_flow(args: argparse.Namespace, home: Path) -> None:
         print(f"{result['eval_set']}, {result['n']} tasks: accuracy {result['accuracy']:.1%} (greedy), avg@{k} "
               f"{result['avg_at_k']:.1%}, pass@{k} {result['pass_at_k']:.1%}; report {result['report']}")
     elif command == "style-shift":
+        # loaded after parsing (module docstring)
         from flows.style_shift import style_shift
 
         algos = [a.strip() for a in args.algos.split(",") if a.strip()]
@@ -424,6 +450,7 @@ class _NoTracebackForInputErrors(logging.Filter):
 
 
 def _quiet_expected_tracebacks() -> None:
+    # loaded after parsing (module docstring)
     import prefect.main  # noqa: F401  (configures Prefect's logging: its console handler sits on the root logger)
     from prefect.logging.handlers import PrefectConsoleHandler
 
@@ -467,6 +494,7 @@ def _print_summary(summary: dict, home: Path) -> None:
 def _dispatch(args: argparse.Namespace, cfg, home: Path) -> None:
     """The commands that are not flows."""
     if args.command == "model":
+        # loaded after parsing (module docstring)
         from components.models import init_model_dir
 
         try:
@@ -474,16 +502,19 @@ def _dispatch(args: argparse.Namespace, cfg, home: Path) -> None:
         except OSError as exc:
             raise OSError(f"--out: cannot write a model directory at {args.out}: {exc}") from exc
     elif args.command == "sweep":
+        # loaded after parsing (module docstring)
         from components.stages.sweep import run_sweep
 
         run_sweep(cfg, home, args.seeds, args.first_seed, args.name)
     elif args.command == "rollout":
+        # loaded after parsing (module docstring)
         from components.stages.rollout import run_rollout
         from components.stages.sft import run_sft
 
         model_dir = args.model or run_sft(cfg, home)
         run_rollout(cfg, model_dir, args.episodes, args.out)
     elif args.command == "engine":
+        # loaded after parsing (module docstring)
         from components.rollout.server import serve
 
         _check_port(args.host, args.port)

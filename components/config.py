@@ -17,8 +17,17 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic
-from pydantic import (BeforeValidator, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
-                      PositiveInt, ValidationError, ValidationInfo)
+from pydantic import (
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+)
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -244,7 +253,7 @@ class AlgoConfig:
     @property
     def dis_window(self) -> tuple[float, float]:
         """(eps_low, eps_high) after applying the preset."""
-        from components.algo import DIS_PRESETS
+        from components.algo import DIS_PRESETS  # algo imports torch; the config loads without it
 
         low, high = DIS_PRESETS[self.dis_preset]
         return (self.eps_low if self.eps_low is not None else low,

@@ -14,12 +14,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from prefect import get_run_logger
+from prefect.cache_policies import NO_CACHE  # noqa: F401  (re-exported for the flows)
+
 from components.config import Config, load_config
 from components.stages.home import default_home
 from components.tracking.stage_runs import StageRun, stage_run
-
-from prefect import get_run_logger
-from prefect.cache_policies import NO_CACHE  # noqa: F401  (re-exported for the flows)
 
 
 @dataclass

@@ -13,18 +13,17 @@ import os
 import runpy
 from pathlib import Path
 
+from prefect.flow_engine import load_flow_run  # after flows/__init__.py (this package) set Prefect's settings
+
+from components.config import load_config
+from components.stages.home import default_home
+from components.stages.train import run_rank
+
 
 def main() -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
         return
-    import flows  # noqa: F401  (offline settings before prefect is imported)
-    from prefect.flow_engine import load_flow_run
-
-    from components.config import load_config
-    from components.stages.home import default_home
-    from components.stages.train import run_rank
-
     params = load_flow_run(flow_run_id=os.environ["PREFECT__FLOW_RUN_ID"]).parameters
     overrides = list(params.get("overrides") or [])
     if params.get("critic_path"):

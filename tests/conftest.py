@@ -72,6 +72,8 @@ def prefect_api():
     """One Prefect test harness for the session (a temporary database and API server, ~11 s to start): flows run
     against it in this process, and subprocesses reach it through `PREFECT_API_URL` (`prefect_env`)."""
     import flows  # noqa: F401  (offline settings before prefect is imported)
+
+    # isort: split
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 

@@ -23,8 +23,13 @@ import pytest
 
 from components.cli import _NoTracebackForInputErrors, main
 from components.contracts.trace import Trace, Turn
-from components.contracts.trajectory import (Timings, Trajectory, read_trajectories, trajectory_from_dict,
-                                             write_trajectories)
+from components.contracts.trajectory import (
+    Timings,
+    Trajectory,
+    read_trajectories,
+    trajectory_from_dict,
+    write_trajectories,
+)
 from components.data.problem_sets import load_tasks
 from components.data.traces import read_traces, trace_from_openai_messages, trace_from_row, write_traces
 from components.rollout.protocol import SamplingRequest
@@ -164,7 +169,7 @@ def test_the_sao_script_ends_with_one_line_and_status_2(files, prefect_env):
     procs = [subprocess.Popen([sys.executable, "-m", "components.cli", *argv], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env={**prefect_env, "SAO_DEBUG": ""})
              for argv, _ in commands]
-    for proc, (argv, message) in zip(procs, commands):
+    for proc, (_, message) in zip(procs, commands):
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 2, err[-2000:]
         assert "Traceback" not in out + err

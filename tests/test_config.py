@@ -5,8 +5,17 @@ import json
 
 import pytest
 
-from components.config import (STYLES, Config, ConfigError, EnvConfig, RolloutConfig, StoreConfig, TrainConfig,
-                               load_config, to_dict)
+from components.config import (
+    STYLES,
+    Config,
+    ConfigError,
+    EnvConfig,
+    RolloutConfig,
+    StoreConfig,
+    TrainConfig,
+    load_config,
+    to_dict,
+)
 
 
 def _load(*overrides: str) -> Config:

@@ -135,3 +135,45 @@ def test_the_check_finds_a_planted_cycle(tmp_path):
     assert graph == {"a": {"b": "components/a/__init__.py"}, "b": {"c": "components/b.py"},
                      "c": {"a": "components/c/deep.py"}, "d": {"a": "components/d.py"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
+
+
+HEAVY = {
+    "mlflow": "about 2 s to import; only the MLflow paths need it",
+    "prefect": "about 3 s, and it reads its settings on import (flows/__init__.py sets them first)",
+    "great_expectations": "about 4 s; only a validation needs it (components/data/gates.py)",
+    "matplotlib": "only the plots need it",
+    "deepspeed": "only the DeepSpeed backend needs it, and it probes the accelerator on import",
+    "boto3": "only s3:// URIs need it",
+    "uvicorn": "only a served process needs it",
+}
+"""Third-party packages that may be imported inside a function without a comment: importing them where they are
+used keeps every other path (the CLI's help, the torch backend, a local store) from paying for them."""
+SOURCE_TEXT = {"sandbox/child.py", "sandbox/exit.py", "sandbox/seal.py", "sandbox/zygote_server.py"}
+"""The sandbox's child side: programs run inside the sealed interpreter, not modules of the library."""
+
+
+def test_imports_sit_at_the_top_unless_a_comment_says_why():
+    """An import inside a function is either of a `HEAVY` package or has a comment saying why (on its line or on
+    the line above its group): a cycle it breaks, a dependency it keeps off the import path."""
+    unexplained = []
+    for root in (ROOT, ROOT.parent / "flows", ROOT.parent / "tools"):
+        for path in sorted(root.rglob("*.py")):
+            if str(path.relative_to(ROOT.parent)).removeprefix("components/") in SOURCE_TEXT:
+                continue
+            lines = path.read_text().splitlines()
+            for node in ast.walk(ast.parse("\n".join(lines), str(path))):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for sub in ast.walk(node):
+                    if not isinstance(sub, (ast.Import, ast.ImportFrom)):
+                        continue
+                    name = sub.module if isinstance(sub, ast.ImportFrom) else sub.names[0].name
+                    if (name or "").split(".")[0] in HEAVY:
+                        continue
+                    first = sub.lineno - 1
+                    while first > 0 and lines[first - 1].strip().startswith(("import ", "from ")):
+                        first -= 1  # the top of this group of imports
+                    said = "#" in "".join(lines[sub.lineno - 1:sub.end_lineno]) or lines[first - 1].strip().startswith("#")
+                    if not said:
+                        unexplained.append(f"{path.relative_to(ROOT.parent)}:{sub.lineno} {name}")
+    assert not unexplained, "imports inside functions with no reason given:\n" + "\n".join(unexplained)

@@ -58,7 +58,9 @@ def load_pools(path: Path = POOLS_FILE) -> list[dict]:
 
 async def job_template(pool: dict) -> dict:
     """Prefect's default base job template for the pool's type with the pool's variables and placements."""
-    from prefect.workers.utilities import get_default_base_job_template_for_infrastructure_type
+    from prefect.workers.utilities import (
+        get_default_base_job_template_for_infrastructure_type,
+    )
 
     template = await get_default_base_job_template_for_infrastructure_type(pool["type"])
     if template is None:

@@ -24,7 +24,15 @@ from typing import Any
 
 import yaml
 
+from components.config import Config, ConfigError
 from components.tracking.prometheus import EXPORTED
+from components.training.engines import (
+    builtin_deepspeed_config,
+    deepspeed_file_problems,
+    deepspeed_schema_problems,
+    merge_deepspeed_config,
+)
+from tools.k8s_check import check_k8s
 
 ROOT = Path(__file__).resolve().parents[1]
 YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -441,9 +449,6 @@ def check_dockerfiles(root: Path, model: dict | None) -> list[str]:
 def check_deepspeed(root: Path) -> list[str]:
     """infra/deepspeed/*.json merged over the built-in config as the engine does, validated by DeepSpeed's models
     and by what SAO's learner allows (ZeRO 3 is valid here: the engine refuses it at run time)."""
-    from components.training.engines import (builtin_deepspeed_config, deepspeed_file_problems,
-                                             deepspeed_schema_problems, merge_deepspeed_config)
-
     problems = []
     for path in sorted((root / "infra" / "deepspeed").glob("*.json")):
         data = _load(path)
@@ -459,8 +464,6 @@ def check_deepspeed(root: Path) -> list[str]:
 def check_presets(root: Path) -> list[str]:
     """components/presets/*.toml load as `load_config` loads them; a `train.deepspeed_config` file exists
     (relative to the repository root, the working directory of the images)."""
-    from components.config import Config, ConfigError
-
     problems = []
     for path in sorted((root / "components" / "presets").glob("*.toml")):
         rel = _rel(path, root)
@@ -480,7 +483,6 @@ def check_infra(root: Path) -> list[str]:
     root = Path(root).resolve()
     model, compose_problems = compose_model(root)
     with_model = (check_compose, check_prometheus, check_grafana, check_dockerfiles)
-    from tools.k8s_check import check_k8s
 
     return (check_parse(root) + compose_problems + [p for check in with_model for p in check(root, model)]
             + check_dashboards(root) + check_deepspeed(root) + check_presets(root) + check_k8s(root))

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from components.config import load_config
+
 GPU_PRESETS = ("qwen3-30b-a3b", "qwen3-30b-a3b-coding")
 
 
@@ -66,8 +68,6 @@ def check_k8s(root: Path) -> list[str]:
     servers = {f"http://{sts['metadata']['name']}-{i}.{svc_name}:{port}" for i in range(int(spec.get("replicas", 0)))}
     mounts = {m.get("mountPath"): m for m in container.get("volumeMounts", [])}
     max_len = _arg([str(a) for a in container.get("args", [])], "--max-model-len")
-
-    from components.config import load_config
 
     for preset in GPU_PRESETS:
         cfg = load_config(preset)

@@ -20,12 +20,12 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable
 
-from components.contracts.trajectory import Timings, Trajectory
 from components.contracts.environment import Environment
 from components.contracts.task import Task
+from components.contracts.trajectory import Timings, Trajectory
 from components.rollout.pool import EnginesDown
 from components.rollout.protocol import SamplingRequest
 

@@ -6,7 +6,12 @@ from components.algo.baselines import (
     grpo_advantages,
     normalize_advantages,
 )
-from components.algo.gae import discounted_reverse_cumsum, gae, gae_reference, timestep_mask
+from components.algo.gae import (
+    discounted_reverse_cumsum,
+    gae,
+    gae_reference,
+    timestep_mask,
+)
 from components.algo.losses import (
     DIS_PRESETS,
     clipped_value_loss,
@@ -15,7 +20,12 @@ from components.algo.losses import (
     entropy_from_logits,
     ppo_policy_loss,
 )
-from components.algo.reductions import explained_variance, masked_mean, masked_sum, masked_var
+from components.algo.reductions import (
+    explained_variance,
+    masked_mean,
+    masked_sum,
+    masked_var,
+)
 
 __all__ = [
     "DIS_PRESETS",

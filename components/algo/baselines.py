@@ -5,7 +5,7 @@ plus optional advantage normalisation as its own step (off by default for SAO, D
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

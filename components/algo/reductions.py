@@ -7,7 +7,7 @@ An empty mask gives 0, not NaN: a mini-batch with no action token contributes no
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

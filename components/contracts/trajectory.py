@@ -67,7 +67,7 @@ class Trajectory:
     metadata: dict[str, Any] = field(default_factory=dict)
     """Environment details (grading, tool calls, errors)."""
 
-    def validate(self) -> "Trajectory":
+    def validate(self) -> Trajectory:
         """Check every field's type and the contract's invariants; ValueError names the field. Returns self."""
         _check_types(self)
         n = len(self.token_ids)

@@ -32,7 +32,13 @@ import pandas as pd
 
 from components.contracts.trace import Trace
 from components.contracts.trajectory import FINISH_REASONS, Trajectory
-from components.data.gate_frames import ROLLOUT_FRAME_COLUMNS, TRACE_FRAME_COLUMNS, Grader, rollout_frame, trace_frame
+from components.data.gate_frames import (
+    ROLLOUT_FRAME_COLUMNS,
+    TRACE_FRAME_COLUMNS,
+    Grader,
+    rollout_frame,
+    trace_frame,
+)
 
 Expectations = list[tuple[str, dict[str, Any]]]
 """A suite as data: (Great Expectations class name, its keyword arguments), in report order."""
@@ -44,7 +50,7 @@ _RESULT_FORMAT = {"result_format": "COMPLETE", "return_unexpected_index_query": 
 class GateFailed(ValueError):
     """A dataset failed its gate; `report` holds the full `GateReport`."""
 
-    def __init__(self, report: "GateReport") -> None:
+    def __init__(self, report: GateReport) -> None:
         super().__init__(report.failure_message())
         self.report = report
 
@@ -141,7 +147,7 @@ class GateReport:
             lines.append(f"- {r.name}: {_what_failed(r)}" + (f"; first: {rows}" if rows else ""))
         return "\n".join(lines)
 
-    def raise_if_failed(self) -> "GateReport":
+    def raise_if_failed(self) -> GateReport:
         """The report itself when the gate passed; GateFailed otherwise."""
         if not self.success:
             raise GateFailed(self)

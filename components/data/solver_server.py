@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Literal
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -32,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from components.contracts.trace import Turn
 from components.data.tasks import Problem, make_problem
 from components.data.teacher import teacher_trace
+from components.rollout.server import ServerThread
 
 SOLVER_MODEL = "sao-programmatic-solver"
 """The model name the solver serves (and accepts)."""
@@ -211,15 +213,11 @@ def create_app(mental_max: int = 0, model_name: str = SOLVER_MODEL) -> FastAPI:
 
 def serve_solver(host: str = "127.0.0.1", port: int = 8000, mental_max: int = 0) -> None:
     """Serve the solver with uvicorn until interrupted (`sao` CLI); its base URL is `http://host:port/v1`."""
-    import uvicorn
-
     uvicorn.run(create_app(mental_max), host=host, port=port, log_level="warning")
 
 
 @contextlib.contextmanager
 def running_solver(mental_max: int = 0) -> Iterator[str]:
     """The solver on a free 127.0.0.1 port in a background thread; yields its base URL (ending in `/v1`)."""
-    from components.rollout.server import ServerThread
-
     with ServerThread(create_app(mental_max)) as url:
         yield f"{url}/v1"

@@ -18,7 +18,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from components.contracts.markers import answer_text, observation_text, prompt_text, tool_call_text
+from components.contracts.markers import (
+    answer_text,
+    observation_text,
+    prompt_text,
+    tool_call_text,
+)
 from components.contracts.trace import Trace, Turn
 
 

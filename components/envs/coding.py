@@ -26,13 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from components.contracts.markers import CALL, CALL_END, END, observation_text, prompt_text
+from components.contracts.environment import StepResult
+from components.contracts.markers import (
+    CALL,
+    CALL_END,
+    END,
+    observation_text,
+    prompt_text,
+)
+from components.contracts.task import Task
 from components.contracts.trace import Trace, Turn
 from components.data.problem_sets import load_tasks
-from components.contracts.environment import StepResult
-from components.contracts.task import Task
-from components.envs.latency import ToolLatency
 from components.envs.coding_harness import RESULT_MARKER, harness_program
+from components.envs.latency import ToolLatency
 from components.envs.python_tool import PythonTool
 from components.sandbox.run import SandboxError, run_python
 

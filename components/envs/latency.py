@@ -47,3 +47,7 @@ class ToolLatency:
         if delay > 0:
             await asyncio.sleep(delay)
         return delay
+
+
+NO_LATENCY = ToolLatency()
+"""Tools answer as fast as they run (the default everywhere but benchmarks)."""

@@ -26,16 +26,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from components.config import Config
+from components.contracts.environment import EnvSetup, Prompts
 from components.contracts.task import Task
 from components.contracts.trace import Trace
 from components.data.problem_sets import load_tasks
 from components.data.tasks import generate_problems
 from components.data.teacher import teacher_trace
-from components.contracts.environment import EnvSetup, Prompts
-from components.envs.latency import ToolLatency
 from components.envs.coding import CodingEnvironment, load_coding_tasks, solution_trace
-from components.envs.style import LexicalJudge, LLMJudge, PreferenceSchedule, StyleEnvironment, StyleJudge
-from components.envs.style import load_style_tasks
+from components.envs.latency import ToolLatency
+from components.envs.style import (
+    LexicalJudge,
+    LLMJudge,
+    PreferenceSchedule,
+    StyleEnvironment,
+    StyleJudge,
+    load_style_tasks,
+)
 from components.envs.style_teacher import style_traces
 from components.envs.tir_math import TIRMathEnvironment, tasks_from_problems
 

@@ -18,10 +18,10 @@ from typing import Protocol
 
 import httpx
 
-from components.contracts.markers import END, prompt_text
-from components.data.problem_sets import load_tasks
 from components.contracts.environment import StepResult
+from components.contracts.markers import END, prompt_text
 from components.contracts.task import Task
+from components.data.problem_sets import load_tasks
 
 STYLES = ("cute", "chuunibyou", "classical")
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "style" / "prompts.jsonl"

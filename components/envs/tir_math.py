@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import asyncio
 
-from components.contracts.markers import CALL, CALL_END, END, observation_text, prompt_text
-from components.data.tasks import Problem
 from components.contracts.environment import StepResult
+from components.contracts.markers import (
+    CALL,
+    CALL_END,
+    END,
+    observation_text,
+    prompt_text,
+)
 from components.contracts.task import Task
-from components.envs.latency import ToolLatency
+from components.data.tasks import Problem
 from components.envs.grading import grade_answer, reference_answer
+from components.envs.latency import NO_LATENCY, ToolLatency
 from components.envs.python_tool import PythonTool
 
 
@@ -32,12 +38,12 @@ class TIRMathEnvironment:
     name = "tir_math"
     success_threshold = 1.0  # an exactly correct answer
 
-    def __init__(self, tool_timeout_s: float = 5.0, latency: ToolLatency = ToolLatency(),
+    def __init__(self, tool_timeout_s: float = 5.0, latency: ToolLatency = NO_LATENCY,
                  max_output_chars: int = 256) -> None:
         self.tool = PythonTool(timeout_s=tool_timeout_s, max_chars=max_output_chars)
         self.latency = latency
 
-    def start(self, task: Task) -> "TIRMathEpisode":
+    def start(self, task: Task) -> TIRMathEpisode:
         return TIRMathEpisode(self, task)
 
 

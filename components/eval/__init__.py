@@ -5,7 +5,12 @@ re-exported here for evaluation code. `evaluate` is not imported here: it pulls 
 """
 
 from components.envs.grading import extract_boxed, grade_answer, math_equal
-from components.eval.benchmarks import BENCHMARKS, BenchmarkFormat, detect_benchmark, load_benchmark
+from components.eval.benchmarks import (
+    BENCHMARKS,
+    BenchmarkFormat,
+    detect_benchmark,
+    load_benchmark,
+)
 
 __all__ = [
     "BENCHMARKS",

@@ -6,6 +6,7 @@ A run is named by its id or its run name (the newest run of that name). Each met
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from statistics import fmean
 from typing import Any
@@ -87,8 +88,6 @@ def plot(client: Any, runs: list[Any], labels: list[str], out: Path) -> Path:
 def run_compare(names: list[str], home: Path | None, tracking_uri: str | None, out: Path | None,
                 log=print) -> tuple[str, Path]:
     """Print the table of `names` and write the plot; returns both."""
-    import os
-
     from mlflow.tracking import MlflowClient
 
     home = Path(home or os.environ.get("SAO_HOME", ".sao"))

@@ -22,9 +22,9 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from components.agent.runner import AgentRunner, EpisodeLimits
+from components.contracts.environment import Environment
 from components.contracts.task import Task
 from components.contracts.trajectory import Trajectory
-from components.contracts.environment import Environment
 
 
 @dataclass

@@ -23,7 +23,9 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from components.config import TrackingConfig
 from components.eval.compare import metric_history, resolve_runs
+from components.tracking import mlflow_uri
 
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#000000", "#8C6D31")
 """Okabe-Ito (colour-blind safe, its yellow left out: unreadable on white), then two darks; run i gets colour i."""
@@ -130,9 +132,6 @@ def run_report(names: list[str], home: Path | None, experiment: str | None, out:
     """`sao report`: `names`, else the newest finished training runs of `experiment`, into `out`
     (default `<home>/reports/report.html`)."""
     from mlflow.tracking import MlflowClient
-
-    from components.config import TrackingConfig
-    from components.tracking import mlflow_uri
 
     home = Path(home or os.environ.get("SAO_HOME", ".sao"))
     tracking = TrackingConfig(uri=tracking_uri or "")

@@ -2,7 +2,12 @@
 
 from components.models.freeze import freeze_attention, is_attention_module
 from components.models.logprobs import token_logprobs
-from components.models.policy import build_policy, init_model_dir, load_policy, save_model_dir
+from components.models.policy import (
+    build_policy,
+    init_model_dir,
+    load_policy,
+    save_model_dir,
+)
 from components.models.tokenizer import build_tokenizer, load_tokenizer, stop_token_ids
 from components.models.value import ValueModel
 

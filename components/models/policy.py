@@ -9,8 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, Qwen3MoeConfig, \
-    Qwen3MoeForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from components.config import ModelConfig
 from components.models.tokenizer import build_tokenizer, load_tokenizer

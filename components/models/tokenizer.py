@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from components.contracts.markers import CALL_END, END, PAD, SPECIAL_TOKENS, UNK
 
@@ -28,8 +28,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     """Load the tokenizer of a local model directory (never from a hub)."""
-    from transformers import AutoTokenizer
-
     path = Path(path)
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"model directory {path} has no tokenizer.json")

@@ -30,7 +30,7 @@ class ValueModel(nn.Module):
             nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_policy(cls, policy: PreTrainedModel) -> "ValueModel":
+    def from_policy(cls, policy: PreTrainedModel) -> ValueModel:
         """Initialise from a policy (e.g. the SFT checkpoint): a copy of its decoder and a fresh head."""
         return cls(copy.deepcopy(policy.get_decoder()))
 
@@ -48,7 +48,7 @@ class ValueModel(nn.Module):
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "ValueModel":
+    def load(cls, path: str | Path) -> ValueModel:
         path = Path(path)
         if not (path / HEAD_FILE).exists():
             raise FileNotFoundError(f"value model directory {path} has no {HEAD_FILE}")

@@ -51,7 +51,7 @@ class EngineClient:
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, limits=limits)
 
-    async def __aenter__(self) -> "EngineClient":
+    async def __aenter__(self) -> EngineClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -130,7 +130,7 @@ class EmbeddedEngine:
 
     # ---- public API -------------------------------------------------------------------------------------
 
-    def start(self) -> "EmbeddedEngine":
+    def start(self) -> EmbeddedEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
             self._thread.start()

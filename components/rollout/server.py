@@ -21,20 +21,25 @@ ignored otherwise), are refused rather than ignored.
 from __future__ import annotations
 
 import contextlib
+import socket
+import threading
 import time
 import uuid
 from pathlib import Path
 
+import torch
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from safetensors import SafetensorError
 
-from components.tracking.prometheus import EngineMetrics
+from components.models import load_policy, load_tokenizer
 from components.rollout.embedded import EmbeddedEngine
+from components.rollout.engine_process import EngineProcess
 from components.rollout.protocol import SamplingRequest
-
+from components.tracking.prometheus import EngineMetrics
 
 MAX_BODY_BYTES = 16 * 2**20
 """Largest request body accepted: a prompt of 1M token ids as JSON is ~7 MiB."""
@@ -190,15 +195,10 @@ def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
 def serve(model_path: str | Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 64,
           threads: int | None = None) -> None:
     """`sao engine serve`: load an HF model directory and serve it until interrupted."""
-    import torch
-    import uvicorn
-
     if threads is not None:
         # Busy-waiting OpenMP threads collapse throughput when clients share the cores (measured: 2 threads
         # with 32 local clients gave 0.56x of 1 thread).
         torch.set_num_threads(threads)
-
-    from components.models import load_policy, load_tokenizer
 
     engine = EmbeddedEngine(load_policy(model_path), load_tokenizer(model_path), max_batch=max_batch).start()
     try:
@@ -214,11 +214,6 @@ class ServerThread:
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
-        import socket
-        import threading
-
-        import uvicorn
-
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -245,8 +240,6 @@ class ServerThread:
 @contextlib.contextmanager
 def serve_subprocess(model_dir: str | Path, threads: int | None = None, timeout_s: float = 120.0):
     """`sao engine serve` in a child process on a free loopback port; yields its URL once `/health` answers."""
-    from components.rollout.engine_process import EngineProcess
-
     engine = EngineProcess(model_dir, threads=threads).start(timeout_s)
     try:
         yield engine.url

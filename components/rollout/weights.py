@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 
 def read_weights(source: str | Path) -> dict[str, torch.Tensor]:
@@ -23,7 +24,6 @@ def read_weights(source: str | Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"path: {path} is neither a safetensors file nor a model directory")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"path: {path} has no config.json")
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
     return model.state_dict()

@@ -12,7 +12,8 @@ hook, reports `ready ...` on the status channel, closes it and runs the code. A 
 through `exit.exit_like_interpreter` instead of the interpreter's full teardown.
 """
 
-import os, sys
+import os
+import sys
 
 
 def _fail(msg):

@@ -14,7 +14,8 @@ failed flush exits with 120, an uncaught SystemExit gives the status `_Py_Handle
 `tests/sandbox/test_isolation_between_calls.py` compares programs' ends with a fresh interpreter's.
 """
 
-import os, sys
+import os
+import sys
 
 
 def _exit_status(e):
@@ -46,7 +47,9 @@ def _flush(files):
 def exit_like_interpreter(exit_status):
     """What the interpreter's exit does that a program can observe, then `_exit`; `exit_status` is the
     program's uncaught SystemExit or an exit status (see the module docstring)."""
-    import atexit, gc, io
+    import atexit
+    import gc
+    import io
     if isinstance(exit_status, SystemExit):
         exit_status = _exit_status(exit_status)
     threading = sys.modules.get("threading")

@@ -103,7 +103,7 @@ def run_percall(
         os.close(status_w)
         fds.remove(status_w)
         try:
-            import resource
+            import resource  # Unix only: without it the child keeps its core-dump limit
 
             resource.prlimit(proc.pid, resource.RLIMIT_CORE, (0, 0))
         except (ImportError, OSError, ValueError):

@@ -64,7 +64,12 @@ import threading
 import warnings
 from dataclasses import dataclass
 
-from components.sandbox.host import _NOBODY_GID, _NOBODY_UID, SANDBOX_PYTHON, SANDBOX_PYTHON_REASON
+from components.sandbox.host import (
+    _NOBODY_GID,
+    _NOBODY_UID,
+    SANDBOX_PYTHON,
+    SANDBOX_PYTHON_REASON,
+)
 from components.sandbox.percall import run_percall
 from components.sandbox.proc import Outcome, SandboxError
 from components.sandbox.rootfs import rootfs_plan

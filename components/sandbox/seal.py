@@ -178,7 +178,8 @@ def _audit_hook(strict, caller_pid):
 def _strip_for_degraded():
     """Without namespaces: no way out of the killable process group, no foreign code loading, no spawning of
     programs without the hook."""
-    import posix, sys
+    import posix
+    import sys
     for mod in (os, posix):
         for name in ("setsid", "setpgid", "setpgrp", "pidfd_open"):
             try:

@@ -21,8 +21,10 @@ of PID 1, SIGKILLs it at the call's deadline (or when the caller hangs up), reap
 answers `done`: by then every process of the call's namespace is gone.
 """
 
-import gc, select, struct
 import _socket
+import gc
+import select
+import struct
 
 _CLONE_NEWNS, _CLONE_NEWNET, _CLONE_NEWPID = 0x20000, 0x40000000, 0x20000000
 _SCM_RIGHTS_LEVEL = (_socket.SOL_SOCKET, _socket.SCM_RIGHTS)
@@ -116,7 +118,8 @@ def _serve(ctl, pidns, libc, ctypes, prepared):
     call wrote on its status pipe (`ready ...` before the program ran, `exit <status>` from PID 1). A call
     whose caller hung up (its thread was interrupted) is killed at once.
     """
-    import _signal, time
+    import _signal
+    import time
     null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
     poller = select.poll()
     poller.register(ctl.fileno(), select.POLLIN)
@@ -216,7 +219,8 @@ def _accept(ctl, pidns, null, libc, ctypes, prepared, calls, channels, poller):
 def _warm_up():
     """Run once, here, what every call runs (compile, exec, print, the exit path's flush), so that what those
     build lazily is built in the zygote instead of in every sandbox (its stdout is /dev/null)."""
-    import builtins, io
+    import builtins
+    import io
     exec(compile("print([1], 'x', end='')\n", "<warm-up>", "exec", dont_inherit=True), {"__builtins__": builtins})
     _flush([sys.stdout, sys.stderr] + [o for o in gc.get_objects() if isinstance(o, io.IOBase)])
 
@@ -265,7 +269,6 @@ def _zygote_main():
     # What is the same for every call is made once: the filter, the audit hook, exit()/quit().
     prepared = {"seccomp": seccomp, "hook": _audit_hook(False, 0), "report": ["zygote"] + report}
     _install_exit_builtins()
-    import _signal
     _warm_up()
     gc.collect()
     gc.freeze()

@@ -11,18 +11,24 @@ report); a dataset that fails its gate is never written.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from components.config import Config
 from components.contracts.task import Task
 from components.contracts.trace import Trace
+from components.data.gates import check_traces
 from components.data.problem_sets import load_tasks
 from components.data.tasks import generate_problems
+from components.data.teacher_client import TeacherEndpoint, distill
 from components.data.traces import read_traces, write_traces
+from components.envs.grading import grade_answer
+from components.envs.python_tool import PythonTool
 from components.envs.registry import sft_traces
 from components.envs.tir_math import tasks_from_problems
+from components.models import build_tokenizer, load_tokenizer
 from components.stages.home import Log, available, publish
 from components.stages.recipes import data_recipe, dataset_key
 from components.storage import atomic_dir, write_json
@@ -62,9 +68,6 @@ def write_teacher_traces(cfg: Config, log: Log = print, progress: Progress | Non
         traces = sft_traces(cfg)
         log(f"distill: programmatic {cfg.env.name} teacher wrote {len(traces)} traces")
         return Distilled(traces, {}, time.perf_counter() - start)
-    from components.data.teacher_client import TeacherEndpoint, distill
-    from components.envs.grading import grade_answer
-    from components.envs.python_tool import PythonTool
 
     tasks = teacher_tasks(cfg)
     endpoint = TeacherEndpoint.from_config(cfg.distill)
@@ -79,10 +82,6 @@ def write_teacher_traces(cfg: Config, log: Log = print, progress: Progress | Non
 
 def gate_traces(cfg: Config, traces: list[Trace]) -> GateReport:
     """The trace gate (components/data/gates.py) with this config's bounds."""
-    from components.data.gates import check_traces
-    from components.envs.grading import grade_answer
-    from components.models import build_tokenizer, load_tokenizer
-
     tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else build_tokenizer()
     return check_traces(traces, tokenizer, max_tokens=cfg.rollout.max_total_tokens, grade=grade_answer)
 

@@ -20,7 +20,12 @@ from components.contracts.trajectory import write_trajectories
 from components.envs.registry import build_env
 from components.eval.benchmarks import load_benchmark
 from components.eval.evaluate import EvalReport, evaluate
-from components.models import load_policy, load_tokenizer, save_model_dir, stop_token_ids
+from components.models import (
+    load_policy,
+    load_tokenizer,
+    save_model_dir,
+    stop_token_ids,
+)
 from components.rollout.embedded import EmbeddedEngine
 from components.stages.home import Log, existing_sft
 from components.stages.recipes import eval_task
@@ -28,6 +33,7 @@ from components.storage import atomic_dir, is_complete, weights_fingerprint, wri
 from components.tracking.registry import Promotion, promote
 from components.training.algorithms import ALGORITHMS
 from components.training.checkpoint import checkpoint_store
+
 
 def eval_tasks(cfg: Config, benchmark: str, tasks: str) -> tuple[list[Task] | None, str]:
     """(tasks, eval set name): a benchmark file, or None for the environment's held-out set."""

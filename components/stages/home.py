@@ -22,12 +22,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from components.config import Config
 from components.stages.recipes import sft_key, sft_recipe
-from components.storage import ArtifactStore, is_complete, mark_complete, open_store, resolve_store_uri
+from components.storage import (
+    ArtifactStore,
+    is_complete,
+    mark_complete,
+    open_store,
+    resolve_store_uri,
+)
 
 Log = Callable[[str], None]
 

@@ -14,10 +14,12 @@ from pathlib import Path
 
 from components.agent.runner import AgentRunner, episode_limits
 from components.config import Config
+from components.contracts.environment import Environment
 from components.contracts.task import Task
 from components.contracts.trajectory import Trajectory, write_trajectories
-from components.contracts.environment import Environment
 from components.envs.registry import build_env
+from components.models import load_policy, load_tokenizer, stop_token_ids
+from components.rollout.embedded import EmbeddedEngine
 
 
 def sample_episodes(cfg: Config, model_dir: Path, env: Environment, tasks: list[Task], seed: int,
@@ -26,9 +28,6 @@ def sample_episodes(cfg: Config, model_dir: Path, env: Environment, tasks: list[
     config's episode limits and temperature, `concurrency` episodes in flight; `seed` seeds the per-request
     sampling (each request's seed depends on it, the task id and the turn, never on the concurrency).
     Returns (trajectories in finish order, seconds)."""
-    from components.models import load_policy, load_tokenizer, stop_token_ids
-    from components.rollout.embedded import EmbeddedEngine
-
     tokenizer = load_tokenizer(model_dir)
     engine = EmbeddedEngine(load_policy(model_dir), tokenizer, max_batch=cfg.rollout.max_batch).start()
     runner = AgentRunner(engine, tokenizer, env, episode_limits(cfg), concurrency, tuple(stop_token_ids(tokenizer)),

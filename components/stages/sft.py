@@ -15,7 +15,12 @@ from pathlib import Path
 
 from components.config import Config
 from components.data.traces import read_traces
-from components.models import build_policy, build_tokenizer, load_tokenizer, save_model_dir
+from components.models import (
+    build_policy,
+    build_tokenizer,
+    load_tokenizer,
+    save_model_dir,
+)
 from components.stages.distill import run_distill
 from components.stages.evaluate import run_eval
 from components.stages.home import SFT_RECIPE_FILE, Log, existing_sft, publish

@@ -17,8 +17,8 @@ from components.stages.evaluate import run_eval
 from components.stages.home import Log, publish
 from components.stages.sft import run_sft, sft_eval
 from components.tracking import DiskTracker, NullTracker, mlflow_uri, open_tracker
-from components.training.collective import SOLO, from_environment, launched_world_size
 from components.training.checkpoint import checkpoint_store
+from components.training.collective import SOLO, from_environment, launched_world_size
 from components.training.engines import init_single_process_group
 from components.training.trainer import train
 

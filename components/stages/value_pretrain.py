@@ -35,7 +35,6 @@ from components.training.algorithms import ALGORITHMS
 from components.training.engines import TorchEngine
 from components.training.value_pretrain import FitSettings, fit_critic, split_by_prompt
 
-
 SUMMARY_FILE = "value_pretrain.json"
 """Written into the critic's directory: the recipe and the numbers of the run."""
 

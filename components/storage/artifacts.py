@@ -104,7 +104,7 @@ def source_files(local_dir: Path) -> list[tuple[str, Path]]:
             rel = path.relative_to(local_dir).as_posix()
             if rel != MARKER:
                 files.append((rel, path))
-    for rel, path in files:
+    for rel, _ in files:
         if rel in RESERVED:
             raise ValueError(f"cannot publish {local_dir}: {rel} is reserved for the store's own bookkeeping")
     return files

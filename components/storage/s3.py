@@ -21,22 +21,39 @@ import os
 import random
 import socket
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 import boto3
 from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import (BotoCoreError, ClientError, HTTPClientError, IncompleteReadError,
-                                 ResponseStreamingError)
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    IncompleteReadError,
+    ResponseStreamingError,
+)
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceeded
 
-from components.storage.artifacts import (MANIFEST, CorruptArtifact, IncompleteArtifact, StoreError, check_key,
-                                          file_meta, join, manifest_bytes, manifest_entries, source_files, verify)
 from components.faults import fault_point
+from components.storage.artifacts import (
+    MANIFEST,
+    CorruptArtifact,
+    IncompleteArtifact,
+    StoreError,
+    check_key,
+    file_meta,
+    join,
+    manifest_bytes,
+    manifest_entries,
+    source_files,
+    verify,
+)
 from components.storage.local import MARKER, atomic_fill
 
 T = TypeVar("T")
@@ -186,7 +203,7 @@ class S3Store:
             manifest = {}
             for rel, path in files:
                 manifest[rel] = file_meta(path)
-                self._retry(f"{base}/{rel}", lambda: self.client.upload_file(
+                self._retry(f"{base}/{rel}", lambda path=path, rel=rel: self.client.upload_file(
                     str(path), self.bucket, f"{base}/{rel}", Config=self.transfer))
                 fault_point("store.upload")
             self._put(f"{base}/{MANIFEST}", manifest_bytes(check_key(key), manifest))
@@ -204,7 +221,7 @@ class S3Store:
                     dst = tmp / rel
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     try:
-                        self._retry(f"{base}/{rel}", lambda: self.client.download_file(
+                        self._retry(f"{base}/{rel}", lambda rel=rel, dst=dst: self.client.download_file(
                             self.bucket, f"{base}/{rel}", str(dst), Config=self.transfer))
                     except ClientError as exc:
                         if _missing(exc):
@@ -249,7 +266,7 @@ class S3Store:
             keys = self._list(f"{base}/")
             for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
                 batch = [{"Key": k} for k in keys[i:i + 1000]]
-                result = self._retry(f"{base}/", lambda: self.client.delete_objects(
+                result = self._retry(f"{base}/", lambda batch=batch: self.client.delete_objects(
                     Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}))
                 if result.get("Errors"):
                     error = result["Errors"][0]

@@ -65,6 +65,6 @@ def _s3_store(uri: str) -> type:
     except ImportError as exc:
         raise ImportError(f"{uri} needs boto3, which is not installed in this environment; install it with "
                           f"`pip install boto3`") from exc
-    from components.storage.s3 import S3Store
+    from components.storage.s3 import S3Store  # it imports boto3: loaded for s3:// URIs only
 
     return S3Store

@@ -9,9 +9,21 @@ runs and the model registry.
     prometheus.py      the trainer's and the engines' Prometheus series
 """
 
-from components.tracking.mlflow_tracker import MlflowTracker, mlflow_experiment, mlflow_uri, spool_dir
+from components.tracking.mlflow_tracker import (
+           MlflowTracker,
+           mlflow_experiment,
+           mlflow_uri,
+           spool_dir,
+)
 from components.tracking.spool import replay_spool, spool_files
-from components.tracking.trackers import DiskTracker, FanOut, NullTracker, Tracker, open_tracker, prometheus_port
+from components.tracking.trackers import (
+           DiskTracker,
+           FanOut,
+           NullTracker,
+           Tracker,
+           open_tracker,
+           prometheus_port,
+)
 
 __all__ = ["DiskTracker", "FanOut", "MlflowTracker", "NullTracker", "Tracker", "mlflow_experiment", "mlflow_uri",
            "open_tracker", "prometheus_port", "replay_spool", "spool_dir", "spool_files"]

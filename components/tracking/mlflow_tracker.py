@@ -9,11 +9,20 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from components.tracking.spool import (LINEAGE_TAG, SPOOL_DIR, Courier, Spool, permanent, previous_run, replay_spool,
-                                       spool_files)
+from components.tracking.spool import (
+    LINEAGE_TAG,
+    SPOOL_DIR,
+    Courier,
+    Spool,
+    permanent,
+    previous_run,
+    replay_spool,
+    spool_files,
+)
 
 logger = logging.getLogger("sao.tracking")
 
@@ -96,10 +105,8 @@ class MlflowTracker:
     def log_dataset(self, rows: list[dict], source: str, name: str, context: str = "training") -> None:
         """A dataset input (name, digest of its rows, source URI, schema) shown on the run's page; the entity is
         made now, from the rows, and delivered through the spool like every other call."""
-        import warnings
-
         import mlflow.data
-        import pandas as pd
+        import pandas as pd  # with mlflow.data: only a stage that logs a dataset needs them
 
         with warnings.catch_warnings():  # MLflow's notes on source resolution and integer columns, not ours
             warnings.simplefilter("ignore", UserWarning)

@@ -23,7 +23,12 @@ import time
 from collections import deque
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TRAINER_METRICS = (
@@ -76,8 +81,6 @@ class PrometheusTracker:
     `self.port` is the bound one."""
 
     def __init__(self, port: int, addr: str = "127.0.0.1") -> None:
-        from prometheus_client import start_http_server
-
         self.labels = {name: "" for name in LABELS}
         self.values: dict[tuple[str, str], float] = {}
         """(series, benchmark or "") -> the newest value."""

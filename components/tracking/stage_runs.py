@@ -12,7 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from components.config import Config, to_dict
-from components.tracking.mlflow_tracker import MlflowTracker, mlflow_experiment, mlflow_uri, spool_dir
+from components.tracking.mlflow_tracker import (
+    MlflowTracker,
+    mlflow_experiment,
+    mlflow_uri,
+    spool_dir,
+)
 from components.tracking.trackers import NullTracker
 
 PIPELINE_TAG = "sao.pipeline"

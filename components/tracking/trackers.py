@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from components.tracking.mlflow_tracker import MlflowTracker, mlflow_uri, spool_dir
+from components.tracking.prometheus import PrometheusTracker
 
 if TYPE_CHECKING:
     from components.config import TrackingConfig
@@ -141,8 +142,6 @@ def open_tracker(config: TrackingConfig, home: Path, run_name: str, jsonl: Path,
     port = prometheus_port(config)
     exporter: list[Tracker] = []
     if port:
-        from components.tracking.prometheus import PrometheusTracker
-
         addr = config.prometheus_addr or os.environ.get("SAO_PROMETHEUS_ADDR", "").strip() or "127.0.0.1"
         exporter.append(PrometheusTracker(port, addr))
     trackers: list[Tracker] = [DiskTracker(jsonl)]

@@ -29,8 +29,8 @@ A non-finite loss or gradient is the engines' guard (`engines.py`). Finite input
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -51,7 +51,6 @@ from components.config import AlgoName
 from components.models import token_logprobs
 from components.training.collective import SOLO, Collective, global_moments
 from components.training.diagnostics import policy_diagnostics
-
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,23 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from components.config import Config
 from components.storage import open_store, resolve_store_uri
-from components.storage.artifacts import (ArtifactStore, CorruptArtifact, IncompleteArtifact, LocalStore, StoreError,
-                                          check_key, join)
+from components.storage.artifacts import (
+    ArtifactStore,
+    CorruptArtifact,
+    IncompleteArtifact,
+    LocalStore,
+    StoreError,
+    check_key,
+    join,
+)
 
 OnCheckpoint = Callable[[int, str], None]
 """Called with (step, URI) once a checkpoint is complete in the store."""

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 
@@ -35,7 +36,6 @@ class Collective:
         """All-reduce sum (a new tensor; the input is untouched)."""
         if not self.distributed:
             return x
-        import torch.distributed as dist
 
         out = x.detach().clone()
         dist.all_reduce(out)
@@ -45,7 +45,6 @@ class Collective:
         """Every rank's rows concatenated in rank order, and where this rank's rows start."""
         if not self.distributed:
             return x, 0
-        import torch.distributed as dist
 
         parts: list = [None] * self.world
         dist.all_gather_object(parts, x.detach())
@@ -56,7 +55,6 @@ class Collective:
         """Rank 0 passes one item per rank and gets its own back; the other ranks pass None."""
         if not self.distributed:
             return items[0]
-        import torch.distributed as dist
 
         out: list = [None]
         dist.scatter_object_list(out, items if self.rank == 0 else None, src=0)
@@ -66,7 +64,6 @@ class Collective:
         """Every rank's item, in rank order, on rank 0 (None elsewhere)."""
         if not self.distributed:
             return [item]
-        import torch.distributed as dist
 
         out = [None] * self.world if self.rank == 0 else None
         dist.gather_object(item, out, dst=0)
@@ -76,7 +73,6 @@ class Collective:
         """Rank 0's item on every rank."""
         if not self.distributed:
             return item
-        import torch.distributed as dist
 
         box = [item]
         dist.broadcast_object_list(box, src=0)
@@ -84,8 +80,6 @@ class Collective:
 
     def barrier(self) -> None:
         if self.distributed:
-            import torch.distributed as dist
-
             dist.barrier()
 
     def all_true(self, flag: bool) -> bool:
@@ -100,8 +94,6 @@ SOLO = Collective()
 
 def from_environment() -> Collective:
     """The torch.distributed world when one is initialised with more than one rank, else `SOLO`."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return Collective(dist.get_rank(), dist.get_world_size())
     return SOLO

@@ -28,14 +28,19 @@ import copy
 import json
 import math
 import os
+import socket
 import time
 from collections.abc import Iterator, KeysView
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+
+from components.training.collective import from_environment
 
 
 class _Checkpointable:
@@ -209,11 +214,12 @@ def deepspeed_schema_problems(config: dict[str, Any]) -> list[str]:
     """DeepSpeed's own validation of a full config: its pydantic models for `zero_optimization`, `bf16` and
     `fp16` (unknown or mistyped keys fail: extra="forbid"), then `DeepSpeedConfig` on the whole, and every
     top-level key DeepSpeed never reads. Each problem starts with the dotted key."""
-    import pydantic
-
     default_accelerator()
     from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.precision_config import (
+        DeepSpeedBF16Config,
+        DeepSpeedFP16Config,
+    )
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     problems = []
@@ -286,8 +292,6 @@ class DeepSpeedEngine(_Checkpointable):
             self.optimizer.load_state_dict(state["optimizer"])
 
     def backward_step(self, loss: Tensor) -> Tensor:
-        from components.training.collective import from_environment
-
         # Ranks skip together: one rank skipping its backward would leave the others in the gradient all-reduce.
         if not from_environment().all_true(bool(torch.isfinite(loss))):
             self.skipped_steps += 1
@@ -323,14 +327,10 @@ def default_accelerator() -> None:
 
 def init_single_process_group() -> None:
     """torch.distributed with world size 1 (gloo) unless a launcher (torchrun) already set it up."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return
     default_accelerator()
     if "RANK" not in os.environ:
-        import socket
-
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]

@@ -14,7 +14,8 @@ with the same budget and factor.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from components.config import TrainConfig
 from components.training.stability import Collapse, CollapseDetector

@@ -13,8 +13,8 @@ With one process there is no messaging at all; the learner just runs the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -28,7 +28,12 @@ from components.storage import HomeStateError, weights_fingerprint
 from components.tracking import Tracker
 from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.buffer import TrajectoryBuffer
-from components.training.checkpoint import CheckpointStore, Checkpointer, OnCheckpoint, checkpoint_store
+from components.training.checkpoint import (
+    Checkpointer,
+    CheckpointStore,
+    OnCheckpoint,
+    checkpoint_store,
+)
 from components.training.guard import CollapseGuard
 from components.training.learner import Learner
 from components.training.stability import CollapseDetector

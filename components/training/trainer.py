@@ -29,10 +29,10 @@ import itertools
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -42,12 +42,17 @@ from components.contracts.trajectory import Trajectory, to_tensors
 from components.faults import fault_point
 from components.models import save_model_dir
 from components.storage import atomic_dir
+from components.tracking import Tracker
 from components.training import memory
 from components.training.buffer import TrajectoryBuffer
-from components.tracking import Tracker
 from components.training.checkpoint import OnCheckpoint
 from components.training.learner import Learner
-from components.training.parts import TrainerParts, build_parts, settings_from, thread_budget
+from components.training.parts import (
+    TrainerParts,
+    build_parts,
+    settings_from,
+    thread_budget,
+)
 from components.training.schedule import warmup_cosine
 from components.training.stability import CollapseDetector
 

@@ -11,8 +11,8 @@ from components.agent.runner import AgentRunner, EpisodeLimits
 from components.contracts.markers import observation_text, prompt_text
 from components.contracts.trajectory import read_trajectories, to_tensors, write_trajectories
 from components.data.tasks import generate_problems, make_problem
-from components.envs.latency import ToolLatency
 from components.envs.grading import grade_answer
+from components.envs.latency import ToolLatency
 from components.envs.python_tool import PythonTool
 from components.envs.tir_math import TIRMathEnvironment, last_tool_code, tasks_from_problems
 from components.models import stop_token_ids, token_logprobs
@@ -46,7 +46,7 @@ def test_trajectory_invariants_on_real_runs(engine, sft_policy, tmp_path):
         runs = _segments(traj)
         # The prompt, then actions and observations; decoding each run reproduces what the episode exchanged.
         assert tokenizer.decode(runs[0][1]) == prompt_text(task.prompt) and runs[0][0] == 0
-        for (was_action, prev), (is_action, ids) in zip(runs[1:], runs[2:]):
+        for (_, prev), (is_action, ids) in zip(runs[1:], runs[2:]):
             if not is_action:  # an observation is exactly the sandbox's answer to the preceding tool call
                 with_tools += 1
                 code = last_tool_code(tokenizer.decode(prev))
@@ -92,7 +92,7 @@ def test_heavy_tailed_tools_hand_over_out_of_order_without_waiting(engine, sft_p
     order = [pid for pid, _, _ in delivered]
     assert order != [p.problem_id for p in problems]  # handed over as finished, not in submission order
     finished = {t.prompt_id: t.timings.finished for t in trajectories}
-    for pid, at, in_flight in delivered:
+    for pid, at, _ in delivered:
         assert at - finished[pid] < 0.05  # handed over at once
     slowest = max(trajectories, key=lambda t: t.timings.finished - t.timings.started)
     early = [pid for pid, at, in_flight in delivered if at < slowest.timings.finished and in_flight > 0]

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from components.contracts.markers import CALL, CALL_END, END
 from components.contracts.task import Task
-from components.envs.latency import ToolLatency
 from components.envs.coding import (
     CodingEnvironment,
     extract_solution,
@@ -16,7 +16,7 @@ from components.envs.coding import (
     parse_harness_output,
     run_tests,
 )
-from components.contracts.markers import CALL, CALL_END, END
+from components.envs.latency import ToolLatency
 
 ADD = Task("add-task", "Write `def add(a, b)`.", {"entry_point": "add", "tests": [
     "assert add(1, 2) == 3", "assert add(-4, 6) == 2", "assert add(10, 5) == 15"]})

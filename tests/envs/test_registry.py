@@ -14,13 +14,13 @@ from collections import Counter
 import pytest
 
 from components.config import EnvName, load_config
+from components.contracts.environment import EnvSetup
 from components.contracts.markers import END
 from components.contracts.task import Task
 from components.data.tasks import generate_problems
 from components.data.traces import read_traces, render_segments, write_traces
-from components.envs.latency import ToolLatency
 from components.envs.coding import CodingEnvironment, solution_trace
-from components.contracts.environment import EnvSetup
+from components.envs.latency import ToolLatency
 from components.envs.registry import ENVIRONMENTS, build_env, judge_from, sft_traces
 from components.envs.style import STYLES, LexicalJudge, LLMJudge
 from components.envs.style_teacher import MAX_ANSWER_CHARS, PHRASES, style_answer, style_traces

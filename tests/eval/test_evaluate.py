@@ -8,10 +8,10 @@ from components.agent.runner import EpisodeLimits
 from components.contracts.markers import CALL, CALL_END, OUTPUT, OUTPUT_END
 from components.contracts.trajectory import Timings, Trajectory
 from components.data.tasks import generate_problems
-from components.sandbox.run import run_python
 from components.envs.tir_math import TIRMathEnvironment, tasks_from_problems
 from components.eval.evaluate import evaluate, score
 from components.models import stop_token_ids
+from components.sandbox.run import run_python
 
 
 def _trajectory(task_id: str, reward: float) -> Trajectory:

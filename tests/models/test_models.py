@@ -11,6 +11,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from components.config import ModelConfig
+from components.contracts.markers import CALL, CALL_END, END, OUTPUT, OUTPUT_END
 from components.models import (
     ValueModel,
     build_policy,
@@ -21,7 +22,6 @@ from components.models import (
     save_model_dir,
     token_logprobs,
 )
-from components.contracts.markers import CALL, CALL_END, END, OUTPUT, OUTPUT_END
 
 
 @pytest.fixture(scope="module")

@@ -16,23 +16,13 @@ import torch
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from components.models import build_policy, build_tokenizer, save_model_dir, token_logprobs
+from components.models import save_model_dir, token_logprobs
 from components.rollout.backends import EmbeddedRollouts, HttpRollouts
 from components.rollout.client import EngineError
 from components.rollout.engine_process import EngineProcess
-from components.rollout.embedded import EmbeddedEngine
 from components.rollout.pool import EnginesDown
 from components.rollout.protocol import SamplingRequest
-from components.rollout.server import ServerThread, create_app
 from components.storage import is_complete
-
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_cfg):
-    """An untrained tiny policy (version 0) and its tokenizer."""
-    tokenizer = build_tokenizer()
-    return build_policy(tiny_cfg.model, tokenizer, seed=0), tokenizer
 
 
 def _version(model, seed: int):
@@ -57,42 +47,6 @@ def _request(tokenizer, i: int, max_tokens: int = 8) -> SamplingRequest:
 def _teacher_forced(model, result):
     ids = torch.tensor([result.prompt_ids + result.token_ids])
     return token_logprobs(model, ids, 1.0)[0, len(result.prompt_ids):]
-
-
-class _Served:
-    """An embedded engine behind a real uvicorn server on a loopback port, in this process."""
-
-    def __init__(self, app_or_model, tokenizer=None, port: int = 0) -> None:
-        if isinstance(app_or_model, FastAPI):
-            self.engine, app = None, app_or_model
-        else:
-            self.engine = EmbeddedEngine(copy.deepcopy(app_or_model), tokenizer, max_batch=16, threads=1).start()
-            app = create_app(self.engine, "tiny")
-        self._thread = ServerThread(app, port=port)
-        self.url = self._thread.__enter__()
-        self.port = int(self.url.rsplit(":", 1)[1])
-        self.running = True
-
-    def stop(self) -> None:
-        if self.running:
-            self.running = False
-            self._thread.__exit__(None, None, None)
-            if self.engine is not None:
-                self.engine.shutdown()
-
-
-@pytest.fixture
-def serve():
-    """`serve(model, tokenizer, port=0)` or `serve(app)`: a started server, stopped at teardown."""
-    started: list[_Served] = []
-
-    def start(*args, **kwargs) -> _Served:
-        started.append(_Served(*args, **kwargs))
-        return started[-1]
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 def _scripted(status: int) -> tuple[FastAPI, list[int]]:

@@ -17,8 +17,7 @@ from components.rollout.backends import HttpRollouts
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.server import create_app
 from components.storage import is_complete
-from tests.rollout.test_backends import (_engine_process, _request, _teacher_forced, _version, _weights,  # noqa: F401
-                                         serve, tiny)
+from tests.rollout.test_backends import _engine_process, _request, _teacher_forced, _version, _weights
 
 
 async def _crashed_run(urls, model, tokenizer, publish_dir, versions):

@@ -25,9 +25,9 @@ import time
 
 import pytest
 
-from components.sandbox import run as sandbox
 from components.contracts.task import Task
 from components.envs.coding import CodingEnvironment
+from components.sandbox import run as sandbox
 from components.sandbox.run import run_python
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -6,6 +6,7 @@ namespaces); they are skipped when the tests do not run as root.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import socket
@@ -71,7 +72,7 @@ def test_normal_program():
 
 def test_result_is_frozen():
     r = run_python("print(1)", 5)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         r.stdout = "x"  # type: ignore[misc]
 
 

@@ -13,11 +13,11 @@ from components.config import ConfigError, load_config
 from components.contracts.trajectory import Timings, Trajectory, to_tensors
 from components.models import ValueModel, build_policy, freeze_attention, load_policy
 from components.models.value import HEAD_FILE
+from components.stages.recipes import PROMPT_SEED_SHIFT, value_pretrain_recipe
+from components.stages.value_pretrain import SUMMARY_FILE, pretrain_value
 from components.storage import is_complete
 from components.training.learner import Learner
 from components.training.parts import settings_from
-from components.stages.recipes import PROMPT_SEED_SHIFT, value_pretrain_recipe
-from components.stages.value_pretrain import SUMMARY_FILE, pretrain_value
 from components.training.value_pretrain import split_by_prompt, value_targets
 
 

@@ -18,8 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.storage import (CorruptArtifact, IncompleteArtifact, LocalStore, StoreError, atomic_dir, open_store,
-                                resolve_store_uri)
+from components.storage import (
+    CorruptArtifact,
+    IncompleteArtifact,
+    LocalStore,
+    StoreError,
+    atomic_dir,
+    open_store,
+    resolve_store_uri,
+)
 from components.training.checkpoint import CheckpointStore, LocalCheckpointStore
 
 REPO = Path(__file__).resolve().parents[2]

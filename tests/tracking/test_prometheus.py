@@ -4,13 +4,12 @@ import math
 
 import httpx
 import pytest
-
-from tests.conftest import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from components.config import TrackingConfig
-from components.tracking.prometheus import EXPORTED, TRAINER_METRICS, PrometheusTracker, series_name
 from components.tracking import DiskTracker, FanOut, open_tracker, prometheus_port
+from components.tracking.prometheus import EXPORTED, TRAINER_METRICS, PrometheusTracker, series_name
+from tests.conftest import free_port
 
 CONFIG = {"config": {"name": "tiny-cpu", "train": {"algo": "sao"}, "env": {"name": "tir_math"}}, "resumed_at": 0}
 RUN = {"preset": "tiny-cpu", "algo": "sao", "env": "tir_math"}

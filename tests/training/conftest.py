@@ -11,8 +11,8 @@ def grouped_trajectories(sft_policy):
     import copy
 
     from components.agent.runner import AgentRunner, EpisodeLimits
-    from components.data.tasks import make_problem
     from components.contracts.task import Task
+    from components.data.tasks import make_problem
     from components.envs.tir_math import TIRMathEnvironment
     from components.models import stop_token_ids
     from components.rollout.embedded import EmbeddedEngine

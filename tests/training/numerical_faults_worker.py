@@ -12,7 +12,7 @@ from components.config import load_config
 from components.models import ValueModel, build_policy, build_tokenizer, freeze_attention, token_logprobs
 from components.training.collective import from_environment, take_rows
 from components.training.engines import DeepSpeedEngine, init_single_process_group
-from tests.training.test_numerical_faults import K, SETTINGS, OneShot, make_batch, same, weights
+from tests.training.test_numerical_faults import SETTINGS, K, OneShot, make_batch, same, weights
 
 
 def gradient_case(model: torch.nn.Module, stage: int, rank: int) -> dict:

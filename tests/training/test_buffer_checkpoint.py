@@ -7,8 +7,8 @@ import torch
 
 from components.contracts.task import Task
 from components.contracts.trajectory import Timings, Trajectory
-from components.training.buffer import TrajectoryBuffer
 from components.storage import CorruptArtifact, IncompleteArtifact
+from components.training.buffer import TrajectoryBuffer
 from components.training.checkpoint import LocalCheckpointStore
 
 

@@ -15,11 +15,11 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from components.envs.registry import build_env
-from components.stages.evaluate import run_eval
-from components.tracking.prometheus import EXPORTED, TRAINER_METRICS
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.server import ServerThread, create_app
+from components.stages.evaluate import run_eval
 from components.tracking import open_tracker
+from components.tracking.prometheus import EXPORTED, TRAINER_METRICS
 from components.training.trainer import train
 from tests.conftest import free_port
 

@@ -95,8 +95,8 @@ def test_the_config_field_needs_the_deepspeed_backend():
 def test_the_learner_passes_the_file_to_both_engines(tmp_path):
     """Policy and critic both get ZeRO-2 and the file's clip, each keeping its own learning rate."""
     from components.models import init_model_dir
-    from components.training.parts import settings_from
     from components.training.learner import Learner
+    from components.training.parts import settings_from
 
     path = _write(tmp_path, {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.25})
     cfg = load_config("tiny-cpu", [f'train.deepspeed_config="{path}"', "train.zero_stage=0"])

@@ -11,7 +11,6 @@ scale (0.107x) by 0.19 nats and 8 flips. The decay cuts the drift; it does not r
 
 import copy
 
-import pytest
 import torch
 
 from components.config import load_config
