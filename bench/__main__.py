@@ -6,8 +6,13 @@ import torch
 
 from bench import async_bench, engine_bench, gae_bench, loop_bench, sandbox_bench
 
-BENCHES = {"gae": gae_bench.run, "engine": engine_bench.run, "async": async_bench.run, "loop": loop_bench.run,
-           "sandbox": sandbox_bench.run}
+BENCHES = {
+    "gae": gae_bench.run,
+    "engine": engine_bench.run,
+    "async": async_bench.run,
+    "loop": loop_bench.run,
+    "sandbox": sandbox_bench.run,
+}
 
 
 def main(argv: list[str]) -> None:

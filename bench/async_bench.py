@@ -30,16 +30,16 @@ from components.training.parts import thread_budget
 from components.training.trainer import train
 
 STEPS = int(os.environ.get("BENCH_ASYNC_STEPS", "20"))
-HEAVY_TAIL = ["rollout.latency=\"lognormal\"", "rollout.latency_mean_s=0.5", "rollout.latency_sigma=1.5"]
-NO_LATENCY = ["rollout.latency=\"none\""]
+HEAVY_TAIL = ['rollout.latency="lognormal"', "rollout.latency_mean_s=0.5", "rollout.latency_sigma=1.5"]
+NO_LATENCY = ['rollout.latency="none"']
 COMMON = [f"train.max_steps={STEPS}", "train.batch_size=16", "train.max_staleness=2", "train.checkpoint_every=0"]
-SAO = ["train.algo=\"sao\"", "train.sync=false"]
+SAO = ['train.algo="sao"', "train.sync=false"]
 SAO_ASYNC = SAO + ["rollout.concurrency=48"]
-GRPO_SYNC = ["train.algo=\"grpo\"", "train.sync=true", "train.group_size=8", "rollout.concurrency=16"]
+GRPO_SYNC = ['train.algo="grpo"', "train.sync=true", "train.group_size=8", "rollout.concurrency=16"]
 ARMS = {
     "sao async, C=48": SAO_ASYNC,
     "sao async, C=16": SAO + ["rollout.concurrency=16"],
-    "sao async, oldest rule": SAO_ASYNC + ["train.admission=\"oldest\""],
+    "sao async, oldest rule": SAO_ASYNC + ['train.admission="oldest"'],
     "grpo sync, groups of 8": GRPO_SYNC,
 }
 
@@ -60,23 +60,31 @@ def _arm(name: str, overrides: list[str], sft_dir: Path) -> dict:
     staleness_max = max(r["rollout/staleness_max"] for r in result.history)
     staleness_mean = sum(r["rollout/staleness_mean"] for r in result.history) / len(result.history)
     reward = sum(r["reward/mean"] for r in result.history) / len(result.history)
-    print(f"  {name:<23} threads {engine_threads}+{trainer_threads}  {result.steps} updates in "
-          f"{result.seconds:6.1f} s: {row['traj_per_s']:5.2f} traj/s, trainer idle {row['idle']:4.0%} "
-          f"({idle_after_first:4.0%} after the first batch), staleness mean {staleness_mean:.2f} max "
-          f"{staleness_max:.0f}, mean reward {reward:.2f}", flush=True)
+    print(
+        f"  {name:<23} threads {engine_threads}+{trainer_threads}  {result.steps} updates in "
+        f"{result.seconds:6.1f} s: {row['traj_per_s']:5.2f} traj/s, trainer idle {row['idle']:4.0%} "
+        f"({idle_after_first:4.0%} after the first batch), staleness mean {staleness_mean:.2f} max "
+        f"{staleness_max:.0f}, mean reward {reward:.2f}",
+        flush=True,
+    )
     return row
 
 
 def _compare(sao: dict, grpo: dict) -> str:
-    return (f"{sao['arm']} / {grpo['arm']}: throughput {sao['traj_per_s'] / grpo['traj_per_s']:.2f}x, "
-            f"time to {STEPS} updates {grpo['seconds'] / sao['seconds']:.2f}x shorter, trainer idle "
-            f"{sao['idle']:.0%} vs {grpo['idle']:.0%}")
+    return (
+        f"{sao['arm']} / {grpo['arm']}: throughput {sao['traj_per_s'] / grpo['traj_per_s']:.2f}x, "
+        f"time to {STEPS} updates {grpo['seconds'] / sao['seconds']:.2f}x shorter, trainer idle "
+        f"{sao['idle']:.0%} vs {grpo['idle']:.0%}"
+    )
 
 
 def run() -> None:
     home = Path(os.environ.get("SAO_HOME", ".sao"))
-    print(f"async vs sync: {STEPS} policy updates x 16 trajectories per arm, staleness bound 2; SFT policy from "
-          f"{home} (built first if missing)", flush=True)
+    print(
+        f"async vs sync: {STEPS} policy updates x 16 trajectories per arm, staleness bound 2; SFT policy from "
+        f"{home} (built first if missing)",
+        flush=True,
+    )
     sft_dir = run_sft(load_config("tiny-cpu"), home, log=lambda line: print(f"  {line}", flush=True))
     print("heavy-tailed tool latency: lognormal, mean 0.5 s, sigma 1.5", flush=True)
     rows = [_arm(name, HEAVY_TAIL + overrides, sft_dir) for name, overrides in ARMS.items()]

@@ -32,8 +32,9 @@ SERVER_THREADS = 1
 
 
 def _prompts(tokenizer, n):
-    return [tokenizer(f"<|user|>Compute {i % 90 + 10}*{i % 7 + 3}+{i % 50}.<|assistant|>")["input_ids"]
-            for i in range(n)]
+    return [
+        tokenizer(f"<|user|>Compute {i % 90 + 10}*{i % 7 + 3}+{i % 50}.<|assistant|>")["input_ids"] for i in range(n)
+    ]
 
 
 def _static_generate(model, tokenizer, prompts) -> float:
@@ -41,19 +42,28 @@ def _static_generate(model, tokenizer, prompts) -> float:
     ids = torch.full((len(prompts), length), tokenizer.pad_token_id)
     attention = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
-        ids[row, length - len(p):] = torch.tensor(p)
-        attention[row, length - len(p):] = 1
+        ids[row, length - len(p) :] = torch.tensor(p)
+        attention[row, length - len(p) :] = 1
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=attention, do_sample=True, temperature=1.0, top_k=0,
-                             top_p=1.0, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attention,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     elapsed = time.perf_counter() - start
     return (out.shape[1] - length) * len(prompts) / elapsed
 
 
 async def _clients(url, prompts, rounds) -> tuple[int, float]:
     async with EngineClient(url) as client:
+
         async def worker(i):
             n = 0
             for r in range(rounds):
@@ -112,15 +122,23 @@ def run() -> dict[str, float]:
     torch.set_num_threads(all_threads)
 
     ratio = served / static
-    print(f"engine  tiny-cpu model ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M), "
-          f"{NEW_TOKENS} new tokens per request, T=1")
+    print(
+        f"engine  tiny-cpu model ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M), "
+        f"{NEW_TOKENS} new tokens per request, T=1"
+    )
     print(f"  model.generate, static batch of {CLIENTS}, {all_threads} threads: {static_all:9,.0f} tok/s  (reference)")
     print(f"  model.generate, static batch of {CLIENTS}, 1 thread:  {static:9,.0f} tok/s  (baseline)")
-    print(f"  embedded engine, {CLIENTS} concurrent HTTP clients: {served:9,.0f} tok/s  "
-          f"({ratio:.2f}x static; goal >= 0.7x: {'met' if ratio >= 0.7 else 'NOT met'})")
-    print(f"  embedded engine in-process (no HTTP), 96 requests: {in_process:9,.0f} tok/s  ({in_process / static:.2f}x)")
+    print(
+        f"  embedded engine, {CLIENTS} concurrent HTTP clients: {served:9,.0f} tok/s  "
+        f"({ratio:.2f}x static; goal >= 0.7x: {'met' if ratio >= 0.7 else 'NOT met'})"
+    )
+    print(
+        f"  embedded engine in-process (no HTTP), 96 requests: {in_process:9,.0f} tok/s  ({in_process / static:.2f}x)"
+    )
     print(f"  transformers continuous batching (8 x 16 tok):   {cb:9,.0f} tok/s  ({served / cb:.0f}x slower than ours)")
-    print(f"  weight publish (HF dir, POST /v1/weights, idle engine): median {statistics.median(publish) * 1e3:.0f} ms "
-          f"(read + validate + apply)")
+    print(
+        f"  weight publish (HF dir, POST /v1/weights, idle engine): median {statistics.median(publish) * 1e3:.0f} ms "
+        f"(read + validate + apply)"
+    )
     print(f"  served engine vs the {all_threads}-thread static batch: {served / static_all:.2f}x")
     return {"engine_vs_static": ratio, "engine_tok_s": served, "static_tok_s": static, "cb_tok_s": cb}

@@ -20,10 +20,13 @@ def agent_like_batch(batch: int, length: int, seed: int = 0) -> tuple[torch.Tens
     for row in range(batch):
         pos, acting = 64, True
         while pos < length:
-            run = int(torch.randint(64, 257, (1,), generator=gen)) if acting else int(
-                torch.randint(27, 111, (1,), generator=gen))
+            run = (
+                int(torch.randint(64, 257, (1,), generator=gen))
+                if acting
+                else int(torch.randint(27, 111, (1,), generator=gen))
+            )
             if acting:
-                mask[row, pos:pos + run] = 1
+                mask[row, pos : pos + run] = 1
             pos, acting = pos + run, not acting
     rewards = torch.zeros(batch, length)
     last = length - 1 - mask.flip(1).argmax(dim=1)  # last action token of each row

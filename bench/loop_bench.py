@@ -38,14 +38,20 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS = int(os.environ.get("BENCH_LOOP_STEPS", "40"))
 WARMUP = 5
 ARMS = {
-    "sao async": ["train.algo=\"sao\"", "train.sync=false"],
-    "grpo sync": ["train.algo=\"grpo\"", "train.sync=true", "train.group_size=8", "train.batch_size=64",
-                  "rollout.concurrency=64"],
+    "sao async": ['train.algo="sao"', "train.sync=false"],
+    "grpo sync": [
+        'train.algo="grpo"',
+        "train.sync=true",
+        "train.group_size=8",
+        "train.batch_size=64",
+        "rollout.concurrency=64",
+    ],
 }
-COMMON = ["train.checkpoint_every=0", "train.collapse_guard=\"off\""]
+COMMON = ["train.checkpoint_every=0", 'train.collapse_guard="off"']
 
 
 # ---- one arm, in its own process (imports `components` from whichever tree PYTHONPATH names) ------------------
+
 
 def probe(arm: str, steps: int, home: Path) -> dict:
     """Run `arm` for `steps` updates in this process; per-step wall times and token counts, the trainer's own
@@ -72,20 +78,39 @@ def probe(arm: str, steps: int, home: Path) -> dict:
         engine = getattr(trainer.parts.rollouts, "engine", None)
         totals["trainer_s"] += row["trainer/step_s"]
         critic = trainer.parts.learner.critic
-        counters = {"tool_s": tools.seconds, "tool_calls": tools.calls, "critic_s": critic.busy_s if critic else 0.0,
-                    "trainer_s": totals["trainer_s"]}
+        counters = {
+            "tool_s": tools.seconds,
+            "tool_calls": tools.calls,
+            "critic_s": critic.busy_s if critic else 0.0,
+            "trainer_s": totals["trainer_s"],
+        }
         counters.update(_thread_counters("trainer", trainer.learner_thread_id))
         stats = getattr(engine, "stats", None)
         if stats is not None:
             engine_wall = stats.decode_s + stats.prefill_s + stats.sample_s + stats.update_s
             counters.update({"engine_s": engine_wall, **_thread_counters("engine", engine.thread_id)})
-        rows.append({"n": len(batch), "tokens": sum(t.num_actions for t in batch), "t": time.perf_counter(),
-                     "counters": counters, "cpu": cpu_seconds(), "engine": dict(vars(stats)) if stats else {},
-                     **{k: v for k, v in row.items() if k.startswith(("trainer/", "rollout/"))}})
+        rows.append(
+            {
+                "n": len(batch),
+                "tokens": sum(t.num_actions for t in batch),
+                "t": time.perf_counter(),
+                "counters": counters,
+                "cpu": cpu_seconds(),
+                "engine": dict(vars(stats)) if stats else {},
+                **{k: v for k, v in row.items() if k.startswith(("trainer/", "rollout/"))},
+            }
+        )
 
     with tempfile.TemporaryDirectory() as run_home:
-        train(cfg, replace(setup, env=tools), sft_dir, Path(run_home), NullTracker(), log=lambda _: None,
-              on_step=[observe])
+        train(
+            cfg,
+            replace(setup, env=tools),
+            sft_dir,
+            Path(run_home),
+            NullTracker(),
+            log=lambda _: None,
+            on_step=[observe],
+        )
     import components
 
     return {"arm": arm, "rows": rows, "code": str(Path(components.__file__).parent.parent)}
@@ -144,16 +169,34 @@ def cpu_seconds() -> dict:
 def _rates(rows: list[dict]) -> dict:
     measured = rows[WARMUP:]
     seconds = measured[-1]["t"] - rows[WARMUP - 1]["t"]
-    return {"traj_per_s": sum(r["n"] for r in measured) / seconds,
-            "tokens_per_s": sum(r["tokens"] for r in measured) / seconds,
-            "step_s": seconds / len(measured), "seconds": seconds, "steps": len(measured)}
+    return {
+        "traj_per_s": sum(r["n"] for r in measured) / seconds,
+        "tokens_per_s": sum(r["tokens"] for r in measured) / seconds,
+        "step_s": seconds / len(measured),
+        "seconds": seconds,
+        "steps": len(measured),
+    }
 
 
 def _run_arm(arm: str, tree: Path, home: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     # Each tree's own probe: a base revision is watched with its own code (its API may differ from this one's).
-    out = subprocess.run([sys.executable, str(tree / "bench" / "loop_bench.py"), "--probe", arm, "--steps", str(STEPS),
-                          "--home", str(home)], env=env, cwd=tree, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(tree / "bench" / "loop_bench.py"),
+            "--probe",
+            arm,
+            "--steps",
+            str(STEPS),
+            "--home",
+            str(home),
+        ],
+        env=env,
+        cwd=tree,
+        capture_output=True,
+        text=True,
+    )
     if out.returncode:
         raise SystemExit(f"bench loop: arm {arm!r} in {tree} failed:\n{out.stderr[-4000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -176,12 +219,14 @@ def _base_tree(rev: str) -> Path:
 
 # ---- the breakdown and the bound ----------------------------------------------------------------------------
 
+
 def _delta(rows: list[dict], path: tuple[str, ...]) -> float:
     def get(r):
         value = r
         for key in path:
             value = value.get(key, 0.0) if isinstance(value, dict) else 0.0
         return float(value)
+
     return (get(rows[-1]) - get(rows[WARMUP - 1])) / (len(rows) - WARMUP)
 
 
@@ -191,31 +236,53 @@ def breakdown(result: dict) -> list[tuple[str, float]]:
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in rows)  # noqa: E731
     wait, step, publish = (mean(k) for k in ("trainer/wait_s", "trainer/step_s", "trainer/publish_s"))
     critic = _delta(result["rows"], ("counters", "critic_s"))
-    parts = [("trainer: waiting for a batch", wait), ("trainer: critic, K updates", critic),
-             ("trainer: policy update", step - critic), ("trainer: publishing weights", publish),
-             ("trainer: logging, checkpoints, other", result["step_s"] - wait - step - publish)]
+    parts = [
+        ("trainer: waiting for a batch", wait),
+        ("trainer: critic, K updates", critic),
+        ("trainer: policy update", step - critic),
+        ("trainer: publishing weights", publish),
+        ("trainer: logging, checkpoints, other", result["step_s"] - wait - step - publish),
+    ]
     all_rows = result["rows"]
     if all_rows[-1]["engine"]:
-        for name, key in (("decode", "decode_s"), ("prefill of new requests", "prefill_s"),
-                          ("sampling", "sample_s"), ("loading weights", "update_s")):
+        for name, key in (
+            ("decode", "decode_s"),
+            ("prefill of new requests", "prefill_s"),
+            ("sampling", "sample_s"),
+            ("loading weights", "update_s"),
+        ):
             parts.append((f"engine: {name}", _delta(all_rows, ("engine", key))))
         new, redo = _delta(all_rows, ("engine", "prefill_tokens")), _delta(all_rows, ("engine", "recompute_tokens"))
         parts.append((f"engine: prefill tokens per step: {new:.0f} new, {redo:.0f} recomputed after updates", 0.0))
     if "cpu" in all_rows[-1]:
         process, machine = _delta(all_rows, ("cpu", "process")), _delta(all_rows, ("cpu", "machine"))
-        parts.append((f"CPU per step: {machine * 1000:.0f} ms busy on the machine ({machine / result['step_s']:.2f} of "
-                      f"{os.cpu_count()} cores), {process * 1000:.0f} ms in this process (trainer, engine), "
-                      f"{(machine - process) * 1000:.0f} ms elsewhere (the sandbox's processes)", 0.0))
+        parts.append(
+            (
+                f"CPU per step: {machine * 1000:.0f} ms busy on the machine ({machine / result['step_s']:.2f} of "
+                f"{os.cpu_count()} cores), {process * 1000:.0f} ms in this process (trainer, engine), "
+                f"{(machine - process) * 1000:.0f} ms elsewhere (the sandbox's processes)",
+                0.0,
+            )
+        )
     for key, what in (("trainer", "the learner step"), ("engine", "the engine's steps")):
         if f"{key}_s" in all_rows[-1]["counters"]:
             wall, cpu, queued = (_delta(all_rows, ("counters", f"{key}_{part}")) for part in ("s", "cpu_s", "queued_s"))
-            parts.append((f"{key} thread, in {what}: {wall * 1000:.0f} ms = {cpu * 1000:.0f} ms on a core + "
-                          f"{queued * 1000:.0f} ms waiting for one + {(wall - cpu - queued) * 1000:.0f} ms for the "
-                          f"GIL or I/O", 0.0))
+            parts.append(
+                (
+                    f"{key} thread, in {what}: {wall * 1000:.0f} ms = {cpu * 1000:.0f} ms on a core + "
+                    f"{queued * 1000:.0f} ms waiting for one + {(wall - cpu - queued) * 1000:.0f} ms for the "
+                    f"GIL or I/O",
+                    0.0,
+                )
+            )
     calls = _delta(all_rows, ("counters", "tool_calls"))
-    parts.append((f"tools: {calls:.1f} env steps per step, "
-                  f"{1000 * _delta(all_rows, ('counters', 'tool_s')) / max(calls, 1e-9):.1f} ms each (wall, concurrent)",
-                  _delta(all_rows, ("counters", "tool_s"))))
+    parts.append(
+        (
+            f"tools: {calls:.1f} env steps per step, "
+            f"{1000 * _delta(all_rows, ('counters', 'tool_s')) / max(calls, 1e-9):.1f} ms each (wall, concurrent)",
+            _delta(all_rows, ("counters", "tool_s")),
+        )
+    )
     return parts
 
 
@@ -243,8 +310,16 @@ def bound(result: dict, home: Path) -> dict:
 
     def generate() -> None:
         with torch.no_grad():
-            policy.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True, top_k=0,
-                            top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+            policy.generate(
+                input_ids=prompt,
+                attention_mask=torch.ones_like(prompt),
+                do_sample=True,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
 
     ids = torch.randint(10, policy.config.vocab_size, (batch, length))
     mask = torch.ones_like(ids)
@@ -269,10 +344,16 @@ def bound(result: dict, home: Path) -> dict:
         return statistics.median(times)
 
     gen, train = timed(generate), timed(forward_backward)
-    passes = (f"policy fwd+bwd, critic {cfg.algo.critic_updates} x fwd+bwd + fwd" if uses_critic
-              else "policy fwd+bwd")
-    return {"generate_s": gen, "train_s": train, "step_s": gen + train, "batch": batch, "passes": passes,
-            "new_tokens": new_tokens, "length": length}
+    passes = f"policy fwd+bwd, critic {cfg.algo.critic_updates} x fwd+bwd + fwd" if uses_critic else "policy fwd+bwd"
+    return {
+        "generate_s": gen,
+        "train_s": train,
+        "step_s": gen + train,
+        "batch": batch,
+        "passes": passes,
+        "new_tokens": new_tokens,
+        "length": length,
+    }
 
 
 def run() -> None:
@@ -283,25 +364,35 @@ def run() -> None:
 
     run_sft(load_config("tiny-cpu"), home, log=lambda line: print(f"  {line}", flush=True))
     base = _base_tree(base_rev) if base_rev else None
-    print(f"loop: tiny-cpu preset, {STEPS} updates per arm ({WARMUP} warm-up), {os.cpu_count()} cores; base "
-          f"{base_rev or '(none)'}", flush=True)
+    print(
+        f"loop: tiny-cpu preset, {STEPS} updates per arm ({WARMUP} warm-up), {os.cpu_count()} cores; base "
+        f"{base_rev or '(none)'}",
+        flush=True,
+    )
     for arm in ARMS:
         now = _run_arm(arm, REPO, home)
-        line = (f"  {arm:<10} now : {now['traj_per_s']:6.1f} traj/s {now['tokens_per_s']:7.0f} tokens/s "
-                f"{now['step_s'] * 1000:6.0f} ms/step")
+        line = (
+            f"  {arm:<10} now : {now['traj_per_s']:6.1f} traj/s {now['tokens_per_s']:7.0f} tokens/s "
+            f"{now['step_s'] * 1000:6.0f} ms/step"
+        )
         if base is not None:
             old = _run_arm(arm, base, home)
-            line += (f" | base: {old['traj_per_s']:6.1f} traj/s {old['tokens_per_s']:7.0f} tokens/s | now/base "
-                     f"{now['traj_per_s'] / old['traj_per_s']:.2f}x traj/s, "
-                     f"{now['tokens_per_s'] / old['tokens_per_s']:.2f}x tokens/s")
+            line += (
+                f" | base: {old['traj_per_s']:6.1f} traj/s {old['tokens_per_s']:7.0f} tokens/s | now/base "
+                f"{now['traj_per_s'] / old['traj_per_s']:.2f}x traj/s, "
+                f"{now['tokens_per_s'] / old['tokens_per_s']:.2f}x tokens/s"
+            )
         print(line, flush=True)
         for name, seconds in breakdown(now):
             print(f"      {name:<44} {seconds * 1000:7.1f} ms" if seconds else f"      {name}", flush=True)
         limit = bound(now, home)
-        print(f"      bound: generate {limit['batch']}x{limit['new_tokens']} tokens {limit['generate_s'] * 1000:.0f} ms"
-              f" + {limit['passes']} ({limit['batch']}x{limit['length']}) {limit['train_s'] * 1000:.0f} ms = "
-              f"{limit['step_s'] * 1000:.0f} ms/step; loop / bound = {now['step_s'] / limit['step_s']:.2f}x"
-              + (" (goal <= 1.5x)" if arm == "sao async" else ""), flush=True)
+        print(
+            f"      bound: generate {limit['batch']}x{limit['new_tokens']} tokens {limit['generate_s'] * 1000:.0f} ms"
+            f" + {limit['passes']} ({limit['batch']}x{limit['length']}) {limit['train_s'] * 1000:.0f} ms = "
+            f"{limit['step_s'] * 1000:.0f} ms/step; loop / bound = {now['step_s'] / limit['step_s']:.2f}x"
+            + (" (goal <= 1.5x)" if arm == "sao async" else ""),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -90,8 +90,14 @@ def _measure(rounds: int, calls: int) -> dict[bool, dict[str, float]]:
             samples[zygote]["kernel"].append(_kernel_seconds(kernel_before, _kernel_threads()) / calls)
             samples[zygote]["wall"] += walls
             samples[zygote]["cpu"] += cpus
-    return {z: {"wall": statistics.median(s["wall"]), "cpu": statistics.median(s["cpu"]),
-                "kernel": statistics.mean(s["kernel"])} for z, s in samples.items()}
+    return {
+        z: {
+            "wall": statistics.median(s["wall"]),
+            "cpu": statistics.median(s["cpu"]),
+            "kernel": statistics.mean(s["kernel"]),
+        }
+        for z, s in samples.items()
+    }
 
 
 def run(rounds: int = 3, calls: int = 50) -> dict[str, float]:
@@ -105,19 +111,30 @@ def run(rounds: int = 3, calls: int = 50) -> dict[str, float]:
         load_after = os.getloadavg()[0]
     finally:
         sandbox.ZYGOTE = saved
-    print(f"sandbox `{PROGRAM}`, {rounds} rounds x {calls} calls per path after a warm-up, medians per call "
-          f"(host load average {load_before:.2f} before, {load_after:.2f} after)")
+    print(
+        f"sandbox `{PROGRAM}`, {rounds} rounds x {calls} calls per path after a warm-up, medians per call "
+        f"(host load average {load_before:.2f} before, {load_after:.2f} after)"
+    )
     new, old = measured[True], measured[False]
     for name, m in (("zygote (fork per call)", new), ("per call (fresh interpreter)", old)):
-        print(f"  {name:30s} wall {m['wall'] * 1e3:7.2f} ms   CPU {m['cpu'] * 1e3:7.2f} ms   "
-              f"(+ host kernel threads {m['kernel'] * 1e3:5.2f} ms)")
+        print(
+            f"  {name:30s} wall {m['wall'] * 1e3:7.2f} ms   CPU {m['cpu'] * 1e3:7.2f} ms   "
+            f"(+ host kernel threads {m['kernel'] * 1e3:5.2f} ms)"
+        )
     wall_x, cpu_x = old["wall"] / new["wall"], old["cpu"] / new["cpu"]
     goal = new["wall"] <= 5e-3 and new["cpu"] <= 5e-3
-    print(f"  per call / zygote: wall {wall_x:.1f}x, CPU {cpu_x:.1f}x "
-          f"(goal <= 5 ms wall and CPU: {'met' if goal else 'NOT met'})")
-    return {"sandbox_zygote_wall_s": new["wall"], "sandbox_zygote_cpu_s": new["cpu"],
-            "sandbox_percall_wall_s": old["wall"], "sandbox_percall_cpu_s": old["cpu"],
-            "sandbox_wall_ratio": wall_x, "sandbox_cpu_ratio": cpu_x}
+    print(
+        f"  per call / zygote: wall {wall_x:.1f}x, CPU {cpu_x:.1f}x "
+        f"(goal <= 5 ms wall and CPU: {'met' if goal else 'NOT met'})"
+    )
+    return {
+        "sandbox_zygote_wall_s": new["wall"],
+        "sandbox_zygote_cpu_s": new["cpu"],
+        "sandbox_percall_wall_s": old["wall"],
+        "sandbox_percall_cpu_s": old["cpu"],
+        "sandbox_wall_ratio": wall_x,
+        "sandbox_cpu_ratio": cpu_x,
+    }
 
 
 if __name__ == "__main__":

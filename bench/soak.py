@@ -44,10 +44,26 @@ WINDOW_S = 300.0
 """Throughput window of a 30-minute soak; a shorter soak uses a sixth of its length (at least a minute)."""
 SAMPLE_S = 5.0
 BUCKET = "soak"
-TRAIN = ["--set", 'train.backend="torch"', "--set", "train.batch_size=16", "--set", "train.checkpoint_every=25",
-         "--set", "rollout.concurrency=32", "--set", "task.eval_size=8", "--set", "train.max_steps=1000000",
-         "--set", 'rollout.backend="http"', "--set", "rollout.request_timeout_s=30",
-         "--set", 'train.collapse_guard="off"']
+TRAIN = [
+    "--set",
+    'train.backend="torch"',
+    "--set",
+    "train.batch_size=16",
+    "--set",
+    "train.checkpoint_every=25",
+    "--set",
+    "rollout.concurrency=32",
+    "--set",
+    "task.eval_size=8",
+    "--set",
+    "train.max_steps=1000000",
+    "--set",
+    'rollout.backend="http"',
+    "--set",
+    "rollout.request_timeout_s=30",
+    "--set",
+    'train.collapse_guard="off"',
+]
 
 
 def _cli(*args: str) -> list[str]:
@@ -84,11 +100,17 @@ def analyse(samples: list[dict], steps: list[dict], batch: int, window_s: float 
     spread = max((abs(x - rate) / rate for x in full), default=0.0) if rate else 1.0
     versions = [r["step"] for r in steps]
     return {
-        "rss_median_mib": statistics.median(second + last), "rss_peak_mib": [max(second), max(last)],
-        "rss_peak_growth": growth, "rss_slope_mib_per_min": slope, "memory_ok": growth <= RSS_BAND,
-        "traj_per_s_median": rate, "traj_per_s_windows": full, "rate_spread": spread,
+        "rss_median_mib": statistics.median(second + last),
+        "rss_peak_mib": [max(second), max(last)],
+        "rss_peak_growth": growth,
+        "rss_slope_mib_per_min": slope,
+        "memory_ok": growth <= RSS_BAND,
+        "traj_per_s_median": rate,
+        "traj_per_s_windows": full,
+        "rate_spread": spread,
         "throughput_ok": bool(full) and spread <= RATE_BAND,
-        "versions": len(versions), "versions_ok": versions == list(range(1, len(versions) + 1)),
+        "versions": len(versions),
+        "versions_ok": versions == list(range(1, len(versions) + 1)),
     }
 
 
@@ -125,11 +147,16 @@ def _checkpoints(endpoint: str) -> list[int]:
     """Complete checkpoint steps in the soak's bucket (read from moto directly, past the proxy)."""
     import boto3
 
-    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="soak", aws_secret_access_key="soak",
-                      region_name="us-east-1")
+    s3 = boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="soak", aws_secret_access_key="soak", region_name="us-east-1"
+    )
     pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix="sao/checkpoints/")
-    return sorted(int(m.group(1)) for page in pages for o in page.get("Contents", [])
-                  if (m := re.search(r"/step-(\d{8})/_COMPLETE$", o["Key"])))
+    return sorted(
+        int(m.group(1))
+        for page in pages
+        for o in page.get("Contents", [])
+        if (m := re.search(r"/step-(\d{8})/_COMPLETE$", o["Key"]))
+    )
 
 
 def _faults(k: int, engines: list[EngineProcess], proxy, say) -> None:
@@ -197,17 +224,23 @@ def main(argv: list[str] | None = None) -> int:
         endpoint = "http://%s:%d" % moto.get_host_and_port()
         import boto3
 
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="soak", aws_secret_access_key="soak",
-                     region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        boto3.client(
+            "s3", endpoint_url=endpoint, aws_access_key_id="soak", aws_secret_access_key="soak", region_name="us-east-1"
+        ).create_bucket(Bucket=BUCKET)
         proxy = stack.enter_context(FaultProxy(endpoint))
         engines = [EngineProcess(sft, threads=1, log=out / f"engine-{i}.log") for i in range(2)]
         for engine in engines:
             engine.start()
             stack.callback(engine.kill)
         urls = json.dumps([e.url for e in engines])
-        env = {**os.environ, "AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "soak",
-               "AWS_SECRET_ACCESS_KEY": "soak", "AWS_DEFAULT_REGION": "us-east-1",
-               "SAO_STORE_URI": f"s3://{BUCKET}/sao"}
+        env = {
+            **os.environ,
+            "AWS_ENDPOINT_URL": proxy.url,
+            "AWS_ACCESS_KEY_ID": "soak",
+            "AWS_SECRET_ACCESS_KEY": "soak",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "SAO_STORE_URI": f"s3://{BUCKET}/sao",
+        }
         train = _cli("train", "--home", str(home), *TRAIN, "--set", f"rollout.urls={urls}")
         log = (out / "trainer.log").open("w")
         trainer = subprocess.Popen(train, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
@@ -219,8 +252,14 @@ def main(argv: list[str] | None = None) -> int:
 
         def sample() -> None:
             while not done.wait(SAMPLE_S):
-                samples.append({"t": time.monotonic() - start, "wall": time.time(), "trainer": rss_mib(trainer.pid),
-                                "engines": [rss_mib(e.proc.pid) if e.proc else None for e in engines]})
+                samples.append(
+                    {
+                        "t": time.monotonic() - start,
+                        "wall": time.time(),
+                        "trainer": rss_mib(trainer.pid),
+                        "engines": [rss_mib(e.proc.pid) if e.proc else None for e in engines],
+                    }
+                )
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -243,23 +282,36 @@ def main(argv: list[str] | None = None) -> int:
         jsonl = home / "runs" / "tiny-cpu" / "sao.jsonl"
         steps = [r for r in DiskTracker.read(jsonl) if "reward/mean" in r.get("metrics", {})]
         complete = _checkpoints(endpoint)
-        say(f"soak: trainer SIGKILLed at version {steps[-1]['step']}; newest complete checkpoint {complete[-1]} "
-            f"of {len(complete)}")
-        resume = subprocess.run(train + ["--resume", "--max-steps", str(complete[-1] + 2)],
-                                capture_output=True, text=True, cwd=REPO, env=env)
+        say(
+            f"soak: trainer SIGKILLed at version {steps[-1]['step']}; newest complete checkpoint {complete[-1]} "
+            f"of {len(complete)}"
+        )
+        resume = subprocess.run(
+            train + ["--resume", "--max-steps", str(complete[-1] + 2)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )
         (out / "resume.log").write_text(resume.stdout + resume.stderr)
         resumed = re.search(r"resumed from \S+/step-(\d{8})", resume.stdout + resume.stderr)  # Prefect logs to stderr
         after = [r["step"] for r in DiskTracker.read(jsonl) if "reward/mean" in r.get("metrics", {})]
     batch = 16
     verdict = analyse(samples, steps, batch, min(WINDOW_S, max(60.0, args.minutes * 10)))
     errors = max((r["metrics"].get("rollout/engine_errors", 0) for r in steps), default=0)
-    verdict.update({
-        "minutes": args.minutes, "faults": [e for _, e in events if e.startswith("fault:")],
-        "engine_errors": errors, "checkpoints_complete": len(complete),
-        "resume_ok": resume.returncode == 0 and resumed is not None and int(resumed.group(1)) == complete[-1]
-        and after == list(range(1, complete[-1] + 3)),
-        "proxy": proxy.stats(),
-    })
+    verdict.update(
+        {
+            "minutes": args.minutes,
+            "faults": [e for _, e in events if e.startswith("fault:")],
+            "engine_errors": errors,
+            "checkpoints_complete": len(complete),
+            "resume_ok": resume.returncode == 0
+            and resumed is not None
+            and int(resumed.group(1)) == complete[-1]
+            and after == list(range(1, complete[-1] + 3)),
+            "proxy": proxy.stats(),
+        }
+    )
     plot(samples, steps, batch, out / "soak.png", events)
     (out / "rss.json").write_text(json.dumps(samples))
     (out / "summary.json").write_text(json.dumps(verdict, indent=2, default=str))

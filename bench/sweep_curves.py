@@ -22,11 +22,11 @@ def seed_row(seed_dir: Path) -> dict:
     steps = {r["step"]: r["metrics"] for r in rows if "reward/mean" in r.get("metrics", {})}
     reward = [steps[s]["reward/mean"] for s in sorted(steps)]
     ev = [steps[s].get("critic/explained_variance", float("nan")) for s in sorted(steps)]
-    reach = next((k + 1 for k in range(9, len(reward)) if fmean(reward[k - 9:k + 1]) >= 0.9), None)
+    reach = next((k + 1 for k in range(9, len(reward)) if fmean(reward[k - 9 : k + 1]) >= 0.9), None)
     result = json.loads((seed_dir / "result.json").read_text())
     row = {"seed": seed_dir.name, "ev_step1": ev[0], "ev_1_10": fmean(ev[:10]), "reach_0.9": reach}
     for lo, hi in WINDOWS:
-        row[f"reward_{lo}_{hi}"] = fmean(reward[lo - 1:hi]) if len(reward) >= lo else float("nan")
+        row[f"reward_{lo}_{hi}"] = fmean(reward[lo - 1 : hi]) if len(reward) >= lo else float("nan")
     row["accuracy"] = result["accuracy"]
     return row
 
@@ -41,8 +41,13 @@ def main(dirs: list[str]) -> None:
         print(f"\n{Path(name).name}: " + " | ".join(keys))
         for row in rows:
             print(f"  {row['seed']:>8}: " + " | ".join(_fmt(row[k]) for k in keys))
-        print("      mean: " + " | ".join(_fmt(fmean([r[k] for r in rows if r[k] is not None]))
-                                       if any(r[k] is not None for r in rows) else "-" for k in keys))
+        print(
+            "      mean: "
+            + " | ".join(
+                _fmt(fmean([r[k] for r in rows if r[k] is not None])) if any(r[k] is not None for r in rows) else "-"
+                for k in keys
+            )
+        )
 
 
 def _fmt(value) -> str:

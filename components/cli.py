@@ -56,32 +56,51 @@ def build_parser() -> argparse.ArgumentParser:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--preset", default="tiny-cpu", help="preset under components/presets (default tiny-cpu)")
         p.add_argument("--home", type=Path, default=None, help="run home (default ./.sao or $SAO_HOME)")
-        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="config override, e.g. --set sft.steps=200 (repeatable)")
+        p.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="config override, e.g. --set sft.steps=200 (repeatable)",
+        )
 
     def flow_command(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
         common(p)
         return p
 
-    flow_command("pipeline", "the whole lifecycle as Prefect flows: distill -> gate -> sft -> "
-                                          "value_pretrain -> train -> evaluate (re-running continues where it stopped)")
+    flow_command(
+        "pipeline",
+        "the whole lifecycle as Prefect flows: distill -> gate -> sft -> "
+        "value_pretrain -> train -> evaluate (re-running continues where it stopped)",
+    )
     flow_command("run", "the same as `sao pipeline` (`make run`)")
     p_distill = flow_command("distill", "a teacher writes TIR traces, the gate checks them, they become a dataset")
-    p_distill.add_argument("--teacher", default=None,
-                           help="'programmatic' or the /v1 base URL of a chat endpoint with tool calling")
+    p_distill.add_argument(
+        "--teacher", default=None, help="'programmatic' or the /v1 base URL of a chat endpoint with tool calling"
+    )
     p_distill.add_argument("--teacher-model", default=None, help="model name at the teacher endpoint")
-    p_gate = sub.add_parser("gate", help="check a stored dataset (traces or rollout logs, Parquet, local or s3://) "
-                                         "with its Great Expectations suite")
+    p_gate = sub.add_parser(
+        "gate",
+        help="check a stored dataset (traces or rollout logs, Parquet, local or s3://) "
+        "with its Great Expectations suite",
+    )
     common(p_gate)
     p_gate.add_argument("uri", help="Parquet file or s3:// object")
     p_gate.add_argument("--kind", choices=("traces", "rollouts"), default="traces")
     p_sft = flow_command("sft", "supervised fine-tuning on the distilled dataset, then held-out accuracy")
     p_sft.add_argument("--force", action="store_true", help="retrain even if a policy with this recipe exists")
-    flow_command("value-pretrain", "pretrain the critic on rollouts of the SFT policy (explained variance on "
-                                   "held-out rollouts decides when to stop)")
-    p_style = flow_command("style-shift", "online learning on the style environment while the preference flips: "
-                                          "the critic-based SAO run against the running-mean baseline")
+    flow_command(
+        "value-pretrain",
+        "pretrain the critic on rollouts of the SFT policy (explained variance on "
+        "held-out rollouts decides when to stop)",
+    )
+    p_style = flow_command(
+        "style-shift",
+        "online learning on the style environment while the preference flips: "
+        "the critic-based SAO run against the running-mean baseline",
+    )
     p_style.add_argument("--steps-per-phase", type=POSITIVE, default=60, help="policy updates per preference phase")
     p_style.add_argument("--algos", default="sao,sao-running-mean", help="comma-separated algorithms to compare")
     p_compare = sub.add_parser("compare", help="key metrics of MLflow runs side by side, and a plot of their curves")
@@ -89,22 +108,29 @@ def build_parser() -> argparse.ArgumentParser:
     p_compare.add_argument("--home", type=Path, default=None, help="run home (its mlflow.db; default ./.sao)")
     p_compare.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the home's)")
     p_compare.add_argument("--out", type=Path, default=None, help="plot file (default <home>/reports/compare.png)")
-    p_report = sub.add_parser("report", help="MLflow runs side by side in one self-contained HTML file (default: "
-                                             "the newest 3 finished training runs of the experiment)")
+    p_report = sub.add_parser(
+        "report",
+        help="MLflow runs side by side in one self-contained HTML file (default: "
+        "the newest 3 finished training runs of the experiment)",
+    )
     p_report.add_argument("runs", nargs="*", metavar="RUN", help="MLflow run ids or run names")
     p_report.add_argument("--home", type=Path, default=None, help="run home (its mlflow.db; default ./.sao)")
     p_report.add_argument("--experiment", default=None, help="where to look without RUN (default: sao)")
     p_report.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the home's)")
     p_report.add_argument("--out", type=Path, default=None, help="HTML file (default <home>/reports/report.html)")
-    p_registry = sub.add_parser("registry", help="registered policy and critic versions: aliases (champion, "
-                                                 "candidate), checkpoint, score, evaluation set, source")
+    p_registry = sub.add_parser(
+        "registry",
+        help="registered policy and critic versions: aliases (champion, "
+        "candidate), checkpoint, score, evaluation set, source",
+    )
     p_registry.add_argument("--name", default=None, help="one registered model (default: all)")
     p_registry.add_argument("--home", type=Path, default=None, help="run home (its mlflow.db; default ./.sao)")
     p_registry.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: the home's)")
     p_tracking = sub.add_parser("tracking", help="MLflow metrics kept on disk while the server was away")
     tracking_sub = p_tracking.add_subparsers(dest="tracking_command", required=True)
-    p_replay = tracking_sub.add_parser("replay", help="deliver what the home's MLflow spools still hold (in order, "
-                                                      "none twice)")
+    p_replay = tracking_sub.add_parser(
+        "replay", help="deliver what the home's MLflow spools still hold (in order, none twice)"
+    )
     p_replay.add_argument("--home", type=Path, default=None, help="run home (default ./.sao or $SAO_HOME)")
     p_replay.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: each spool's own)")
     p_teacher = sub.add_parser("teacher", help="the programmatic solver served as a tool-calling chat endpoint")
@@ -114,20 +140,39 @@ def build_parser() -> argparse.ArgumentParser:
     p_tserve.add_argument("--port", type=PORT, default=8100)
     p_tserve.add_argument("--mental-max", type=NON_NEGATIVE, default=0, help="answer a*b < this without a tool call")
 
-    p_eval = sub.add_parser("eval", help="evaluate a checkpoint, a model directory or the SFT policy on the episode "
-                                         "path: accuracy (greedy), avg@K and pass@K; registers scored checkpoints")
+    p_eval = sub.add_parser(
+        "eval",
+        help="evaluate a checkpoint, a model directory or the SFT policy on the episode "
+        "path: accuracy (greedy), avg@K and pass@K; registers scored checkpoints",
+    )
     common(p_eval)
-    p_eval.add_argument("--model", type=Path, default=None,
-                        help="HF model directory (default: the newest checkpoint, else the SFT policy)")
-    p_eval.add_argument("--checkpoint", type=NON_NEGATIVE, default=None, metavar="STEP", help="evaluate checkpoint STEP")
+    p_eval.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="HF model directory (default: the newest checkpoint, else the SFT policy)",
+    )
+    p_eval.add_argument(
+        "--checkpoint", type=NON_NEGATIVE, default=None, metavar="STEP", help="evaluate checkpoint STEP"
+    )
     p_eval.add_argument("--env", default=None, help="tir_math, coding or style (default: the config's env.name)")
-    p_eval.add_argument("--tasks", default=None, help="problem set or benchmark file, JSONL/Parquet, local or s3:// "
-                                                      "(default: the environment's held-out set)")
-    p_eval.add_argument("--benchmark", default=None,
-                        help="format of --tasks: aime2025, hmmt, beyondaime, imoanswerbench (default: detected)")
-    p_eval.add_argument("--samples", type=POSITIVE, default=1,
-                        help="K > 1: K sampled episodes per task besides the greedy one, for avg@K and pass@K; 1 "
-                             "(default): the greedy episode only")
+    p_eval.add_argument(
+        "--tasks",
+        default=None,
+        help="problem set or benchmark file, JSONL/Parquet, local or s3:// (default: the environment's held-out set)",
+    )
+    p_eval.add_argument(
+        "--benchmark",
+        default=None,
+        help="format of --tasks: aime2025, hmmt, beyondaime, imoanswerbench (default: detected)",
+    )
+    p_eval.add_argument(
+        "--samples",
+        type=POSITIVE,
+        default=1,
+        help="K > 1: K sampled episodes per task besides the greedy one, for avg@K and pass@K; 1 "
+        "(default): the greedy episode only",
+    )
 
     p_model = sub.add_parser("model", help="model directories")
     model_sub = p_model.add_subparsers(dest="model_command", required=True)
@@ -146,22 +191,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_train = sub.add_parser("train", help="asynchronous RL from the SFT policy (SAO or a baseline)")
     common(p_train)
-    p_train.add_argument("--algo", default=None,
-                         help=f"{', '.join(typing.get_args(AlgoName))} (default: the preset's)")
+    p_train.add_argument("--algo", default=None, help=f"{', '.join(typing.get_args(AlgoName))} (default: the preset's)")
     p_train.add_argument("--max-steps", type=POSITIVE, default=None, help="policy updates (default: the preset's)")
     p_train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    p_train.add_argument("--rollback-to", type=NON_NEGATIVE, default=None, metavar="STEP",
-                         help="delete the checkpoints after STEP, then resume from STEP (docs/runbooks)")
-    p_train.add_argument("--critic", type=Path, default=None,
-                         help="pretrained critic directory (from `sao value-pretrain`; sets train.critic_path)")
+    p_train.add_argument(
+        "--rollback-to",
+        type=NON_NEGATIVE,
+        default=None,
+        metavar="STEP",
+        help="delete the checkpoints after STEP, then resume from STEP (docs/runbooks)",
+    )
+    p_train.add_argument(
+        "--critic",
+        type=Path,
+        default=None,
+        help="pretrained critic directory (from `sao value-pretrain`; sets train.critic_path)",
+    )
 
-    p_sweep = sub.add_parser("sweep", help="train one config with N RL seeds from one SFT policy; writes a table "
-                                           "of final accuracy, collapses and diagnostics (re-running continues)")
+    p_sweep = sub.add_parser(
+        "sweep",
+        help="train one config with N RL seeds from one SFT policy; writes a table "
+        "of final accuracy, collapses and diagnostics (re-running continues)",
+    )
     common(p_sweep)
     p_sweep.add_argument("--seeds", type=POSITIVE, required=True, help="number of RL seeds (train.task_seed values)")
     p_sweep.add_argument("--first-seed", type=NON_NEGATIVE, default=1, help="first train.task_seed (default 1)")
-    p_sweep.add_argument("--name", default=None,
-                         help="sweep directory under <home>/sweeps (default: a hash of the config)")
+    p_sweep.add_argument(
+        "--name", default=None, help="sweep directory under <home>/sweeps (default: a hash of the config)"
+    )
 
     p_engine = sub.add_parser("engine", help="the embedded rollout engine")
     engine_sub = p_engine.add_subparsers(dest="engine_command", required=True)
@@ -171,8 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve.add_argument("--host", default="127.0.0.1")
     p_serve.add_argument("--port", type=PORT, default=8000)
     p_serve.add_argument("--max-batch", type=POSITIVE, default=64, help="sequences decoded together at most")
-    p_serve.add_argument("--threads", type=POSITIVE, default=None,
-                         help="torch CPU threads (default: torch's); leave cores free for clients on the same host")
+    p_serve.add_argument(
+        "--threads",
+        type=POSITIVE,
+        default=None,
+        help="torch CPU threads (default: torch's); leave cores free for clients on the same host",
+    )
     return parser
 
 
@@ -195,12 +256,14 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, _input_errors()):
             prefix = "config error: " if isinstance(exc, ConfigError) else ""
             parser.exit(2, f"sao: {prefix}{exc}\n")
-        parser.exit(1, f"sao: internal error: {type(exc).__name__}: {exc} (run with SAO_DEBUG=1 for the "
-                       f"traceback)\n")
+        parser.exit(1, f"sao: internal error: {type(exc).__name__}: {exc} (run with SAO_DEBUG=1 for the traceback)\n")
 
 
-_OWN_ERRORS = (("components.rollout.pool", "EnginesDown"), ("components.rollout.client", "EngineError"),
-               ("components.data.teacher_client", "TeacherError"))
+_OWN_ERRORS = (
+    ("components.rollout.pool", "EnginesDown"),
+    ("components.rollout.client", "EngineError"),
+    ("components.data.teacher_client", "TeacherError"),
+)
 """Errors of heavy modules that mean a bad input or an unreachable service, not a bug (by module and name)."""
 
 
@@ -284,12 +347,14 @@ def _check_paths(args: argparse.Namespace) -> None:
     retries a missing file)."""
     model = getattr(args, "model", None)
     if model is not None and not (Path(model) / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"--model: {model} is not a model directory (no tokenizer.json; `sao model init` "
-                                f"writes one)")
+        raise FileNotFoundError(
+            f"--model: {model} is not a model directory (no tokenizer.json; `sao model init` writes one)"
+        )
     critic = getattr(args, "critic", None)
     if critic is not None and not (Path(critic) / "config.json").is_file():
-        raise FileNotFoundError(f"--critic: {critic} is not a critic directory (no config.json; `sao "
-                                f"value-pretrain` writes one)")
+        raise FileNotFoundError(
+            f"--critic: {critic} is not a critic directory (no config.json; `sao value-pretrain` writes one)"
+        )
     for flag, uri in (("--tasks", getattr(args, "tasks", None)), ("URI", getattr(args, "uri", None))):
         if uri and "://" not in uri and not Path(uri).is_file():
             raise FileNotFoundError(f"{flag}: {uri} is not a file")
@@ -311,8 +376,9 @@ def _check_checkpoint(cfg, home: Path, step: int) -> None:
     store = checkpoint_store(cfg, home)
     steps = store.steps()
     if step not in steps:
-        raise ValueError(f"--checkpoint: no complete checkpoint at step {step} in {store.location}; complete: "
-                         f"{steps or 'none'}")
+        raise ValueError(
+            f"--checkpoint: no complete checkpoint at step {step} in {store.location}; complete: {steps or 'none'}"
+        )
 
 
 def _registry(args: argparse.Namespace) -> int:
@@ -352,8 +418,10 @@ def _replay(args: argparse.Namespace) -> int:
     try:
         sent = replay_spool(spools, args.tracking_uri)
     except MlflowException as exc:  # the server is still away: what was not sent stays on disk
-        raise ConnectionError(f"tracking replay: the MLflow server did not take a record ({exc}); the rest stays "
-                              f"in {spools}: run it again once the server is back") from exc
+        raise ConnectionError(
+            f"tracking replay: the MLflow server did not take a record ({exc}); the rest stays "
+            f"in {spools}: run it again once the server is back"
+        ) from exc
     print(f"tracking: {sent} record(s) delivered from {spools}")
     return 0
 
@@ -407,8 +475,10 @@ def _run_flow(args: argparse.Namespace, home: Path) -> None:
         from flows.value_pretrain import value_pretrain
 
         result = value_pretrain(**params)
-        print(f"critic: {result['uri']}, held-out explained variance {result['ev_cold']:.3f} (cold) -> "
-              f"{result['ev_best']:.3f} (pretrained)")
+        print(
+            f"critic: {result['uri']}, held-out explained variance {result['ev_cold']:.3f} (cold) -> "
+            f"{result['ev_best']:.3f} (pretrained)"
+        )
     elif command == "train":
         # loaded after parsing (module docstring)
         from components.stages.train import is_driver, run_rank
@@ -424,11 +494,19 @@ def _run_flow(args: argparse.Namespace, home: Path) -> None:
         # loaded after parsing (module docstring)
         from flows.evaluate import evaluate
 
-        result = evaluate(**params, model=str(args.model or ""), checkpoint_step=args.checkpoint,
-                          benchmark=args.benchmark or "", tasks=args.tasks or "", samples=args.samples)
+        result = evaluate(
+            **params,
+            model=str(args.model or ""),
+            checkpoint_step=args.checkpoint,
+            benchmark=args.benchmark or "",
+            tasks=args.tasks or "",
+            samples=args.samples,
+        )
         k = result["samples"]
-        print(f"{result['eval_set']}, {result['n']} tasks: accuracy {result['accuracy']:.1%} (greedy), avg@{k} "
-              f"{result['avg_at_k']:.1%}, pass@{k} {result['pass_at_k']:.1%}; report {result['report']}")
+        print(
+            f"{result['eval_set']}, {result['n']} tasks: accuracy {result['accuracy']:.1%} (greedy), avg@{k} "
+            f"{result['avg_at_k']:.1%}, pass@{k} {result['pass_at_k']:.1%}; report {result['report']}"
+        )
     elif command == "style-shift":
         # loaded after parsing (module docstring)
         from flows.style_shift import style_shift
@@ -456,12 +534,14 @@ def _quiet_expected_tracebacks() -> None:
 
     for handler in logging.getLogger().handlers:
         if isinstance(handler, PrefectConsoleHandler) and not any(
-                isinstance(f, _NoTracebackForInputErrors) for f in handler.filters):
+            isinstance(f, _NoTracebackForInputErrors) for f in handler.filters
+        ):
             handler.addFilter(_NoTracebackForInputErrors())
 
 
 def _print_summary(summary: dict, home: Path) -> None:
     """The end of `make run`: what came out, and where to look."""
+
     def pct(x):
         return "-" if x is None else f"{x:.1%}"
 
@@ -469,26 +549,30 @@ def _print_summary(summary: dict, home: Path) -> None:
         return "-" if x is None else format(x, fmt)
 
     uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home.resolve()}/mlflow.db"
-    print("\n".join([
-        "",
-        "== SAO pipeline ==",
-        f"dataset          {summary['dataset']}",
-        f"SFT policy       {summary['sft_policy']}  held-out accuracy {pct(summary['sft_accuracy'])}",
-        f"critic           {summary['critic'] or '-'}  held-out EV {num(summary['critic_ev_cold'])} cold -> "
-        f"{num(summary['critic_ev_pretrained'])} pretrained; RL's critic starts "
-        f"{'from it' if summary['critic_warm_start'] else 'cold (value_pretrain.warm_start = false)'}, EV at "
-        f"step 1 {num(summary['ev_step1'])}",
-        f"SAO              {summary['version']} policy versions, {summary['rollbacks']} rollbacks, "
-        f"{num(summary['trajectories_per_s'], '.1f')} trajectories/s (wall clock), trainer idle "
-        f"{num(summary['trainer_idle'], '.0%')}",
-        f"evaluation       {summary['eval_set']}: accuracy {pct(summary['sft_accuracy'])} after SFT -> "
-        f"{pct(summary['accuracy'])} after SAO",
-        f"registry         {summary['registered'] or '-'} (champion: version {summary['champion'] or '-'})",
-        f"reports          {home / 'reports'}",
-        f"MLflow UI        .venv/bin/mlflow ui --backend-store-uri {uri}   # then http://127.0.0.1:5000",
-        f"Prefect UI       make prefect-ui   # PREFECT_HOME={os.environ.get('PREFECT_HOME', '~/.prefect')}; "
-        "then http://127.0.0.1:4200",
-    ]))
+    print(
+        "\n".join(
+            [
+                "",
+                "== SAO pipeline ==",
+                f"dataset          {summary['dataset']}",
+                f"SFT policy       {summary['sft_policy']}  held-out accuracy {pct(summary['sft_accuracy'])}",
+                f"critic           {summary['critic'] or '-'}  held-out EV {num(summary['critic_ev_cold'])} cold -> "
+                f"{num(summary['critic_ev_pretrained'])} pretrained; RL's critic starts "
+                f"{'from it' if summary['critic_warm_start'] else 'cold (value_pretrain.warm_start = false)'}, EV at "
+                f"step 1 {num(summary['ev_step1'])}",
+                f"SAO              {summary['version']} policy versions, {summary['rollbacks']} rollbacks, "
+                f"{num(summary['trajectories_per_s'], '.1f')} trajectories/s (wall clock), trainer idle "
+                f"{num(summary['trainer_idle'], '.0%')}",
+                f"evaluation       {summary['eval_set']}: accuracy {pct(summary['sft_accuracy'])} after SFT -> "
+                f"{pct(summary['accuracy'])} after SAO",
+                f"registry         {summary['registered'] or '-'} (champion: version {summary['champion'] or '-'})",
+                f"reports          {home / 'reports'}",
+                f"MLflow UI        .venv/bin/mlflow ui --backend-store-uri {uri}   # then http://127.0.0.1:5000",
+                f"Prefect UI       make prefect-ui   # PREFECT_HOME={os.environ.get('PREFECT_HOME', '~/.prefect')}; "
+                "then http://127.0.0.1:4200",
+            ]
+        )
+    )
 
 
 def _dispatch(args: argparse.Namespace, cfg, home: Path) -> None:

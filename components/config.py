@@ -78,8 +78,10 @@ def _section(prefix: str):
     prefixed with `prefix` (the table's name in `Config`), also when built directly or by `replace`."""
 
     def wrap(cls: type) -> type:
-        cls = pydantic.dataclasses.dataclass(frozen=True, config=ConfigDict(
-            extra="forbid", strict=True, use_attribute_docstrings=True, allow_inf_nan=False))(cls)
+        cls = pydantic.dataclasses.dataclass(
+            frozen=True,
+            config=ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, allow_inf_nan=False),
+        )(cls)
         init = cls.__init__
 
         @functools.wraps(init)
@@ -140,8 +142,11 @@ def _parse_phases(schedule: str, path: str = "env.preference_schedule") -> tuple
     phases = []
     for item in schedule.split(","):
         style, sep, steps = (part.strip() for part in item.partition(":"))
-        _require(bool(sep) and steps.isascii() and steps.isdigit() and int(steps) > 0, path,
-                 f"each phase must be style:steps with steps > 0, got {item.strip()!r}")
+        _require(
+            bool(sep) and steps.isascii() and steps.isdigit() and int(steps) > 0,
+            path,
+            f"each phase must be style:steps with steps > 0, got {item.strip()!r}",
+        )
         _require(style in STYLES, path, f"unknown style {style!r} (expected one of {list(STYLES)})")
         phases.append((style, int(steps)))
     return tuple(phases)
@@ -174,10 +179,16 @@ class ModelConfig:
     """RoPE base frequency."""
 
     def __post_init__(self) -> None:
-        _require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
-                 f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
-        _require(self.experts_per_token <= self.num_experts, "model.experts_per_token",
-                 f"must be <= num_experts={self.num_experts}, got {self.experts_per_token}")
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            "model.num_kv_heads",
+            f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}",
+        )
+        _require(
+            self.experts_per_token <= self.num_experts,
+            "model.experts_per_token",
+            f"must be <= num_experts={self.num_experts}, got {self.experts_per_token}",
+        )
 
 
 @_section("task")
@@ -256,8 +267,7 @@ class AlgoConfig:
         from components.algo import DIS_PRESETS  # algo imports torch; the config loads without it
 
         low, high = DIS_PRESETS[self.dis_preset]
-        return (self.eps_low if self.eps_low is not None else low,
-                self.eps_high if self.eps_high is not None else high)
+        return (self.eps_low if self.eps_low is not None else low, self.eps_high if self.eps_high is not None else high)
 
 
 @_section("rollout")
@@ -375,14 +385,23 @@ class TrainConfig:
     the critic from the SFT policy with a fresh head. Ignored by algorithms without a critic."""
 
     def __post_init__(self) -> None:
-        _require("://" not in self.critic_path, "train.critic_path",
-                 f"must be a local directory (fetch remote artifacts first), got {self.critic_path!r}")
-        _require(not self.deepspeed_config or self.backend == "deepspeed", "train.deepspeed_config",
-                 f"needs train.backend = 'deepspeed', got {self.backend!r}")
+        _require(
+            "://" not in self.critic_path,
+            "train.critic_path",
+            f"must be a local directory (fetch remote artifacts first), got {self.critic_path!r}",
+        )
+        _require(
+            not self.deepspeed_config or self.backend == "deepspeed",
+            "train.deepspeed_config",
+            f"needs train.backend = 'deepspeed', got {self.backend!r}",
+        )
         _require(self.sync or not self.sync_lag, "train.sync_lag", "needs train.sync = true (async runs lag anyway)")
         if self.algo in ("grpo", "grpo-dis"):
-            _require(self.batch_size % self.group_size == 0, "train.batch_size",
-                     f"must be a multiple of group_size={self.group_size} for {self.algo}, got {self.batch_size}")
+            _require(
+                self.batch_size % self.group_size == 0,
+                "train.batch_size",
+                f"must be a multiple of group_size={self.group_size} for {self.algo}, got {self.batch_size}",
+            )
 
 
 @_section("value_pretrain")
@@ -409,9 +428,12 @@ class ValuePretrainConfig:
 
     def __post_init__(self) -> None:
         held = self.held_out_episodes
-        _require(1 <= held < self.episodes, "value_pretrain.held_out_frac",
-                 f"holds out {held} of episodes={self.episodes}; need at least one held-out and one training "
-                 f"episode, got {self.held_out_frac}")
+        _require(
+            1 <= held < self.episodes,
+            "value_pretrain.held_out_frac",
+            f"holds out {held} of episodes={self.episodes}; need at least one held-out and one training "
+            f"episode, got {self.held_out_frac}",
+        )
 
     @property
     def held_out_episodes(self) -> int:
@@ -460,14 +482,26 @@ class EnvConfig:
         _check_location(self.tasks, "env.tasks", "key")
         _check_location(self.eval_tasks, "env.eval_tasks", "key")
         judge_url = _is_http_url(self.judge)
-        _require(self.judge == "lexical" or judge_url, "env.judge",
-                 f"must be 'lexical' or an http:// or https:// base URL, got {self.judge!r}")
-        _require(not judge_url or self.name == "style", "env.judge",
-                 f"a URL judge is for env.name='style' only, got name={self.name!r}")
-        _require(not judge_url or bool(self.judge_model.strip()), "env.judge_model",
-                 f"required when env.judge is a URL ({self.judge})")
-        _require(not self.preference_schedule or self.name == "style", "env.preference_schedule",
-                 f"is for env.name='style' only, got name={self.name!r}")
+        _require(
+            self.judge == "lexical" or judge_url,
+            "env.judge",
+            f"must be 'lexical' or an http:// or https:// base URL, got {self.judge!r}",
+        )
+        _require(
+            not judge_url or self.name == "style",
+            "env.judge",
+            f"a URL judge is for env.name='style' only, got name={self.name!r}",
+        )
+        _require(
+            not judge_url or bool(self.judge_model.strip()),
+            "env.judge_model",
+            f"required when env.judge is a URL ({self.judge})",
+        )
+        _require(
+            not self.preference_schedule or self.name == "style",
+            "env.preference_schedule",
+            f"is for env.name='style' only, got name={self.name!r}",
+        )
         _parse_phases(self.preference_schedule)
 
     @property
@@ -499,10 +533,16 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         url = _is_http_url(self.teacher)
-        _require(self.teacher == "programmatic" or url, "distill.teacher",
-                 f"must be 'programmatic' or an http:// or https:// base URL, got {self.teacher!r}")
-        _require(not url or bool(self.model.strip()), "distill.model",
-                 f"required when distill.teacher is a URL ({self.teacher})")
+        _require(
+            self.teacher == "programmatic" or url,
+            "distill.teacher",
+            f"must be 'programmatic' or an http:// or https:// base URL, got {self.teacher!r}",
+        )
+        _require(
+            not url or bool(self.model.strip()),
+            "distill.model",
+            f"required when distill.teacher is a URL ({self.teacher})",
+        )
 
 
 @_section("store")
@@ -576,7 +616,7 @@ def load_config(preset: str, overrides: list[str] | None = None) -> Config:
         for i, part in enumerate(parents):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"{'.'.join(parents[:i + 1])}: not a table, cannot set {key.strip()}")
+                raise ConfigError(f"{'.'.join(parents[: i + 1])}: not a table, cannot set {key.strip()}")
         node[leaf] = value
     data.setdefault("name", preset)
     return Config(**data)

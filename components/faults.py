@@ -21,9 +21,9 @@ import threading
 __all__ = ["InjectedFault", "fault_point", "parse_faults", "POINTS"]
 
 POINTS = (
-    "trainer.step",          # between the learner's step and the version bump
-    "store.upload",          # after each file of an artifact (a checkpoint) is stored, before its manifest
-    "weights.publish",       # after the policy's weights are written for the engines, before they load them
+    "trainer.step",  # between the learner's step and the version bump
+    "store.upload",  # after each file of an artifact (a checkpoint) is stored, before its manifest
+    "weights.publish",  # after the policy's weights are written for the engines, before they load them
 )
 """Every fault point in the code base; `parse_faults` refuses any other name, so a typo never goes unnoticed."""
 

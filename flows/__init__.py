@@ -8,9 +8,12 @@ from pathlib import Path
 # Set before any flow module imports prefect (it reads its settings on import). Offline by default: no telemetry
 # from Prefect or Great Expectations (DESIGN section 7). The ephemeral API server's first start migrates a fresh
 # database: Prefect's default 20 s wait is not enough on 2 busy cores.
-for _name, _value in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
-                      "GX_ANALYTICS_ENABLED": "false",
-                      "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}.items():
+for _name, _value in {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "GX_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+}.items():
     os.environ.setdefault(_name, _value)
 
 # Prefect opens its sqlite database under PREFECT_HOME and does not create a missing directory (a fresh clone's

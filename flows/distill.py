@@ -33,8 +33,12 @@ def save_dataset(cfg, home, distilled, report, log):
 
 
 @flow(name="distill")
-def distill(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: str | None = None,
-            parent_run_id: str | None = None) -> str:
+def distill(
+    preset: str = "tiny-cpu",
+    overrides: list[str] | None = None,
+    home: str | None = None,
+    parent_run_id: str | None = None,
+) -> str:
     """Returns the dataset's URI."""
     ctx = context(preset, overrides, home)
     cfg, log = ctx.cfg, ctx.log
@@ -45,19 +49,33 @@ def distill(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: 
     with tracked(ctx, "distill", parent_run_id) as run:
         distilled = write_traces(cfg, log)
         report = gate_traces(cfg, distilled.traces)
-        create_markdown_artifact(key="gate-traces", markdown=f"# Trace gate: {report.summary()}\n\n"
-                                                            f"{report.markdown()}")
+        create_markdown_artifact(key="gate-traces", markdown=f"# Trace gate: {report.summary()}\n\n{report.markdown()}")
         log(f"gate: {report.summary()}")
         report.raise_if_failed()
         path = save_dataset(cfg, ctx.home, distilled, report, log)
         uri = artifact_uri(cfg, ctx.home, key)
         run.log_dataset(stage.dataset_rows(path), source=uri, name=key)
-        run.log_metrics({"distill/traces": len(distilled.traces),
-                         "distill/rejected": sum(distilled.rejected.values()),
-                         "distill/teacher_seconds": distilled.seconds})
-    create_markdown_artifact(key="distill", markdown=markdown_table([{
-        "dataset": uri, "teacher": cfg.distill.teacher, "traces": len(distilled.traces),
-        "rejected": sum(distilled.rejected.values()), "gate": "passed"}]))
+        run.log_metrics(
+            {
+                "distill/traces": len(distilled.traces),
+                "distill/rejected": sum(distilled.rejected.values()),
+                "distill/teacher_seconds": distilled.seconds,
+            }
+        )
+    create_markdown_artifact(
+        key="distill",
+        markdown=markdown_table(
+            [
+                {
+                    "dataset": uri,
+                    "teacher": cfg.distill.teacher,
+                    "traces": len(distilled.traces),
+                    "rejected": sum(distilled.rejected.values()),
+                    "gate": "passed",
+                }
+            ]
+        ),
+    )
     return uri
 
 

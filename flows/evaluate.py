@@ -37,9 +37,18 @@ def score(cfg, model_dir, home, name, samples, tasks, eval_set, log):
 
 
 @flow(name="evaluate")
-def evaluate(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: str | None = None,
-             model: str = "", checkpoint_step: int | None = None, benchmark: str = "", tasks: str = "",
-             samples: int = 1, register_model: bool = True, parent_run_id: str | None = None) -> dict:
+def evaluate(
+    preset: str = "tiny-cpu",
+    overrides: list[str] | None = None,
+    home: str | None = None,
+    model: str = "",
+    checkpoint_step: int | None = None,
+    benchmark: str = "",
+    tasks: str = "",
+    samples: int = 1,
+    register_model: bool = True,
+    parent_run_id: str | None = None,
+) -> dict:
     """Returns the scores, the eval set, and the registry decision (when a checkpoint was scored)."""
     ctx = context(preset, overrides, home)
     cfg = ctx.cfg
@@ -51,17 +60,34 @@ def evaluate(preset: str = "tiny-cpu", overrides: list[str] | None = None, home:
         name = f"eval-{label}" + (f"-{benchmark or 'benchmark'}" if tasks else "")
         report = score(cfg, model_dir, ctx.home, name, samples, task_list, eval_set, ctx.log)
         k, prefix = report.samples, f"eval/{(benchmark or 'benchmark') if tasks else cfg.env.name}"
-        metrics = {f"{prefix}/accuracy": report.accuracy, f"{prefix}/avg_at_{k}": report.avg_at_k,
-                   f"{prefix}/pass_at_{k}": report.pass_at_k}
+        metrics = {
+            f"{prefix}/accuracy": report.accuracy,
+            f"{prefix}/avg_at_{k}": report.avg_at_k,
+            f"{prefix}/pass_at_{k}": report.pass_at_k,
+        }
         run.log_metrics(metrics, step=checkpoint_step or 0)
-        result = {"eval_set": eval_set, "n": report.n, "accuracy": report.accuracy, "samples": k,
-                  "avg_at_k": report.avg_at_k, "pass_at_k": report.pass_at_k, "model": str(model_dir),
-                  "report": str(ctx.home / "reports" / f"{name}.json")}
+        result = {
+            "eval_set": eval_set,
+            "n": report.n,
+            "accuracy": report.accuracy,
+            "samples": k,
+            "avg_at_k": report.avg_at_k,
+            "pass_at_k": report.pass_at_k,
+            "model": str(model_dir),
+            "report": str(ctx.home / "reports" / f"{name}.json"),
+        }
         if register_model and source is not None and cfg.tracking.backend == "mlflow":
             policy = stage.register(cfg, run.client, run.run_id, source, report.accuracy, eval_set, label)
-            result.update({"registered": f"{policy.name} v{policy.version}", "champion": policy.champion,
-                           "promoted": policy.promoted})
+            result.update(
+                {
+                    "registered": f"{policy.name} v{policy.version}",
+                    "champion": policy.champion,
+                    "promoted": policy.promoted,
+                }
+            )
     create_markdown_artifact(key="evaluate", markdown=markdown_table([result]))
-    ctx.log(f"eval: {eval_set}, {report.n} tasks: accuracy {report.accuracy:.1%} (greedy), avg@{k} "
-            f"{report.avg_at_k:.1%}, pass@{k} {report.pass_at_k:.1%}")
+    ctx.log(
+        f"eval: {eval_set}, {report.n} tasks: accuracy {report.accuracy:.1%} (greedy), avg@{k} "
+        f"{report.avg_at_k:.1%}, pass@{k} {report.pass_at_k:.1%}"
+    )
     return result

@@ -25,13 +25,19 @@ def check(cfg, kind: str, rows: list):
 
 
 @flow(name="gate")
-def gate(uri: str, kind: Literal["traces", "rollouts"] = "traces", preset: str = "tiny-cpu",
-         overrides: list[str] | None = None, home: str | None = None) -> dict:
+def gate(
+    uri: str,
+    kind: Literal["traces", "rollouts"] = "traces",
+    preset: str = "tiny-cpu",
+    overrides: list[str] | None = None,
+    home: str | None = None,
+) -> dict:
     """Returns the report as a dict; raises `GateFailed` when an expectation fails."""
     ctx = context(preset, overrides, home)
     report = check(ctx.cfg, kind, read_dataset(kind, uri))
-    create_markdown_artifact(key=f"gate-{kind}", markdown=f"# Gate ({kind}, {uri}): {report.summary()}\n\n"
-                                                          f"{report.markdown()}")
+    create_markdown_artifact(
+        key=f"gate-{kind}", markdown=f"# Gate ({kind}, {uri}): {report.summary()}\n\n{report.markdown()}"
+    )
     ctx.log(f"gate: {report.summary()}")
     report.raise_if_failed()
     return report.to_dict()

@@ -32,11 +32,17 @@ def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, home:
         policy = sft(**params, parent_run_id=parent.run_id)
         critic = value_pretrain(**params, parent_run_id=parent.run_id) if stage.uses_critic(ctx.cfg) else None
         warm = critic is not None and ctx.cfg.value_pretrain.warm_start
-        trained = train(**params, critic_path=critic["critic_dir"] if warm else "", resume=True,
-                        evaluate=False, parent_run_id=parent.run_id)
+        trained = train(
+            **params,
+            critic_path=critic["critic_dir"] if warm else "",
+            resume=True,
+            evaluate=False,
+            parent_run_id=parent.run_id,
+        )
         scored = evaluate(**params, checkpoint_step=trained["checkpoint_step"], parent_run_id=parent.run_id)
-        stage.record_held_out(ctx.cfg, ctx.home, trained.get("run_id"), policy["accuracy"], scored["accuracy"],
-                              trained["version"])
+        stage.record_held_out(
+            ctx.cfg, ctx.home, trained.get("run_id"), policy["accuracy"], scored["accuracy"], trained["version"]
+        )
         summary = stage.summary(dataset, policy, critic, warm, trained, scored)
         parent.log_metrics({f"pipeline/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))})
         failed = False

@@ -26,8 +26,13 @@ def held_out_accuracy(cfg, sft_dir, home, log) -> float:
 
 
 @flow(name="sft")
-def sft(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: str | None = None,
-        force: bool = False, parent_run_id: str | None = None) -> dict:
+def sft(
+    preset: str = "tiny-cpu",
+    overrides: list[str] | None = None,
+    home: str | None = None,
+    force: bool = False,
+    parent_run_id: str | None = None,
+) -> dict:
     """Returns the SFT policy's directory, URI and held-out accuracy."""
     ctx = context(preset, overrides, home)
     cfg = ctx.cfg

@@ -16,9 +16,14 @@ from flows.train import train
 
 
 @flow(name="style_shift")
-def style_shift(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: str | None = None,
-                steps_per_phase: int = 60, algos: list[str] | None = None,
-                parent_run_id: str | None = None) -> dict:
+def style_shift(
+    preset: str = "tiny-cpu",
+    overrides: list[str] | None = None,
+    home: str | None = None,
+    steps_per_phase: int = 60,
+    algos: list[str] | None = None,
+    parent_run_id: str | None = None,
+) -> dict:
     """Returns the per-phase table of every algorithm and where the report is."""
     schedule = stage.schedule(steps_per_phase)
     algos = list(algos or ["sao", "sao-running-mean"])

@@ -21,25 +21,40 @@ from flows.common import context, markdown_table
 CHECKPOINT_EVENT = "sao.checkpoint.saved"
 
 
-def checkpoint_event(cfg: Config, step: int, uri: str, overrides: list[str] | None = None,
-                     home: str = "") -> dict:
+def checkpoint_event(cfg: Config, step: int, uri: str, overrides: list[str] | None = None, home: str = "") -> dict:
     """The event's fields: the checkpoint as the resource, the training run as a related resource; the payload
     carries what an `evaluate` run needs to rebuild this config and find the checkpoint."""
     return {
         "event": CHECKPOINT_EVENT,
-        "resource": {"prefect.resource.id": f"sao.checkpoint.{cfg.name}.{cfg.env.name}.{step}",
-                     "prefect.resource.name": uri},
-        "related": [{"prefect.resource.id": f"sao.training.{cfg.name}.{cfg.env.name}",
-                     "prefect.resource.role": "training-run"}],
-        "payload": {"step": step, "uri": uri, "preset": cfg.name, "env": cfg.env.name, "algo": cfg.train.algo,
-                    "overrides": list(overrides or []), "home": home},
+        "resource": {
+            "prefect.resource.id": f"sao.checkpoint.{cfg.name}.{cfg.env.name}.{step}",
+            "prefect.resource.name": uri,
+        },
+        "related": [
+            {"prefect.resource.id": f"sao.training.{cfg.name}.{cfg.env.name}", "prefect.resource.role": "training-run"}
+        ],
+        "payload": {
+            "step": step,
+            "uri": uri,
+            "preset": cfg.name,
+            "env": cfg.env.name,
+            "algo": cfg.train.algo,
+            "overrides": list(overrides or []),
+            "home": home,
+        },
     }
 
 
 @flow(name="train")
-def train(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: str | None = None,
-          critic_path: str = "", resume: bool = False, evaluate: bool = True,
-          parent_run_id: str | None = None) -> dict:
+def train(
+    preset: str = "tiny-cpu",
+    overrides: list[str] | None = None,
+    home: str | None = None,
+    critic_path: str = "",
+    resume: bool = False,
+    evaluate: bool = True,
+    parent_run_id: str | None = None,
+) -> dict:
     """Returns the final version, the policy's directory, the newest checkpoint step and throughput."""
     ctx = context(preset, overrides, home)
     cfg = ctx.cfg
@@ -49,11 +64,26 @@ def train(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: st
     def on_checkpoint(step: int, uri: str) -> None:
         emit_event(**checkpoint_event(cfg, step, uri, overrides, str(ctx.home.resolve())))
 
-    result = stage.run_train(cfg, ctx.home, resume=resume, log=ctx.log, parent_run_id=parent_run_id,
-                            on_checkpoint=on_checkpoint, evaluate=evaluate)
+    result = stage.run_train(
+        cfg,
+        ctx.home,
+        resume=resume,
+        log=ctx.log,
+        parent_run_id=parent_run_id,
+        on_checkpoint=on_checkpoint,
+        evaluate=evaluate,
+    )
     result["checkpoint_step"] = stage.latest_checkpoint(cfg, ctx.home)
     result["policy_dir"] = str(result.get("policy_dir", ""))
-    create_markdown_artifact(key="train", markdown=markdown_table([{
-        k: result.get(k) for k in ("version", "before", "after", "rollbacks", "checkpoint_step",
-                                   "trajectories_per_s")}]))
+    create_markdown_artifact(
+        key="train",
+        markdown=markdown_table(
+            [
+                {
+                    k: result.get(k)
+                    for k in ("version", "before", "after", "rollbacks", "checkpoint_step", "trajectories_per_s")
+                }
+            ]
+        ),
+    )
     return result

@@ -24,8 +24,12 @@ def pretrain(cfg, home, sft_dir, log):
 
 
 @flow(name="value_pretrain")
-def value_pretrain(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: str | None = None,
-                   parent_run_id: str | None = None) -> dict:
+def value_pretrain(
+    preset: str = "tiny-cpu",
+    overrides: list[str] | None = None,
+    home: str | None = None,
+    parent_run_id: str | None = None,
+) -> dict:
     """Returns the critic's directory and URI, and its held-out explained variance cold and pretrained."""
     ctx = context(preset, overrides, home)
     cfg = ctx.cfg
@@ -35,10 +39,26 @@ def value_pretrain(preset: str = "tiny-cpu", overrides: list[str] | None = None,
         history = summary["ev_history"]
         for epoch, ev in enumerate(history):
             run.log_metrics({"value_pretrain/explained_variance": ev}, step=epoch)
-        run.log_metrics({"value_pretrain/ev_cold": summary["ev_cold"], "value_pretrain/ev_best": summary["ev_best"],
-                         "value_pretrain/best_epoch": summary["best_epoch"]})
+        run.log_metrics(
+            {
+                "value_pretrain/ev_cold": summary["ev_cold"],
+                "value_pretrain/ev_best": summary["ev_best"],
+                "value_pretrain/best_epoch": summary["best_epoch"],
+            }
+        )
     uri = artifact_uri(cfg, ctx.home, critic_key(cfg, sft_dir))
-    create_markdown_artifact(key="value-pretrain", markdown=markdown_table(
-        [{"critic": uri, "held-out EV cold": summary["ev_cold"], "held-out EV pretrained": summary["ev_best"],
-          "best epoch": summary["best_epoch"], "epochs": len(history) - 1}]))
+    create_markdown_artifact(
+        key="value-pretrain",
+        markdown=markdown_table(
+            [
+                {
+                    "critic": uri,
+                    "held-out EV cold": summary["ev_cold"],
+                    "held-out EV pretrained": summary["ev_best"],
+                    "best epoch": summary["best_epoch"],
+                    "epochs": len(history) - 1,
+                }
+            ]
+        ),
+    )
     return {"critic_dir": str(critic_dir), "uri": uri, "ev_cold": summary["ev_cold"], "ev_best": summary["ev_best"]}

@@ -16,8 +16,17 @@ from components.training.sft import train_sft
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
-    return load_config("tiny-cpu", ["sft.steps=200", "sft.batch_size=32", "sft.warmup_steps=20",
-                                    "sft.log_every=1000", "task.train_size=2000", "task.eval_size=24"])
+    return load_config(
+        "tiny-cpu",
+        [
+            "sft.steps=200",
+            "sft.batch_size=32",
+            "sft.warmup_steps=20",
+            "sft.log_every=1000",
+            "task.train_size=2000",
+            "task.eval_size=24",
+        ],
+    )
 
 
 @pytest.fixture(scope="session")
@@ -61,8 +70,11 @@ def s3_env(moto_endpoint, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(name, value)
     return moto_endpoint
 

@@ -38,8 +38,10 @@ MODES = ("pass", "down", "5xx", "slow")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "trailer", "upgrade"}
 _OWN = {"server", "date"}  # send_response writes its own
 
-SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-             b"<Message>Please reduce your request rate.</Message></Error>")
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
 
 
 class FaultProxy:
@@ -64,8 +66,18 @@ class FaultProxy:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def mode(self, name: str, *, count: int | None = None, fraction: float = 1.0, duration_s: float | None = None,
-             match: str = "", status: int = 503, body: bytes = SLOW_DOWN, delay_s: float = 0.0) -> FaultProxy:
+    def mode(
+        self,
+        name: str,
+        *,
+        count: int | None = None,
+        fraction: float = 1.0,
+        duration_s: float | None = None,
+        match: str = "",
+        status: int = 503,
+        body: bytes = SLOW_DOWN,
+        delay_s: float = 0.0,
+    ) -> FaultProxy:
         """Switch to mode `name` (see the module docstring) for the next `count` matching requests or
         `duration_s` seconds (both None: until the next switch), each hit with probability `fraction`."""
         if name not in MODES:
@@ -81,8 +93,7 @@ class FaultProxy:
         with self._lock:
             outcomes = [outcome for _, _, outcome in self.log]
         forwarded = outcomes.count("forwarded") + outcomes.count("slow")
-        return {"seen": len(outcomes), "forwarded": forwarded,
-                "failed": outcomes.count("down") + outcomes.count("5xx")}
+        return {"seen": len(outcomes), "forwarded": forwarded, "failed": outcomes.count("down") + outcomes.count("5xx")}
 
     def reset_stats(self) -> None:
         with self._lock:
@@ -99,8 +110,9 @@ class FaultProxy:
         server.daemon_threads = True
         self.port = server.server_address[1]
         self._server = server
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
-                         name=f"faultproxy-{self.port}").start()
+        threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True, name=f"faultproxy-{self.port}"
+        ).start()
         return self
 
     def stop(self, for_s: float | None = None) -> None:

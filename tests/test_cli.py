@@ -54,8 +54,10 @@ def test_cli_eval_prints_accuracy_avg_and_pass_at_k(tmp_path, sft_policy, capsys
     model_dir = save_model_dir(*sft_policy, tmp_path / "policy")
     main(["eval", "--home", str(tmp_path), "--model", str(model_dir), "--samples", "3", "--set", "task.eval_size=6"])
     saved = json.loads((tmp_path / "reports" / "eval-policy.json").read_text())
-    assert (f"tir_math-heldout, 6 tasks: accuracy {saved['accuracy']:.1%} (greedy), avg@3 {saved['avg@3']:.1%}, "
-            f"pass@3 {saved['pass@3']:.1%}") in capsys.readouterr().out
+    assert (
+        f"tir_math-heldout, 6 tasks: accuracy {saved['accuracy']:.1%} (greedy), avg@3 {saved['avg@3']:.1%}, "
+        f"pass@3 {saved['pass@3']:.1%}"
+    ) in capsys.readouterr().out
     assert saved["avg@3"] <= saved["pass@3"]  # a task's share of solved samples is at most 1 if any is solved
 
 
@@ -67,8 +69,12 @@ def test_cli_rejects_bad_config_naming_the_field(capsys):
 
 
 def test_cli_model_init_writes_an_hf_directory(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "components.cli", "model", "init", "--out", str(tmp_path / "m")],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "components.cli", "model", "init", "--out", str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip().endswith("m")
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "m").iterdir()}
 
@@ -81,8 +87,13 @@ def preset_home(tmp_path_factory):
 
     home = tmp_path_factory.mktemp("preset-home")
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "components.cli", "pipeline", "--home", str(home)],
-                         capture_output=True, text=True, timeout=1800, env=child_env())
+    out = subprocess.run(
+        [sys.executable, "-m", "components.cli", "pipeline", "--home", str(home)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=child_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     print(f"sao run: {time.perf_counter() - start:.0f} s")
     return home

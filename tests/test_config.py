@@ -46,8 +46,13 @@ def test_every_field_has_a_docstring():
 
 
 def test_to_dict_round_trips_through_json():
-    cfg = _load('rollout.backend="http"', 'rollout.urls=["http://a:1", "https://b"]', 'env.name="style"',
-                'env.preference_schedule="classical:5"', "algo.eps_low=0.2")
+    cfg = _load(
+        'rollout.backend="http"',
+        'rollout.urls=["http://a:1", "https://b"]',
+        'env.name="style"',
+        'env.preference_schedule="classical:5"',
+        "algo.eps_low=0.2",
+    )
     data = json.loads(json.dumps(to_dict(cfg)))  # tuples become lists, as in a saved run config
     assert data["rollout"]["urls"] == ["http://a:1", "https://b"]
     assert Config(**data) == cfg
@@ -65,18 +70,21 @@ def test_configs_are_frozen_and_replace_revalidates():
 # ---------------------------------------------------------------- strict types and unknown keys
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ('train.batch_size="16"', "train.batch_size: Input should be a valid integer, got '16'"),
-    ("train.batch_size=1.5", "train.batch_size: Input should be a valid integer, got 1.5"),
-    ("train.batch_size=true", "train.batch_size: Input should be a valid integer, got True"),
-    ("train.zero_stage=true", "train.zero_stage: Input should be a valid integer, got True"),
-    ("train.sync=1", "train.sync: Input should be a valid boolean, got 1"),
-    ("algo.eps_low=true", "algo.eps_low: Input should be a valid number, got True"),
-    ("model.path=3", "model.path: Input should be a valid string, got 3"),
-    ('task.kinds="affine"', "task.kinds: Input should be a valid tuple, got 'affine'"),
-    ('task.kinds=["affine", "cubic"]', "task.kinds[1]: Input should be 'affine' or 'two_step', got 'cubic'"),
-    ("train=1", "train: expected a table, got 1"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ('train.batch_size="16"', "train.batch_size: Input should be a valid integer, got '16'"),
+        ("train.batch_size=1.5", "train.batch_size: Input should be a valid integer, got 1.5"),
+        ("train.batch_size=true", "train.batch_size: Input should be a valid integer, got True"),
+        ("train.zero_stage=true", "train.zero_stage: Input should be a valid integer, got True"),
+        ("train.sync=1", "train.sync: Input should be a valid boolean, got 1"),
+        ("algo.eps_low=true", "algo.eps_low: Input should be a valid number, got True"),
+        ("model.path=3", "model.path: Input should be a valid string, got 3"),
+        ('task.kinds="affine"', "task.kinds: Input should be a valid tuple, got 'affine'"),
+        ('task.kinds=["affine", "cubic"]', "task.kinds[1]: Input should be 'affine' or 'two_step', got 'cubic'"),
+        ("train=1", "train: expected a table, got 1"),
+    ],
+)
 def test_wrong_types_are_refused_by_path(override, message):
     with pytest.raises(ConfigError) as info:
         _load(override)
@@ -93,9 +101,13 @@ def test_int_becomes_float_and_arrays_become_tuples():
 def test_unknown_keys_are_refused_by_path():
     with pytest.raises(ConfigError, match=r"^train\.bogus: unknown field \(expected one of \['adam_beta2', "):
         _load("train.bogus=1")
-    with pytest.raises(ConfigError, match=r"^bogus: unknown field \(expected one of \['algo', 'distill', 'env', 'model', "):
+    with pytest.raises(
+        ConfigError, match=r"^bogus: unknown field \(expected one of \['algo', 'distill', 'env', 'model', "
+    ):
         _load("bogus=1")
-    with pytest.raises(ConfigError, match=r"^store\.url: unknown field \(expected one of \['attempts', 'backoff_s', 'uri'\]\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^store\.url: unknown field \(expected one of \['attempts', 'backoff_s', 'uri'\]\)$"
+    ):
         _load('store.url="/x"')
 
 
@@ -129,30 +141,44 @@ def test_invariants_name_their_field_also_when_built_directly():
 
 def test_rollout_http_backend_takes_a_toml_array_of_urls():
     # as typed on the command line: --set 'rollout.urls=["http://127.0.0.1:8000"]'
-    cfg = _load('rollout.backend="http"', 'rollout.urls=["http://127.0.0.1:8000", "https://gpu-1:8001/"]',
-                'rollout.server="vllm"', 'rollout.publish_dir="/shared/published"', "rollout.request_timeout_s=30",
-                "rollout.request_retries=0")
+    cfg = _load(
+        'rollout.backend="http"',
+        'rollout.urls=["http://127.0.0.1:8000", "https://gpu-1:8001/"]',
+        'rollout.server="vllm"',
+        'rollout.publish_dir="/shared/published"',
+        "rollout.request_timeout_s=30",
+        "rollout.request_retries=0",
+    )
     assert cfg.rollout.urls == ("http://127.0.0.1:8000", "https://gpu-1:8001/")
     assert (cfg.rollout.server, cfg.rollout.publish_dir) == ("vllm", "/shared/published")
     assert (cfg.rollout.request_timeout_s, cfg.rollout.request_retries) == (30.0, 0)
     assert RolloutConfig().request_timeout_s == 300.0 and RolloutConfig().request_retries == 3
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (['rollout.backend="http"'], "rollout.urls: needs at least one server URL for backend='http'"),
-    (['rollout.backend="http"', 'rollout.urls=["127.0.0.1:8000"]'],
-     "rollout.urls: must start with http:// or https://, got '127.0.0.1:8000'"),
-    (['rollout.backend="http"', 'rollout.urls=["http://"]'],
-     "rollout.urls: must start with http:// or https://, got 'http://'"),
-    (['rollout.urls=["http://a:1"]'], "rollout.urls: must be empty for backend='embedded', got ['http://a:1']"),
-    (['rollout.backend="http"', 'rollout.urls="http://a:1"'],
-     "rollout.urls: Input should be a valid tuple, got 'http://a:1'"),
-    (['rollout.backend="grpc"'], "rollout.backend: Input should be 'embedded' or 'http', got 'grpc'"),
-    (['rollout.server="sglang"'], "rollout.server: Input should be 'sao' or 'vllm', got 'sglang'"),
-    (["rollout.request_timeout_s=0"], "rollout.request_timeout_s: Input should be greater than 0, got 0"),
-    (["rollout.request_retries=-1"], "rollout.request_retries: Input should be greater than or equal to 0, got -1"),
-    (["rollout.publish_dir=3"], "rollout.publish_dir: Input should be a valid string, got 3"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (['rollout.backend="http"'], "rollout.urls: needs at least one server URL for backend='http'"),
+        (
+            ['rollout.backend="http"', 'rollout.urls=["127.0.0.1:8000"]'],
+            "rollout.urls: must start with http:// or https://, got '127.0.0.1:8000'",
+        ),
+        (
+            ['rollout.backend="http"', 'rollout.urls=["http://"]'],
+            "rollout.urls: must start with http:// or https://, got 'http://'",
+        ),
+        (['rollout.urls=["http://a:1"]'], "rollout.urls: must be empty for backend='embedded', got ['http://a:1']"),
+        (
+            ['rollout.backend="http"', 'rollout.urls="http://a:1"'],
+            "rollout.urls: Input should be a valid tuple, got 'http://a:1'",
+        ),
+        (['rollout.backend="grpc"'], "rollout.backend: Input should be 'embedded' or 'http', got 'grpc'"),
+        (['rollout.server="sglang"'], "rollout.server: Input should be 'sao' or 'vllm', got 'sglang'"),
+        (["rollout.request_timeout_s=0"], "rollout.request_timeout_s: Input should be greater than 0, got 0"),
+        (["rollout.request_retries=-1"], "rollout.request_retries: Input should be greater than or equal to 0, got -1"),
+        (["rollout.publish_dir=3"], "rollout.publish_dir: Input should be a valid string, got 3"),
+    ],
+)
 def test_rollout_server_fields_are_checked(overrides, message):
     with pytest.raises(ConfigError) as info:
         _load(*overrides)
@@ -165,42 +191,71 @@ def test_rollout_server_fields_are_checked(overrides, message):
 def test_env_accepts_each_documented_form():
     coding = EnvConfig(name="coding", tasks="data/train.jsonl", eval_tasks="s3://bucket/held/out.parquet")
     assert (coding.tasks, coding.eval_tasks) == ("data/train.jsonl", "s3://bucket/held/out.parquet")
-    style = _load('env.name="style"', 'env.judge="http://judge:8000/v1"', 'env.judge_model="qwen3-8b"',
-                  'env.preference_schedule="cute:100,chuunibyou:100,classical:100"').env
+    style = _load(
+        'env.name="style"',
+        'env.judge="http://judge:8000/v1"',
+        'env.judge_model="qwen3-8b"',
+        'env.preference_schedule="cute:100,chuunibyou:100,classical:100"',
+    ).env
     assert (style.judge, style.judge_model) == ("http://judge:8000/v1", "qwen3-8b")
     assert style.preference_phases == (("cute", 100), ("chuunibyou", 100), ("classical", 100))
-    assert EnvConfig(name="style", preference_schedule=" classical:7 , cute:3 ").preference_phases == \
-        (("classical", 7), ("cute", 3))
+    assert EnvConfig(name="style", preference_schedule=" classical:7 , cute:3 ").preference_phases == (
+        ("classical", 7),
+        ("cute", 3),
+    )
     # empty: cute throughout, as a one-phase schedule that repeats
     assert EnvConfig(name="style").preference_phases == (("cute", 1),)
     assert STYLES == ("cute", "chuunibyou", "classical")
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"name": "chess"}, "env.name: Input should be 'tir_math', 'coding' or 'style', got 'chess'"),
-    ({"tasks": "s3://bucket"}, "env.tasks: s3 URI has no key: 's3://bucket'"),
-    ({"tasks": "s3:///key.jsonl"}, "env.tasks: s3 URI has no bucket: 's3:///key.jsonl'"),
-    ({"eval_tasks": "https://host/x.jsonl"},
-     "env.eval_tasks: must be a local path or s3://bucket/key, got 'https://host/x.jsonl'"),
-    ({"name": "style", "judge": "gpt-4o"},
-     "env.judge: must be 'lexical' or an http:// or https:// base URL, got 'gpt-4o'"),
-    ({"name": "style", "judge": "http://judge/v1"},
-     "env.judge_model: required when env.judge is a URL (http://judge/v1)"),
-    ({"judge": "http://judge/v1", "judge_model": "m"},
-     "env.judge: a URL judge is for env.name='style' only, got name='tir_math'"),
-    ({"name": "coding", "preference_schedule": "cute:5"},
-     "env.preference_schedule: is for env.name='style' only, got name='coding'"),
-    ({"name": "style", "preference_schedule": "cute"},
-     "env.preference_schedule: each phase must be style:steps with steps > 0, got 'cute'"),
-    ({"name": "style", "preference_schedule": "cute:0"},
-     "env.preference_schedule: each phase must be style:steps with steps > 0, got 'cute:0'"),
-    ({"name": "style", "preference_schedule": "cute:-3"},
-     "env.preference_schedule: each phase must be style:steps with steps > 0, got 'cute:-3'"),
-    ({"name": "style", "preference_schedule": "cute:10,"},
-     "env.preference_schedule: each phase must be style:steps with steps > 0, got ''"),
-    ({"name": "style", "preference_schedule": "gothic:10"},
-     "env.preference_schedule: unknown style 'gothic' (expected one of ['cute', 'chuunibyou', 'classical'])"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"name": "chess"}, "env.name: Input should be 'tir_math', 'coding' or 'style', got 'chess'"),
+        ({"tasks": "s3://bucket"}, "env.tasks: s3 URI has no key: 's3://bucket'"),
+        ({"tasks": "s3:///key.jsonl"}, "env.tasks: s3 URI has no bucket: 's3:///key.jsonl'"),
+        (
+            {"eval_tasks": "https://host/x.jsonl"},
+            "env.eval_tasks: must be a local path or s3://bucket/key, got 'https://host/x.jsonl'",
+        ),
+        (
+            {"name": "style", "judge": "gpt-4o"},
+            "env.judge: must be 'lexical' or an http:// or https:// base URL, got 'gpt-4o'",
+        ),
+        (
+            {"name": "style", "judge": "http://judge/v1"},
+            "env.judge_model: required when env.judge is a URL (http://judge/v1)",
+        ),
+        (
+            {"judge": "http://judge/v1", "judge_model": "m"},
+            "env.judge: a URL judge is for env.name='style' only, got name='tir_math'",
+        ),
+        (
+            {"name": "coding", "preference_schedule": "cute:5"},
+            "env.preference_schedule: is for env.name='style' only, got name='coding'",
+        ),
+        (
+            {"name": "style", "preference_schedule": "cute"},
+            "env.preference_schedule: each phase must be style:steps with steps > 0, got 'cute'",
+        ),
+        (
+            {"name": "style", "preference_schedule": "cute:0"},
+            "env.preference_schedule: each phase must be style:steps with steps > 0, got 'cute:0'",
+        ),
+        (
+            {"name": "style", "preference_schedule": "cute:-3"},
+            "env.preference_schedule: each phase must be style:steps with steps > 0, got 'cute:-3'",
+        ),
+        (
+            {"name": "style", "preference_schedule": "cute:10,"},
+            "env.preference_schedule: each phase must be style:steps with steps > 0, got ''",
+        ),
+        (
+            {"name": "style", "preference_schedule": "gothic:10"},
+            "env.preference_schedule: unknown style 'gothic' (expected one of ['cute', 'chuunibyou', 'classical'])",
+        ),
+    ],
+)
 def test_env_refuses_bad_values_by_path(fields, message):
     with pytest.raises(ConfigError) as info:
         EnvConfig(**fields)
@@ -218,11 +273,14 @@ def test_store_accepts_local_paths_and_s3_prefixes(uri):
     assert _load(f"store.uri={json.dumps(uri)}").store == StoreConfig(uri=uri)
 
 
-@pytest.mark.parametrize(("uri", "message"), [
-    ("s3://", "store.uri: s3 URI has no bucket: 's3://'"),
-    ("s3:///prefix", "store.uri: s3 URI has no bucket: 's3:///prefix'"),
-    ("gs://bucket/prefix", "store.uri: must be a local path or s3://bucket/prefix, got 'gs://bucket/prefix'"),
-])
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        ("s3://", "store.uri: s3 URI has no bucket: 's3://'"),
+        ("s3:///prefix", "store.uri: s3 URI has no bucket: 's3:///prefix'"),
+        ("gs://bucket/prefix", "store.uri: must be a local path or s3://bucket/prefix, got 'gs://bucket/prefix'"),
+    ],
+)
 def test_store_refuses_other_uris(uri, message):
     with pytest.raises(ConfigError) as info:
         StoreConfig(uri=uri)

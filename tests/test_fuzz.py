@@ -24,13 +24,18 @@ from components.data.traces import trace_from_openai_messages, trace_from_row
 from components.rollout.protocol import SamplingRequest
 from components.rollout.server import BadRequest, CompletionRequest, sampling_request
 
-FUZZ = settings(max_examples=300, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=300,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 """Anything a JSON document (or a Parquet row) can hold, NaN and huge integers included."""
 
 
@@ -46,8 +51,11 @@ def _json(value) -> str:
 
 # ---- trajectories -------------------------------------------------------------------------------------------------
 
-TRAJECTORY_FIELDS = [f.name for f in fields(Trajectory)] + [f"timings.{f.name}" for f in fields(Timings)] + [
-    "trajectory: expected an object", "action token", "token ", "timings"]
+TRAJECTORY_FIELDS = (
+    [f.name for f in fields(Trajectory)]
+    + [f"timings.{f.name}" for f in fields(Timings)]
+    + ["trajectory: expected an object", "action token", "token ", "timings"]
+)
 
 
 @st.composite
@@ -58,14 +66,22 @@ def trajectory_records(draw) -> dict:
     mask = [0] * prompt_len + draw(st.lists(st.integers(0, 1), min_size=n - prompt_len, max_size=n - prompt_len))
     logprob = st.floats(-30, 0, allow_nan=False)
     return {
-        "prompt_id": draw(st.text(min_size=1, max_size=6)), "env": draw(st.sampled_from(["tir_math", "style"])),
-        "token_ids": draw(st.lists(st.integers(0, 200), min_size=n, max_size=n)), "action_mask": mask,
+        "prompt_id": draw(st.text(min_size=1, max_size=6)),
+        "env": draw(st.sampled_from(["tir_math", "style"])),
+        "token_ids": draw(st.lists(st.integers(0, 200), min_size=n, max_size=n)),
+        "action_mask": mask,
         "rollout_logprobs": [draw(logprob) if m else None for m in mask],
         "versions": [draw(st.integers(0, 5)) if m else None for m in mask],
-        "reward": draw(st.floats(-1, 1)), "turns": draw(st.integers(0, 4)),
-        "finish_reason": draw(st.sampled_from(FINISH_REASONS)), "prompt_len": prompt_len,
-        "timings": {"queued": draw(st.floats(0, 2e9)), "started": draw(st.floats(0, 2e9) | st.just(math.nan)),
-                    "first_token": math.nan, "finished": math.nan},
+        "reward": draw(st.floats(-1, 1)),
+        "turns": draw(st.integers(0, 4)),
+        "finish_reason": draw(st.sampled_from(FINISH_REASONS)),
+        "prompt_len": prompt_len,
+        "timings": {
+            "queued": draw(st.floats(0, 2e9)),
+            "started": draw(st.floats(0, 2e9) | st.just(math.nan)),
+            "first_token": math.nan,
+            "finished": math.nan,
+        },
         "metadata": draw(st.dictionaries(st.text(max_size=4), st.integers() | st.text(max_size=4), max_size=3)),
     }
 
@@ -104,8 +120,20 @@ def test_valid_trajectory_records_always_parse(record):
 
 # ---- traces -------------------------------------------------------------------------------------------------------
 
-TRACE_FIELDS = ["problem_id", "answer", "roles", "contents", "tool_codes", "turns", "role", "content", "tool_code",
-                "trace: expected an object", "last turn", "messages"]
+TRACE_FIELDS = [
+    "problem_id",
+    "answer",
+    "roles",
+    "contents",
+    "tool_codes",
+    "turns",
+    "role",
+    "content",
+    "tool_code",
+    "trace: expected an object",
+    "last turn",
+    "messages",
+]
 
 
 @st.composite
@@ -115,8 +143,13 @@ def trace_rows(draw) -> dict:
     text = st.text(max_size=10)
     roles = ["user"] + ["assistant", "tool"] * k + ["assistant"]
     codes = [None] + [draw(text), None] * k + [None]
-    return {"problem_id": draw(st.text(min_size=1, max_size=6)), "answer": draw(st.none() | st.integers(-10**6, 10**6)),
-            "roles": roles, "contents": [draw(text) for _ in roles], "tool_codes": codes}
+    return {
+        "problem_id": draw(st.text(min_size=1, max_size=6)),
+        "answer": draw(st.none() | st.integers(-(10**6), 10**6)),
+        "roles": roles,
+        "contents": [draw(text) for _ in roles],
+        "tool_codes": codes,
+    }
 
 
 @st.composite
@@ -130,8 +163,14 @@ def mutated_turns(draw) -> dict:
 
 
 @FUZZ
-@given(st.one_of(trace_rows(), mutated_turns(), mutated(trace_rows(), ["problem_id", "answer", "roles", "contents",
-                                                                        "tool_codes"]), json_values))
+@given(
+    st.one_of(
+        trace_rows(),
+        mutated_turns(),
+        mutated(trace_rows(), ["problem_id", "answer", "roles", "contents", "tool_codes"]),
+        json_values,
+    )
+)
 def test_any_trace_row_parses_and_round_trips_or_is_refused_naming_a_field(row):
     try:
         trace = trace_from_row(row)
@@ -139,20 +178,47 @@ def test_any_trace_row_parses_and_round_trips_or_is_refused_naming_a_field(row):
         assert _names_a_field(str(exc), TRACE_FIELDS, row), str(exc)
         return
     assert isinstance(trace, Trace) and all(isinstance(t, Turn) for t in trace.turns)
-    stored = {"problem_id": trace.problem_id, "answer": trace.answer, "roles": [t.role for t in trace.turns],
-              "contents": [t.content for t in trace.turns], "tool_codes": [t.tool_code for t in trace.turns]}
+    stored = {
+        "problem_id": trace.problem_id,
+        "answer": trace.answer,
+        "roles": [t.role for t in trace.turns],
+        "contents": [t.content for t in trace.turns],
+        "tool_codes": [t.tool_code for t in trace.turns],
+    }
     assert trace_from_row(stored) == trace
 
 
-chat_messages = st.lists(st.one_of(
-    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "robot"]),
-                           "content": st.none() | st.text(max_size=8)}),
-    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.text(max_size=4),
-                           "tool_calls": st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries({
-                               "name": st.sampled_from(["python", "bash"]),
-                               "arguments": st.sampled_from(['{"code": "print(1)"}', '{"code": 3}', "{", "[]"])})}),
-                               max_size=2)}),
-    json_values), max_size=6)
+chat_messages = st.lists(
+    st.one_of(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["system", "user", "assistant", "tool", "robot"]),
+                "content": st.none() | st.text(max_size=8),
+            }
+        ),
+        st.fixed_dictionaries(
+            {
+                "role": st.just("assistant"),
+                "content": st.text(max_size=4),
+                "tool_calls": st.lists(
+                    st.fixed_dictionaries(
+                        {
+                            "function": st.fixed_dictionaries(
+                                {
+                                    "name": st.sampled_from(["python", "bash"]),
+                                    "arguments": st.sampled_from(['{"code": "print(1)"}', '{"code": 3}', "{", "[]"]),
+                                }
+                            )
+                        }
+                    ),
+                    max_size=2,
+                ),
+            }
+        ),
+        json_values,
+    ),
+    max_size=6,
+)
 
 
 @FUZZ
@@ -171,14 +237,25 @@ def test_any_teacher_transcript_parses_or_is_refused_naming_a_field(messages, an
 REQUEST_FIELDS = list(CompletionRequest.model_fields) + ["body"]
 
 completion_bodies = st.one_of(
-    st.fixed_dictionaries({"prompt": st.lists(st.integers(0, 120), min_size=1, max_size=8)}, optional={
-        "max_tokens": st.integers(-2, 70) | json_values, "temperature": st.floats() | json_values,
-        "top_p": st.sampled_from([1.0, 0.9]), "top_k": st.sampled_from([-1, 0, 5]), "n": st.integers(0, 2),
-        "seed": st.integers(-2, 2**64) | st.none(), "stop": st.lists(st.text(max_size=3), max_size=2) | json_values,
-        "stop_token_ids": st.lists(st.integers(-2, 200), max_size=3), "model": st.sampled_from(["tiny", "other"]),
-        "logprobs": st.sampled_from([None, 1]), "echo": json_values}),
+    st.fixed_dictionaries(
+        {"prompt": st.lists(st.integers(0, 120), min_size=1, max_size=8)},
+        optional={
+            "max_tokens": st.integers(-2, 70) | json_values,
+            "temperature": st.floats() | json_values,
+            "top_p": st.sampled_from([1.0, 0.9]),
+            "top_k": st.sampled_from([-1, 0, 5]),
+            "n": st.integers(0, 2),
+            "seed": st.integers(-2, 2**64) | st.none(),
+            "stop": st.lists(st.text(max_size=3), max_size=2) | json_values,
+            "stop_token_ids": st.lists(st.integers(-2, 200), max_size=3),
+            "model": st.sampled_from(["tiny", "other"]),
+            "logprobs": st.sampled_from([None, 1]),
+            "echo": json_values,
+        },
+    ),
     st.dictionaries(st.sampled_from(REQUEST_FIELDS), json_values, max_size=4),
-    json_values)
+    json_values,
+)
 
 
 def _named(param: str, body) -> bool:
@@ -222,11 +299,17 @@ def fuzz_server(tmp_path_factory):
     engine.shutdown()
 
 
-@settings(max_examples=50, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=50,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(completion_bodies)
 def test_the_server_answers_any_body_with_200_or_a_400_naming_the_field(fuzz_server, body):
-    response = fuzz_server.post("/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+    response = fuzz_server.post(
+        "/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"}
+    )
     assert response.status_code in (200, 400), response.text
     if response.status_code == 400:
         error = response.json()["error"]

@@ -39,8 +39,11 @@ def package_graph(root: Path = ROOT) -> dict[str, dict[str, str]]:
         source = parts[0]
         edges = graph.setdefault(source, {})
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else (
-                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            names = (
+                [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else ([a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            )
             for name in names:
                 head, _, rest = name.partition(".")
                 target = rest.split(".")[0]
@@ -59,7 +62,7 @@ def find_cycle(graph: dict[str, dict[str, str]]) -> list[str] | None:
         stack.append(node)
         for target in graph.get(node, {}):
             if state.get(target) == 1:
-                return stack[stack.index(target):] + [target]
+                return stack[stack.index(target) :] + [target]
             if state.get(target) is None and (cycle := visit(target)):
                 return cycle
         stack.pop()
@@ -75,8 +78,9 @@ def find_cycle(graph: dict[str, dict[str, str]]) -> list[str] | None:
 def test_no_cycle_between_packages():
     graph = package_graph()
     cycle = find_cycle(graph)
-    assert cycle is None, "import cycle: " + " -> ".join(
-        f"{a} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+    assert cycle is None, (
+        "import cycle: " + " -> ".join(f"{a} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+    )
 
 
 def test_leaves_import_no_package():
@@ -88,8 +92,12 @@ def test_leaves_import_no_package():
 
 def test_each_room_keeps_to_its_role():
     graph = package_graph()
-    broken = [f"{source} imports {target} ({graph[source][target]})" for source, banned in FORBIDDEN.items()
-              for target in banned if target in graph.get(source, {})]
+    broken = [
+        f"{source} imports {target} ({graph[source][target]})"
+        for source, banned in FORBIDDEN.items()
+        for target in banned
+        if target in graph.get(source, {})
+    ]
     assert not broken, "\n".join(broken)
     assert {s for s, targets in graph.items() if "stages" in targets} <= {"stages", "cli"}
 
@@ -99,10 +107,16 @@ def test_the_library_imports_neither_flows_nor_tools():
     for path in sorted(ROOT.rglob("*.py")):
         allowed = ("flows",) if path.name == "cli.py" else ()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else (
-                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-            banned = [n for n in names if n.split(".")[0] in ("flows", "tools", "bench", "tests")
-                      and n.split(".")[0] not in allowed]
+            names = (
+                [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else ([a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            )
+            banned = [
+                n
+                for n in names
+                if n.split(".")[0] in ("flows", "tools", "bench", "tests") and n.split(".")[0] not in allowed
+            ]
             assert not banned, f"{path} imports {banned}"
 
 
@@ -124,16 +138,22 @@ def test_flows_call_their_own_stage():
 def test_the_check_finds_a_planted_cycle(tmp_path):
     root = tmp_path / "components"
     # a -> b -> c -> a through a function-level import in c, plus an unrelated d -> a.
-    for name, body in {"a/__init__.py": "from components.b import x\n",
-                       "b.py": "import components.c.deep\n",
-                       "c/deep.py": "def f():\n    from components.a import y\n",
-                       "d.py": "from components.a import z\n"}.items():
+    for name, body in {
+        "a/__init__.py": "from components.b import x\n",
+        "b.py": "import components.c.deep\n",
+        "c/deep.py": "def f():\n    from components.a import y\n",
+        "d.py": "from components.a import z\n",
+    }.items():
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(body)
     graph = package_graph(root)
-    assert graph == {"a": {"b": "components/a/__init__.py"}, "b": {"c": "components/b.py"},
-                     "c": {"a": "components/c/deep.py"}, "d": {"a": "components/d.py"}}
+    assert graph == {
+        "a": {"b": "components/a/__init__.py"},
+        "b": {"c": "components/b.py"},
+        "c": {"a": "components/c/deep.py"},
+        "d": {"a": "components/d.py"},
+    }
     assert find_cycle(graph) == ["a", "b", "c", "a"]
 
 
@@ -173,7 +193,9 @@ def test_imports_sit_at_the_top_unless_a_comment_says_why():
                     first = sub.lineno - 1
                     while first > 0 and lines[first - 1].strip().startswith(("import ", "from ")):
                         first -= 1  # the top of this group of imports
-                    said = "#" in "".join(lines[sub.lineno - 1:sub.end_lineno]) or lines[first - 1].strip().startswith("#")
+                    said = "#" in "".join(lines[sub.lineno - 1 : sub.end_lineno]) or lines[
+                        first - 1
+                    ].strip().startswith("#")
                     if not said:
                         unexplained.append(f"{path.relative_to(ROOT.parent)}:{sub.lineno} {name}")
     assert not unexplained, "imports inside functions with no reason given:\n" + "\n".join(unexplained)

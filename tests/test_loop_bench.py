@@ -8,10 +8,23 @@ from bench.loop_bench import WARMUP, _thread_counters, breakdown
 
 def _row(i: int) -> dict:
     """Step i: every cumulative counter grows by a fixed amount a step."""
-    return {"n": 16, "tokens": 400, "trainer/wait_s": 0.01, "trainer/step_s": 0.2, "trainer/publish_s": 0.002,
-            "counters": {"critic_s": 0.15 * i, "tool_calls": 28 * i, "tool_s": 0.56 * i,
-                         "trainer_s": 0.24 * i, "trainer_cpu_s": 0.18 * i, "trainer_queued_s": 0.035 * i},
-            "engine": {}, "cpu": {"process": 0.35 * i, "machine": 0.4 * i}}
+    return {
+        "n": 16,
+        "tokens": 400,
+        "trainer/wait_s": 0.01,
+        "trainer/step_s": 0.2,
+        "trainer/publish_s": 0.002,
+        "counters": {
+            "critic_s": 0.15 * i,
+            "tool_calls": 28 * i,
+            "tool_s": 0.56 * i,
+            "trainer_s": 0.24 * i,
+            "trainer_cpu_s": 0.18 * i,
+            "trainer_queued_s": 0.035 * i,
+        },
+        "engine": {},
+        "cpu": {"process": 0.35 * i, "machine": 0.4 * i},
+    }
 
 
 def test_breakdown_gives_per_step_parts_and_the_cpu_split():
@@ -24,8 +37,10 @@ def test_breakdown_gives_per_step_parts_and_the_cpu_split():
     cpu = next(line for line in lines if line.startswith("CPU per step"))
     assert "400 ms busy on the machine (1.60 of" in cpu and "350 ms in this process" in cpu and "50 ms elsewhere" in cpu
     thread = next(line for line in lines if line.startswith("trainer thread"))
-    assert thread == ("trainer thread, in the learner step: 240 ms = 180 ms on a core + 35 ms waiting for one "
-                      "+ 25 ms for the GIL or I/O")
+    assert thread == (
+        "trainer thread, in the learner step: 240 ms = 180 ms on a core + 35 ms waiting for one "
+        "+ 25 ms for the GIL or I/O"
+    )
     assert not any(line.startswith("engine thread") for line in lines)  # not counted, not shown
     tools = next(line for line in lines if line.startswith("tools:"))
     assert tools.startswith("tools: 28.0 env steps per step, 20.0 ms each") and abs(parts[tools] - 0.56) < 1e-9

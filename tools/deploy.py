@@ -37,7 +37,7 @@ def merge(base: Any, patch: Any) -> Any:
             out[key] = merge(base[key], value) if key in base else copy.deepcopy(value)
         return out
     if isinstance(base, list) and isinstance(patch, list) and all(isinstance(x, dict) for x in base + patch):
-        return [merge(b, p) for b, p in zip(base, patch)] + copy.deepcopy(base[len(patch):] or patch[len(base):])
+        return [merge(b, p) for b, p in zip(base, patch)] + copy.deepcopy(base[len(patch) :] or patch[len(base) :])
     return copy.deepcopy(patch)
 
 
@@ -64,8 +64,7 @@ async def job_template(pool: dict) -> dict:
 
     template = await get_default_base_job_template_for_infrastructure_type(pool["type"])
     if template is None:
-        raise DeployError(f"work pool {pool['name']}: Prefect knows no default job template for type "
-                          f"{pool['type']!r}")
+        raise DeployError(f"work pool {pool['name']}: Prefect knows no default job template for type {pool['type']!r}")
     template = copy.deepcopy(template)
     template["variables"]["properties"].update(copy.deepcopy(pool.get("variables") or {}))
     template["job_configuration"] = merge(template["job_configuration"], pool.get("job_configuration") or {})
@@ -81,8 +80,11 @@ async def apply_pools(pools: list[dict]) -> list[str]:
     async with get_client() as client:
         for pool in pools:
             template = await job_template(pool)
-            fields = {"description": pool.get("description"), "base_job_template": template,
-                      "concurrency_limit": pool.get("concurrency_limit")}
+            fields = {
+                "description": pool.get("description"),
+                "base_job_template": template,
+                "concurrency_limit": pool.get("concurrency_limit"),
+            }
             try:
                 await client.read_work_pool(pool["name"])
             except ObjectNotFound:
@@ -96,8 +98,14 @@ def deploy_all(prefect_file: Path = PREFECT_FILE, root: Path = ROOT) -> None:
     """`prefect --no-prompt deploy --all` from the repository root. The process pool's runs cd to `$SAO_ROOT`: this
     checkout unless the environment names another (the compose worker's `/opt/sao`)."""
     env = {"SAO_ROOT": str(root), **os.environ}
-    cmd = [str(Path(sys.executable).with_name("prefect")), "--no-prompt", "deploy", "--all",
-           "--prefect-file", str(prefect_file)]
+    cmd = [
+        str(Path(sys.executable).with_name("prefect")),
+        "--no-prompt",
+        "deploy",
+        "--all",
+        "--prefect-file",
+        str(prefect_file),
+    ]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise DeployError(f"prefect deploy failed ({done.returncode}):\n{done.stdout[-4000:]}{done.stderr[-4000:]}")
@@ -113,11 +121,13 @@ async def registered() -> list[str]:
         lines = []
         for d in sorted(await client.read_deployments(), key=lambda d: (flows.get(d.flow_id, ""), d.name)):
             schedules = ", ".join(s.schedule.cron for s in d.schedules if getattr(s.schedule, "cron", None))
-            triggered = any(getattr(action, "deployment_id", None) == d.id
-                            for a in automations for action in a.actions)
+            triggered = any(getattr(action, "deployment_id", None) == d.id for a in automations for action in a.actions)
             name = f"{flows.get(d.flow_id, '?')}/{d.name}"
-            line = (f"  {name:<32} {d.work_pool_name:<15}" + (f" cron {schedules}" if schedules else "")
-                    + (" on sao.checkpoint.saved" if triggered else ""))
+            line = (
+                f"  {name:<32} {d.work_pool_name:<15}"
+                + (f" cron {schedules}" if schedules else "")
+                + (" on sao.checkpoint.saved" if triggered else "")
+            )
             lines.append(line.rstrip())
     return lines
 
@@ -126,8 +136,10 @@ def main() -> int:
     import flows  # noqa: F401  (offline settings before prefect is imported)
 
     if not os.environ.get("PREFECT_API_URL"):
-        print("sao: deploy: PREFECT_API_URL is not set: start a server with `make server` (or name yours)",
-              file=sys.stderr)
+        print(
+            "sao: deploy: PREFECT_API_URL is not set: start a server with `make server` (or name yours)",
+            file=sys.stderr,
+        )
         return 2
     try:
         names = asyncio.run(apply_pools(load_pools()))

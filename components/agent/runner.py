@@ -56,15 +56,28 @@ class EpisodeLimits:
 def episode_limits(cfg) -> EpisodeLimits:
     """The per-episode limits of a config (`components.config.Config`): rollouts use them as they are,
     evaluation at temperature 0."""
-    return EpisodeLimits(cfg.task.max_turns, cfg.task.max_new_tokens, cfg.rollout.max_total_tokens,
-                         cfg.rollout.max_wall_s, cfg.algo.temperature)
+    return EpisodeLimits(
+        cfg.task.max_turns,
+        cfg.task.max_new_tokens,
+        cfg.rollout.max_total_tokens,
+        cfg.rollout.max_wall_s,
+        cfg.algo.temperature,
+    )
 
 
 class AgentRunner:
     """Runs episodes of `env` against `engine` (anything with `async generate(SamplingRequest)`)."""
 
-    def __init__(self, engine, tokenizer, env: Environment, limits: EpisodeLimits = EpisodeLimits(),
-                 concurrency: int = 8, stop_token_ids: tuple[int, ...] = (), seed: int = 0) -> None:
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        env: Environment,
+        limits: EpisodeLimits = EpisodeLimits(),
+        concurrency: int = 8,
+        stop_token_ids: tuple[int, ...] = (),
+        seed: int = 0,
+    ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
         self.engine, self.tokenizer, self.env, self.limits = engine, tokenizer, env, limits
@@ -72,9 +85,13 @@ class AgentRunner:
         self.in_flight = 0
         self.max_in_flight = 0
 
-    async def run(self, tasks: Iterable[Task], sink: TrajectorySink | None = None,
-                  admit: Callable[[Task], Awaitable[None]] | None = None,
-                  stop: asyncio.Event | None = None) -> list[Trajectory]:
+    async def run(
+        self,
+        tasks: Iterable[Task],
+        sink: TrajectorySink | None = None,
+        admit: Callable[[Task], Awaitable[None]] | None = None,
+        stop: asyncio.Event | None = None,
+    ) -> list[Trajectory]:
         """Run tasks (a list or an endless iterator) with at most `concurrency` in flight; each trajectory goes
         to `sink` the moment it finishes. Without a sink, returns them in finish order; with one, the sink owns
         them and the list is empty (an endless run would otherwise hold every trajectory it ever made).
@@ -148,8 +165,13 @@ class AgentRunner:
                 if budget < 1:
                     reason = "max_tokens"
                     break
-                request = SamplingRequest(list(ids), budget, limits.temperature, self.stop_token_ids,
-                                          seed=zlib.crc32(f"{self.seed}:{task.task_id}:{turns}".encode()))
+                request = SamplingRequest(
+                    list(ids),
+                    budget,
+                    limits.temperature,
+                    self.stop_token_ids,
+                    seed=zlib.crc32(f"{self.seed}:{task.task_id}:{turns}".encode()),
+                )
                 try:
                     result = await asyncio.wait_for(self.engine.generate(request), deadline - time.monotonic())
                 except TimeoutError:
@@ -172,8 +194,9 @@ class AgentRunner:
                 versions += result.versions
                 text = self.tokenizer.decode(result.token_ids)
                 try:
-                    step = await asyncio.wait_for(episode.step(text, result.finish_reason == "length"),
-                                                  deadline - time.monotonic())
+                    step = await asyncio.wait_for(
+                        episode.step(text, result.finish_reason == "length"), deadline - time.monotonic()
+                    )
                 except TimeoutError:
                     reason = "timeout"
                     break
@@ -192,8 +215,20 @@ class AgentRunner:
         finally:
             self.in_flight -= 1
         timings.finished = time.time()
-        return Trajectory(task.task_id, self.env.name, ids, mask, logprobs, versions, float(reward), turns, reason,
-                          prompt_len, timings, {**task.metadata, **metadata}).validate()
+        return Trajectory(
+            task.task_id,
+            self.env.name,
+            ids,
+            mask,
+            logprobs,
+            versions,
+            float(reward),
+            turns,
+            reason,
+            prompt_len,
+            timings,
+            {**task.metadata, **metadata},
+        ).validate()
 
 
 async def _unless(awaitable: Awaitable[None], event: asyncio.Event) -> bool:

@@ -67,8 +67,12 @@ class RunningMeanBaseline:
         self._rewards = deque((float(r) for r in state["rewards"]), maxlen=self.window)
 
 
-def normalize_advantages(advantages: Tensor, mask: Tensor, eps: float = 1e-8,
-                         moments: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None) -> Tensor:
+def normalize_advantages(
+    advantages: Tensor,
+    mask: Tensor,
+    eps: float = 1e-8,
+    moments: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
+) -> Tensor:
     """Whiten advantages over the masked tokens of the mini-batch: `(A - mean) / (std + eps)`, 0 off the mask.
 
     `moments(x, mask) -> (mean, variance)` replaces the local masked moments (e.g. by those over every

@@ -48,8 +48,9 @@ def dis_policy_loss(
     Returns:
         `(loss, metrics)`; the gradient w.r.t. `logprobs_t` is `-ratio_t * A_t / N` inside the window, 0 outside.
     """
-    _check_same_shape(logprobs=logprobs, rollout_logprobs=rollout_logprobs, advantages=advantages,
-                      action_mask=action_mask)
+    _check_same_shape(
+        logprobs=logprobs, rollout_logprobs=rollout_logprobs, advantages=advantages, action_mask=action_mask
+    )
     if eps_low <= 0 or eps_high <= 0:
         raise ValueError(f"eps_low and eps_high must be > 0, got {eps_low}, {eps_high}")
     acting = action_mask.bool()
@@ -88,8 +89,7 @@ def ppo_policy_loss(
     `old_logprobs` is either the rollout engine's log-probs (decoupled-free, as GRPO baselines run here) or
     log-probs recomputed by the trainer before the update. Shapes as in `dis_policy_loss`.
     """
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
-                      action_mask=action_mask)
+    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, action_mask=action_mask)
     acting = action_mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     log_ratio = torch.where(acting, logprobs - old_logprobs, zero)

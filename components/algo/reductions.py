@@ -30,8 +30,9 @@ def masked_var(x: Tensor, mask: Tensor) -> Tensor:
     return masked_mean((x - mean) ** 2, mask)
 
 
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor,
-                       var: Callable[[Tensor, Tensor], Tensor] = masked_var) -> Tensor:
+def explained_variance(
+    values: Tensor, returns: Tensor, mask: Tensor, var: Callable[[Tensor, Tensor], Tensor] = masked_var
+) -> Tensor:
     """`1 - Var(returns - values) / Var(returns)` over the masked positions (`var` computes a masked variance,
     e.g. over the tokens of every data-parallel rank).
 

@@ -71,5 +71,3 @@ def validate_turns(turns: tuple[Turn, ...], where: str) -> None:
     last = turns[-1]
     if last.role != "assistant" or last.tool_code is not None:
         raise ValueError(f"trace {where}: the last turn must be an assistant answer without a tool call")
-
-

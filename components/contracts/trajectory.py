@@ -73,24 +73,31 @@ class Trajectory:
         n = len(self.token_ids)
         for name in ("action_mask", "rollout_logprobs", "versions"):
             if len(getattr(self, name)) != n:
-                raise ValueError(f"trajectory {self.prompt_id}: {name} has {len(getattr(self, name))} entries, "
-                                 f"token_ids has {n}")
+                raise ValueError(
+                    f"trajectory {self.prompt_id}: {name} has {len(getattr(self, name))} entries, token_ids has {n}"
+                )
         if not 0 <= self.prompt_len <= n:
-            raise ValueError(f"trajectory {self.prompt_id}: prompt_len must be in [0, {n}] (len(token_ids)), got "
-                             f"{self.prompt_len}")
+            raise ValueError(
+                f"trajectory {self.prompt_id}: prompt_len must be in [0, {n}] (len(token_ids)), got {self.prompt_len}"
+            )
         if any(self.action_mask[: self.prompt_len]):
-            raise ValueError(f"trajectory {self.prompt_id}: action_mask is 1 inside the prompt (prompt_len "
-                             f"{self.prompt_len})")
+            raise ValueError(
+                f"trajectory {self.prompt_id}: action_mask is 1 inside the prompt (prompt_len {self.prompt_len})"
+            )
         for i, (m, lp, v) in enumerate(zip(self.action_mask, self.rollout_logprobs, self.versions)):
             if m and (lp is None or v is None or not math.isfinite(lp) or lp > 1e-6):
-                raise ValueError(f"trajectory {self.prompt_id}: action token {i} needs a finite log-prob <= 0 "
-                                 f"and a version, got rollout_logprobs={lp}, versions={v}")
+                raise ValueError(
+                    f"trajectory {self.prompt_id}: action token {i} needs a finite log-prob <= 0 "
+                    f"and a version, got rollout_logprobs={lp}, versions={v}"
+                )
             if not m and (lp is not None or v is not None):
-                raise ValueError(f"trajectory {self.prompt_id}: token {i} is not an action but has a "
-                                 f"rollout_logprobs/versions entry")
+                raise ValueError(
+                    f"trajectory {self.prompt_id}: token {i} is not an action but has a rollout_logprobs/versions entry"
+                )
         if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"trajectory {self.prompt_id}: finish_reason {self.finish_reason!r} is not one of "
-                             f"{FINISH_REASONS}")
+            raise ValueError(
+                f"trajectory {self.prompt_id}: finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}"
+            )
         if not math.isfinite(self.reward):
             raise ValueError(f"trajectory {self.prompt_id}: reward must be finite, got {self.reward}")
         return self
@@ -146,8 +153,10 @@ def _check_types(t: Trajectory) -> None:
         "finish_reason": (lambda x: isinstance(x, str), "a string"),
         "prompt_len": (_is_int, "an integer"),
         "timings": (lambda x: isinstance(x, Timings), "a Timings"),
-        "metadata": (lambda x: isinstance(x, dict) and all(isinstance(k, str) for k in x),
-                     "an object with string keys"),
+        "metadata": (
+            lambda x: isinstance(x, dict) and all(isinstance(k, str) for k in x),
+            "an object with string keys",
+        ),
     }
     for name, (ok, what) in scalars.items():
         if not ok(getattr(t, name)):
@@ -169,15 +178,22 @@ def trajectory_from_dict(record: Mapping[str, Any]) -> Trajectory:
     missing = [n for n in names if n not in record and n != "metadata"]
     unknown = sorted(str(k) for k in record if k not in names)
     if missing or unknown:
-        raise ValueError("trajectory: " + "; ".join(
-            ([f"missing field(s) {missing}"] if missing else []) + ([f"unknown field(s) {unknown}"] if unknown else [])))
+        raise ValueError(
+            "trajectory: "
+            + "; ".join(
+                ([f"missing field(s) {missing}"] if missing else [])
+                + ([f"unknown field(s) {unknown}"] if unknown else [])
+            )
+        )
     values = dict(record)
     timings = values["timings"]
     if isinstance(timings, Mapping):
         timing_names = [f.name for f in fields(Timings)]
         if "queued" not in timings or set(timings) - set(timing_names):
-            raise ValueError(f"trajectory: timings must have the keys {timing_names} (queued required), got "
-                             f"{sorted(map(str, timings))}")
+            raise ValueError(
+                f"trajectory: timings must have the keys {timing_names} (queued required), got "
+                f"{sorted(map(str, timings))}"
+            )
         values["timings"] = Timings(**timings)
     metadata = values.get("metadata", {})
     if isinstance(metadata, str):

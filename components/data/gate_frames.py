@@ -90,8 +90,9 @@ def token_counts(traces: Sequence[Trace], tokenizer) -> list[int]:
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        raise ValueError(f"tokenizer: the gate needs a fast tokenizer with a backend_tokenizer, got "
-                         f"{type(tokenizer).__name__}")
+        raise ValueError(
+            f"tokenizer: the gate needs a fast tokenizer with a backend_tokenizer, got {type(tokenizer).__name__}"
+        )
     per_trace = [[text for text, _ in render_segments(t)] for t in traces]
     encodings = backend.encode_batch_fast([text for texts in per_trace for text in texts], add_special_tokens=False)
     lengths = iter([len(e) for e in encodings])
@@ -126,8 +127,11 @@ def action_mask_valid(t: Trajectory) -> bool:
 
 def logprobs_complete(t: Trajectory) -> bool:
     """A finite log-prob <= 0 (up to `LOGPROB_TOLERANCE`) on every action token and None on every other."""
-    return _on_actions_only(t.rollout_logprobs, t.action_mask, lambda actions: (
-        all(map(math.isfinite, actions)) and max(actions, default=0.0) <= LOGPROB_TOLERANCE))
+    return _on_actions_only(
+        t.rollout_logprobs,
+        t.action_mask,
+        lambda actions: all(map(math.isfinite, actions)) and max(actions, default=0.0) <= LOGPROB_TOLERANCE,
+    )
 
 
 def versions_complete(t: Trajectory) -> bool:
@@ -153,18 +157,19 @@ def _on_actions_only(values: list, mask: list[int], valid: Callable[[list], bool
 def rollout_frame(trajectories: Sequence[Trajectory]) -> pd.DataFrame:
     """One row per trajectory: `ROLLOUT_COLUMNS` and `ROLLOUT_DERIVED`, in that order."""
     columns = {name: [getattr(t, name) for t in trajectories] for name in ROLLOUT_COLUMNS}
-    columns.update({
-        "n_tokens": [len(t.token_ids) for t in trajectories],
-        "action_mask_valid": [action_mask_valid(t) for t in trajectories],
-        "logprobs_complete": [logprobs_complete(t) for t in trajectories],
-        "versions_complete": [versions_complete(t) for t in trajectories],
-        "versions_monotone": [versions_monotone(t) for t in trajectories],
-    })
+    columns.update(
+        {
+            "n_tokens": [len(t.token_ids) for t in trajectories],
+            "action_mask_valid": [action_mask_valid(t) for t in trajectories],
+            "logprobs_complete": [logprobs_complete(t) for t in trajectories],
+            "versions_complete": [versions_complete(t) for t in trajectories],
+            "versions_monotone": [versions_monotone(t) for t in trajectories],
+        }
+    )
     return _frame(columns, {"n_tokens": "int64", "reward": "float64"})
 
 
 def _frame(columns: dict[str, list], dtypes: dict[str, str]) -> pd.DataFrame:
     """A frame whose columns keep their Python values (object dtype: an int answer beside None stays an int,
     not a float NaN), except those named in `dtypes`; an empty input still has every column."""
-    return pd.DataFrame({name: pd.Series(values, dtype=dtypes.get(name, object))
-                         for name, values in columns.items()})
+    return pd.DataFrame({name: pd.Series(values, dtype=dtypes.get(name, object)) for name, values in columns.items()})

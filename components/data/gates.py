@@ -112,19 +112,28 @@ class GateReport:
         if self.success:
             return f"data gate {self.gate}: passed {len(self.results)} expectations on {_rows(self.row_count)}"
         failed = "; ".join(f"{r.name}: {_what_failed(r)}" for r in self.failures)
-        return (f"data gate {self.gate}: FAILED {len(self.failures)} of {len(self.results)} expectations on "
-                f"{_rows(self.row_count)}: {failed}")
+        return (
+            f"data gate {self.gate}: FAILED {len(self.failures)} of {len(self.results)} expectations on "
+            f"{_rows(self.row_count)}: {failed}"
+        )
 
     def markdown(self) -> str:
         """A table with one line per expectation and a pass/fail mark, then the first offending rows of each
         failure (for a Prefect Markdown artifact)."""
-        lines = [f"### Data gate `{self.gate}`: {'passed' if self.success else 'FAILED'}", "",
-                 f"{_rows(self.row_count)}, {len(self.failures)} of {len(self.results)} expectations failed.", "",
-                 "| | expectation | column | unexpected | first offending ids |", "|---|---|---|---|---|"]
+        lines = [
+            f"### Data gate `{self.gate}`: {'passed' if self.success else 'FAILED'}",
+            "",
+            f"{_rows(self.row_count)}, {len(self.failures)} of {len(self.results)} expectations failed.",
+            "",
+            "| | expectation | column | unexpected | first offending ids |",
+            "|---|---|---|---|---|",
+        ]
         for r in self.results:
             ids = ", ".join(_cell(row.id) for row in r.rows)
-            lines.append(f"| {'✅' if r.success else '❌'} | {r.expectation} | {_cell(r.column or '')} | "
-                         f"{r.unexpected_count} | {ids} |")
+            lines.append(
+                f"| {'✅' if r.success else '❌'} | {r.expectation} | {_cell(r.column or '')} | "
+                f"{r.unexpected_count} | {ids} |"
+            )
         for r in self.failures:
             lines += ["", f"**{_cell(r.name)}**: {_what_failed(r)}"]
             if r.rows:
@@ -140,8 +149,10 @@ class GateReport:
         """Every failing expectation with its column and first offending rows; '' when the gate passed."""
         if self.success:
             return ""
-        lines = [f"data gate {self.gate} failed {len(self.failures)} of {len(self.results)} expectations "
-                 f"on {_rows(self.row_count)}:"]
+        lines = [
+            f"data gate {self.gate} failed {len(self.failures)} of {len(self.results)} expectations "
+            f"on {_rows(self.row_count)}:"
+        ]
         for r in self.failures:
             rows = ", ".join(f"row {row.index} id={row.id!r} value={_clip(repr(row.value))}" for row in r.rows)
             lines.append(f"- {r.name}: {_what_failed(r)}" + (f"; first: {rows}" if rows else ""))
@@ -171,8 +182,9 @@ def trace_expectations(max_tokens: int, min_tokens: int = 1) -> Expectations:
     ]
 
 
-def rollout_expectations(max_tokens: int, reward_range: tuple[float, float] = (0.0, 1.0),
-                         min_tokens: int = 1) -> Expectations:
+def rollout_expectations(
+    max_tokens: int, reward_range: tuple[float, float] = (0.0, 1.0), min_tokens: int = 1
+) -> Expectations:
     """The rollouts suite over `rollout_frame`'s columns."""
     _check_bounds(min_tokens, max_tokens)
     low, high = reward_range
@@ -196,8 +208,9 @@ def rollout_expectations(max_tokens: int, reward_range: tuple[float, float] = (0
     ]
 
 
-def check_traces(traces: Sequence[Trace], tokenizer, max_tokens: int, min_tokens: int = 1, *,
-                 grade: Grader, max_rows: int = 5) -> GateReport:
+def check_traces(
+    traces: Sequence[Trace], tokenizer, max_tokens: int, min_tokens: int = 1, *, grade: Grader, max_rows: int = 5
+) -> GateReport:
     """Gate distilled traces. `tokenizer` renders them (a fast HF tokenizer), `max_tokens` is the rollout
     budget (`rollout.max_total_tokens`), `grade` grades a final answer (`envs.grading.grade_answer`; passed in
     because `envs` imports `data`). Reports the first `max_rows` offending rows of each expectation."""
@@ -205,16 +218,22 @@ def check_traces(traces: Sequence[Trace], tokenizer, max_tokens: int, min_tokens
     return validate_frame(frame, "traces", trace_expectations(max_tokens, min_tokens), "problem_id", max_rows)
 
 
-def check_rollouts(trajectories: Sequence[Trajectory], max_tokens: int,
-                   reward_range: tuple[float, float] = (0.0, 1.0), min_tokens: int = 1, *,
-                   max_rows: int = 5) -> GateReport:
+def check_rollouts(
+    trajectories: Sequence[Trajectory],
+    max_tokens: int,
+    reward_range: tuple[float, float] = (0.0, 1.0),
+    min_tokens: int = 1,
+    *,
+    max_rows: int = 5,
+) -> GateReport:
     """Gate rollout logs against the trajectory contract; `reward_range` is inclusive."""
     expectations = rollout_expectations(max_tokens, reward_range, min_tokens)
     return validate_frame(rollout_frame(trajectories), "rollouts", expectations, "prompt_id", max_rows)
 
 
-def validate_frame(frame: pd.DataFrame, gate: str, expectations: Expectations, id_column: str,
-                   max_rows: int = 5) -> GateReport:
+def validate_frame(
+    frame: pd.DataFrame, gate: str, expectations: Expectations, id_column: str, max_rows: int = 5
+) -> GateReport:
     """Run `expectations` over `frame` in an ephemeral Great Expectations context. `frame` must have a
     default RangeIndex (offending rows are reported by position) and an `id_column`."""
     if id_column not in frame.columns:
@@ -228,11 +247,19 @@ def validate_frame(frame: pd.DataFrame, gate: str, expectations: Expectations, i
 
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
-    batch = (context.data_sources.add_pandas(gate).add_dataframe_asset(gate)
-             .add_batch_definition_whole_dataframe(gate).get_batch(batch_parameters={"dataframe": frame}))
+    batch = (
+        context.data_sources.add_pandas(gate)
+        .add_dataframe_asset(gate)
+        .add_batch_definition_whole_dataframe(gate)
+        .get_batch(batch_parameters={"dataframe": frame})
+    )
     # Great Expectations reorders results (table-level first); `meta.position` restores suite order.
-    suite = gx.ExpectationSuite(name=gate, expectations=[
-        getattr(gxe, name)(**kwargs, meta={"position": i}) for i, (name, kwargs) in enumerate(expectations)])
+    suite = gx.ExpectationSuite(
+        name=gate,
+        expectations=[
+            getattr(gxe, name)(**kwargs, meta={"position": i}) for i, (name, kwargs) in enumerate(expectations)
+        ],
+    )
     outcome = batch.validate(suite, result_format=_RESULT_FORMAT)
     ordered = sorted(outcome.results, key=lambda r: r.expectation_config.meta["position"])
     results = tuple(_result(r, frame, id_column, max_rows) for r in ordered)
@@ -241,8 +268,9 @@ def validate_frame(frame: pd.DataFrame, gate: str, expectations: Expectations, i
 
 def _check_bounds(min_tokens: int, max_tokens: int) -> None:
     if not 0 <= min_tokens <= max_tokens:
-        raise ValueError(f"token bounds need 0 <= min_tokens <= max_tokens, got min_tokens={min_tokens}, "
-                         f"max_tokens={max_tokens}")
+        raise ValueError(
+            f"token bounds need 0 <= min_tokens <= max_tokens, got min_tokens={min_tokens}, max_tokens={max_tokens}"
+        )
 
 
 def _result(validation, frame: pd.DataFrame, id_column: str, max_rows: int) -> ExpectationResult:

@@ -41,8 +41,7 @@ def _format(name: str) -> str:
         return "jsonl"
     if lower.endswith(_PARQUET_SUFFIXES):
         return "parquet"
-    raise ValueError(f"{name}: unknown problem set format; expected one of "
-                     f"{list(_JSONL_SUFFIXES + _PARQUET_SUFFIXES)}")
+    raise ValueError(f"{name}: unknown problem set format; expected one of {list(_JSONL_SUFFIXES + _PARQUET_SUFFIXES)}")
 
 
 def read_rows(uri: str) -> list[dict[str, Any]]:
@@ -58,8 +57,9 @@ def read_rows(uri: str) -> list[dict[str, Any]]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line_no = data[: exc.start].count(b"\n") + 1
-        raise ValueError(f"{uri}: line {line_no} is not UTF-8 (byte {data[exc.start]:#04x} at offset "
-                         f"{exc.start})") from None
+        raise ValueError(
+            f"{uri}: line {line_no} is not UTF-8 (byte {data[exc.start]:#04x} at offset {exc.start})"
+        ) from None
     rows: list[dict[str, Any]] = []
     for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -128,11 +128,12 @@ def load_tasks(
         if _is_empty(prompt):
             raise ValueError(f"{uri}: row {i}: field {prompt_field!r} is missing or empty")
         if not isinstance(prompt, str):
-            raise ValueError(f"{uri}: row {i}: field {prompt_field!r} must be a string, "
-                             f"got {type(prompt).__name__}")
+            raise ValueError(f"{uri}: row {i}: field {prompt_field!r} must be a string, got {type(prompt).__name__}")
         if max_prompt_chars is not None and len(prompt) > max_prompt_chars:
-            raise ValueError(f"{uri}: row {i}: field {prompt_field!r} has {len(prompt)} characters, more than "
-                             f"max_prompt_chars={max_prompt_chars}")
+            raise ValueError(
+                f"{uri}: row {i}: field {prompt_field!r} has {len(prompt)} characters, more than "
+                f"max_prompt_chars={max_prompt_chars}"
+            )
         answer = None
         if answer_field is not None:
             answer = row.get(answer_field)

@@ -123,11 +123,14 @@ def _check_message(i: int, message: ChatMessage, expected: Turn, call_id: str | 
         raise BadRequest(f"messages[{i}].role", f"expected {expected.role!r}, got {message.role!r}")
     if message.role == "tool":
         if message.tool_call_id != call_id:
-            raise BadRequest(f"messages[{i}].tool_call_id", f"expected {call_id!r} (the preceding call), "
-                                                             f"got {message.tool_call_id!r}")
+            raise BadRequest(
+                f"messages[{i}].tool_call_id",
+                f"expected {call_id!r} (the preceding call), got {message.tool_call_id!r}",
+            )
         if message.content != expected.content:
-            raise BadRequest(f"messages[{i}].content", f"expected tool output {expected.content!r}, "
-                                                       f"got {message.content!r}")
+            raise BadRequest(
+                f"messages[{i}].content", f"expected tool output {expected.content!r}, got {message.content!r}"
+            )
         return None
     calls = message.tool_calls or []
     if expected.tool_code is None:
@@ -135,15 +138,15 @@ def _check_message(i: int, message: ChatMessage, expected: Turn, call_id: str | 
             raise BadRequest(f"messages[{i}].content", f"expected the answer {expected.content!r}")
         return None
     if len(calls) != 1 or calls[0].function.name != "python":
-        raise BadRequest(f"messages[{i}].tool_calls", f"expected one 'python' call running "
-                                                      f"{expected.tool_code!r}")
+        raise BadRequest(f"messages[{i}].tool_calls", f"expected one 'python' call running {expected.tool_code!r}")
     try:
         code = json.loads(calls[0].function.arguments)["code"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise BadRequest(f"messages[{i}].tool_calls[0].function.arguments", "no JSON 'code' field") from exc
     if code != expected.tool_code:
-        raise BadRequest(f"messages[{i}].tool_calls[0].function.arguments",
-                         f"expected code {expected.tool_code!r}, got {code!r}")
+        raise BadRequest(
+            f"messages[{i}].tool_calls[0].function.arguments", f"expected code {expected.tool_code!r}, got {code!r}"
+        )
     return calls[0].id
 
 
@@ -155,25 +158,48 @@ def _reasoning(turn: Turn) -> str:
 def chat_response(turn: Turn, request: ChatRequest, model_name: str) -> dict:
     """The OpenAI chat-completion object for the solver's `turn`."""
     if turn.tool_code is not None:
-        calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                  "function": {"name": "python", "arguments": json.dumps({"code": turn.tool_code})}}]
-        message = {"role": "assistant", "content": turn.content or None, "tool_calls": calls,
-                   "reasoning_content": _reasoning(turn)}
+        calls = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": "python", "arguments": json.dumps({"code": turn.tool_code})},
+            }
+        ]
+        message = {
+            "role": "assistant",
+            "content": turn.content or None,
+            "tool_calls": calls,
+            "reasoning_content": _reasoning(turn),
+        }
         finish_reason, written = "tool_calls", calls[0]["function"]["arguments"]
     else:
-        message = {"role": "assistant", "content": turn.content, "tool_calls": [],
-                   "reasoning_content": _reasoning(turn)}
+        message = {
+            "role": "assistant",
+            "content": turn.content,
+            "tool_calls": [],
+            "reasoning_content": _reasoning(turn),
+        }
         finish_reason, written = "stop", turn.content
     prompt_chars = sum(len(m.content or "") for m in request.messages)
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model_name, "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
-            "usage": {"prompt_tokens": prompt_chars, "completion_tokens": len(written),
-                      "total_tokens": prompt_chars + len(written)}}
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        "usage": {
+            "prompt_tokens": prompt_chars,
+            "completion_tokens": len(written),
+            "total_tokens": prompt_chars + len(written),
+        },
+    }
 
 
 def _error(status: int, message: str, param: str | None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": "BadRequestError",
-                                                               "param": param, "code": status}})
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": "BadRequestError", "param": param, "code": status}},
+    )
 
 
 def create_app(mental_max: int = 0, model_name: str = SOLVER_MODEL) -> FastAPI:

@@ -50,9 +50,11 @@ def generate_problems(
     if split not in _SPLIT_SALT:
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     rng = random.Random(seed * 1_000_003 + _SPLIT_SALT[split])
-    exclude = set() if split == "eval" else {
-        p.question for p in generate_problems(kinds, _HELD_OUT_GUARD, seed, operand_max, "eval")
-    }
+    exclude = (
+        set()
+        if split == "eval"
+        else {p.question for p in generate_problems(kinds, _HELD_OUT_GUARD, seed, operand_max, "eval")}
+    )
     problems: list[Problem] = []
     index = 0
     while len(problems) < n:

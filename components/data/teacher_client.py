@@ -66,14 +66,16 @@ Grade = Callable[[str, int], bool]
 Progress = Callable[[int, int], None]
 """`progress(done, total)`, called after each task finishes."""
 
-SYSTEM_PROMPT = ("Solve the problem. You can run Python with the `python` tool: each call runs a fresh program "
-                 "and returns what it prints. Give the final answer as \\boxed{integer}.")
+SYSTEM_PROMPT = (
+    "Solve the problem. You can run Python with the `python` tool: each call runs a fresh program "
+    "and returns what it prints. Give the final answer as \\boxed{integer}."
+)
 PYTHON_TOOL = {
     "type": "function",
     "function": {
         "name": "python",
         "description": "Run a Python program in a fresh sandbox and return its stdout (on an error: the last "
-                       "line of the traceback). Print the values you need.",
+        "line of the traceback). Print the values you need.",
         "parameters": {
             "type": "object",
             "properties": {"code": {"type": "string", "description": "The complete Python program."}},
@@ -118,8 +120,12 @@ class TeacherEndpoint:
             raise ValueError(f"base_url: must be an http:// or https:// URL, got {self.base_url!r}")
         if not self.model.strip():
             raise ValueError("model: must not be empty")
-        for name, value, low in (("temperature", self.temperature, 0), ("backoff_s", self.backoff_s, 0),
-                                 ("retries", self.retries, 0), ("max_tokens", self.max_tokens, 1)):
+        for name, value, low in (
+            ("temperature", self.temperature, 0),
+            ("backoff_s", self.backoff_s, 0),
+            ("retries", self.retries, 0),
+            ("max_tokens", self.max_tokens, 1),
+        ):
             if value < low:
                 raise ValueError(f"{name}: must be >= {low}, got {value}")
         if self.timeout_s <= 0:
@@ -139,8 +145,14 @@ class TeacherEndpoint:
 
     def request(self, messages: list[dict]) -> dict:
         """The request body for the next reply of a conversation."""
-        return {"model": self.model, "messages": messages, "tools": [PYTHON_TOOL], "tool_choice": "auto",
-                "temperature": self.temperature, "max_tokens": self.max_tokens}
+        return {
+            "model": self.model,
+            "messages": messages,
+            "tools": [PYTHON_TOOL],
+            "tool_choice": "auto",
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
 
 
 @dataclass(frozen=True)
@@ -163,14 +175,23 @@ class DistillResult:
     """Wall-clock time of the whole run."""
 
 
-def distill_task(endpoint: TeacherEndpoint, task: Task, tool: Tool, max_turns: int = 8, *, grade: Grade
-                 ) -> DistillOutcome:
+def distill_task(
+    endpoint: TeacherEndpoint, task: Task, tool: Tool, max_turns: int = 8, *, grade: Grade
+) -> DistillOutcome:
     """Solve one task with the teacher; raises `TeacherError` when the endpoint fails."""
     return distill_outcomes(endpoint, [task], tool, max_turns, concurrency=1, grade=grade)[0]
 
 
-def distill(endpoint: TeacherEndpoint, tasks: Sequence[Task], tool: Tool, max_turns: int = 8,
-            concurrency: int = 16, progress: Progress | None = None, *, grade: Grade) -> DistillResult:
+def distill(
+    endpoint: TeacherEndpoint,
+    tasks: Sequence[Task],
+    tool: Tool,
+    max_turns: int = 8,
+    concurrency: int = 16,
+    progress: Progress | None = None,
+    *,
+    grade: Grade,
+) -> DistillResult:
     """Distil `tasks` with up to `concurrency` conversations in flight: the accepted traces in input order and
     the rejections counted by reason. Raises `TeacherError` on the first endpoint failure."""
     start = time.perf_counter()
@@ -183,9 +204,16 @@ def distill(endpoint: TeacherEndpoint, tasks: Sequence[Task], tool: Tool, max_tu
     return DistillResult(traces, rejected, time.perf_counter() - start)
 
 
-def distill_outcomes(endpoint: TeacherEndpoint, tasks: Sequence[Task], tool: Tool, max_turns: int = 8,
-                     concurrency: int = 16, progress: Progress | None = None, *, grade: Grade
-                     ) -> list[DistillOutcome]:
+def distill_outcomes(
+    endpoint: TeacherEndpoint,
+    tasks: Sequence[Task],
+    tool: Tool,
+    max_turns: int = 8,
+    concurrency: int = 16,
+    progress: Progress | None = None,
+    *,
+    grade: Grade,
+) -> list[DistillOutcome]:
     """Every task's `DistillOutcome`, in input order (what `distill` summarises).
 
     On the first endpoint failure the conversations in flight are cancelled and the `TeacherError` raised.
@@ -195,8 +223,7 @@ def distill_outcomes(endpoint: TeacherEndpoint, tasks: Sequence[Task], tool: Too
     if concurrency < 1:
         raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
     answers = [_integer_answer(task) for task in tasks]  # refuse bad input before any request
-    return asyncio.run(_solve_all(endpoint, list(zip(tasks, answers)), tool, grade, max_turns, concurrency,
-                                  progress))
+    return asyncio.run(_solve_all(endpoint, list(zip(tasks, answers)), tool, grade, max_turns, concurrency, progress))
 
 
 def split_parallel_calls(messages: list[dict]) -> list[dict]:
@@ -211,20 +238,28 @@ def split_parallel_calls(messages: list[dict]) -> list[dict]:
             out.append(message)
             i += 1
             continue
-        results = messages[i + 1: i + 1 + len(calls)]
+        results = messages[i + 1 : i + 1 + len(calls)]
         by_id = {m.get("tool_call_id"): m for m in results if m.get("role") == "tool"}
         for k, call in enumerate(calls):
             if call.get("id") not in by_id:
                 raise ValueError(f"messages[{i}].tool_calls[{k}].id: no tool message answers {call.get('id')!r}")
-            out.append({"role": "assistant", "content": message.get("content") if k == 0 else None,
-                        "tool_calls": [call]})
+            out.append(
+                {"role": "assistant", "content": message.get("content") if k == 0 else None, "tool_calls": [call]}
+            )
             out.append(by_id[call["id"]])
         i += 1 + len(calls)
     return out
 
 
-async def _solve_all(endpoint: TeacherEndpoint, tasks: list[tuple[Task, int]], tool: Tool, grade: Grade,
-                     max_turns: int, concurrency: int, progress: Progress | None) -> list[DistillOutcome]:
+async def _solve_all(
+    endpoint: TeacherEndpoint,
+    tasks: list[tuple[Task, int]],
+    tool: Tool,
+    grade: Grade,
+    max_turns: int,
+    concurrency: int,
+    progress: Progress | None,
+) -> list[DistillOutcome]:
     gate = asyncio.Semaphore(concurrency)
     done = 0
     headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
@@ -250,8 +285,15 @@ async def _solve_all(endpoint: TeacherEndpoint, tasks: list[tuple[Task, int]], t
             raise
 
 
-async def _solve(http: httpx.AsyncClient, endpoint: TeacherEndpoint, task: Task, answer: int, tool: Tool,
-                 grade: Grade, max_turns: int) -> DistillOutcome:
+async def _solve(
+    http: httpx.AsyncClient,
+    endpoint: TeacherEndpoint,
+    task: Task,
+    answer: int,
+    tool: Tool,
+    grade: Grade,
+    max_turns: int,
+) -> DistillOutcome:
     """One conversation: ask, run the calls, ask again; then grade the final answer."""
     messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.prompt}]
     for _ in range(max_turns):
@@ -287,8 +329,9 @@ async def _post(http: httpx.AsyncClient, endpoint: TeacherEndpoint, body: dict, 
             response = await http.post(endpoint.url, json=body)
         except httpx.TransportError as exc:
             if last_try:
-                raise TeacherError(endpoint.url, problem_id, f"{type(exc).__name__}: {exc} "
-                                   f"(after {attempt + 1} attempts)") from exc
+                raise TeacherError(
+                    endpoint.url, problem_id, f"{type(exc).__name__}: {exc} (after {attempt + 1} attempts)"
+                ) from exc
             await asyncio.sleep(delay)
             delay = min(2 * delay, _MAX_BACKOFF_S)
             continue

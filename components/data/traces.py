@@ -77,22 +77,27 @@ def trace_from_openai_messages(problem_id: str, messages: list[dict], answer: in
         if role == "assistant" and message.get("tool_calls"):
             calls = message["tool_calls"]
             if not isinstance(calls, list) or len(calls) != 1 or not isinstance(calls[0], dict):
-                raise ValueError(f"messages[{i}].tool_calls: expected a list of exactly one call object, got "
-                                 f"{str(calls)[:60]}")
+                raise ValueError(
+                    f"messages[{i}].tool_calls: expected a list of exactly one call object, got {str(calls)[:60]}"
+                )
             function = calls[0].get("function")
             if not isinstance(function, dict):
-                raise ValueError(f"messages[{i}].tool_calls[0].function: expected an object, got "
-                                 f"{type(function).__name__}")
+                raise ValueError(
+                    f"messages[{i}].tool_calls[0].function: expected an object, got {type(function).__name__}"
+                )
             if function.get("name") != "python":
-                raise ValueError(f"messages[{i}].tool_calls[0].function.name: expected 'python', "
-                                 f"got {function.get('name')!r}")
+                raise ValueError(
+                    f"messages[{i}].tool_calls[0].function.name: expected 'python', got {function.get('name')!r}"
+                )
             try:
                 code = json.loads(function.get("arguments", "{}"))["code"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"messages[{i}].tool_calls[0].function.arguments: no JSON 'code' field") from exc
             if not isinstance(code, str):
-                raise ValueError(f"messages[{i}].tool_calls[0].function.arguments: 'code' must be a string, got "
-                                 f"{type(code).__name__}")
+                raise ValueError(
+                    f"messages[{i}].tool_calls[0].function.arguments: 'code' must be a string, got "
+                    f"{type(code).__name__}"
+                )
             turns.append(Turn("assistant", content, code))
         elif role in ("user", "assistant", "tool"):
             turns.append(Turn(role, content))
@@ -101,26 +106,31 @@ def trace_from_openai_messages(problem_id: str, messages: list[dict], answer: in
     return Trace(problem_id, tuple(turns), answer)
 
 
-_SCHEMA = pa.schema([
-    ("problem_id", pa.string()),
-    ("answer", pa.int64()),  # nullable: None for traces without an integer answer (style, coding)
-    ("roles", pa.list_(pa.string())),
-    ("contents", pa.list_(pa.string())),
-    ("tool_codes", pa.list_(pa.string())),
-])
+_SCHEMA = pa.schema(
+    [
+        ("problem_id", pa.string()),
+        ("answer", pa.int64()),  # nullable: None for traces without an integer answer (style, coding)
+        ("roles", pa.list_(pa.string())),
+        ("contents", pa.list_(pa.string())),
+        ("tool_codes", pa.list_(pa.string())),
+    ]
+)
 
 
 def write_traces(path: str | Path, traces: list[Trace]) -> Path:
     """Write traces as Parquet (one row per trace, turns as parallel lists)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.table({
-        "problem_id": [t.problem_id for t in traces],
-        "answer": [t.answer for t in traces],
-        "roles": [[turn.role for turn in t.turns] for t in traces],
-        "contents": [[turn.content for turn in t.turns] for t in traces],
-        "tool_codes": [[turn.tool_code for turn in t.turns] for t in traces],
-    }, schema=_SCHEMA)
+    table = pa.table(
+        {
+            "problem_id": [t.problem_id for t in traces],
+            "answer": [t.answer for t in traces],
+            "roles": [[turn.role for turn in t.turns] for t in traces],
+            "contents": [[turn.content for turn in t.turns] for t in traces],
+            "tool_codes": [[turn.tool_code for turn in t.turns] for t in traces],
+        },
+        schema=_SCHEMA,
+    )
     pq.write_table(table, path)
     return path
 

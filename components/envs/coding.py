@@ -66,8 +66,7 @@ def load_coding_tasks(path: str | Path | None = None) -> list[Task]:
     `solution` column (a reference solution, needed by `solution_trace`) moves into the answer, which the
     model never sees and trajectories do not copy; other columns land in `Task.metadata`.
     """
-    tasks = load_tasks(path or DEFAULT_PROBLEMS, prompt_field="prompt", answer_field="answer",
-                       id_field="task_id")
+    tasks = load_tasks(path or DEFAULT_PROBLEMS, prompt_field="prompt", answer_field="answer", id_field="task_id")
     for task in tasks:
         coding_spec(task)
     return [_solution_into_answer(task) for task in tasks]
@@ -90,8 +89,10 @@ def solution_trace(task: Task) -> Trace:
     """
     solution = task.answer.get("solution") if isinstance(task.answer, dict) else None
     if not isinstance(solution, str) or not solution.strip():
-        raise ValueError(f"task {task.task_id}: field 'solution' (a reference solution string) is missing or "
-                         "empty; the coding SFT teacher needs one per task")
+        raise ValueError(
+            f"task {task.task_id}: field 'solution' (a reference solution string) is missing or "
+            "empty; the coding SFT teacher needs one per task"
+        )
     answer = f"```python\n{solution.strip()}\n```"
     return Trace(task.task_id, (Turn("user", task.prompt), Turn("assistant", answer)), None)
 
@@ -118,7 +119,7 @@ class Grade:
 def parse_harness_output(stdout: str, nonce: str, total: int) -> Grade:
     """The grade in the harness's stdout; 0 passed with an error unless there is exactly one valid line."""
     marker = RESULT_MARKER.format(nonce=nonce)
-    lines = [line[len(marker):] for line in stdout.splitlines() if line.startswith(marker)]
+    lines = [line[len(marker) :] for line in stdout.splitlines() if line.startswith(marker)]
     if len(lines) != 1:
         return Grade(0, total, f"expected one result line, found {len(lines)}")
     try:
@@ -149,9 +150,14 @@ class CodingEnvironment:
     name = "coding"
     success_threshold = 1.0  # every hidden test passed
 
-    def __init__(self, tasks: list[Task] | None = None, latency: ToolLatency | None = None,
-                 reward: Literal["fraction", "all_pass"] = "fraction", timeout_s: float = 5.0,
-                 max_output_chars: int = 256) -> None:
+    def __init__(
+        self,
+        tasks: list[Task] | None = None,
+        latency: ToolLatency | None = None,
+        reward: Literal["fraction", "all_pass"] = "fraction",
+        timeout_s: float = 5.0,
+        max_output_chars: int = 256,
+    ) -> None:
         if reward not in ("fraction", "all_pass"):
             raise ValueError(f"reward must be 'fraction' or 'all_pass', got {reward!r}")
         if not timeout_s > 0:
@@ -187,18 +193,18 @@ class CodingEpisode:
             return StepResult(None, True, 0.0, "length", info)
         if turn_text.endswith(CALL_END):
             begin = turn_text.rfind(CALL)
-            code = turn_text[begin + len(CALL): -len(CALL_END)] if begin >= 0 else ""
+            code = turn_text[begin + len(CALL) : -len(CALL_END)] if begin >= 0 else ""
             await self.env.latency.wait(self.env.latency.sampler(f"{self.task.task_id}:{self.tool_calls}"))
             self.tool_calls += 1
             try:
                 output = await asyncio.to_thread(self.env.tool, code)
             except SandboxError as exc:
-                return StepResult(None, True, 0.0, "tool_error", {"tool_calls": self.tool_calls,
-                                                                   "error": str(exc)})
+                return StepResult(None, True, 0.0, "tool_error", {"tool_calls": self.tool_calls, "error": str(exc)})
             return StepResult(observation_text(output), False)
         try:
-            grade = await asyncio.to_thread(run_tests, extract_solution(turn_text), self.entry_point,
-                                            self.tests, self.env.timeout_s)
+            grade = await asyncio.to_thread(
+                run_tests, extract_solution(turn_text), self.entry_point, self.tests, self.env.timeout_s
+            )
         except SandboxError as exc:
             return StepResult(None, True, 0.0, "tool_error", {**info, "error": str(exc)})
         if self.env.reward == "fraction":

@@ -36,7 +36,7 @@ RESULT_MARKER = "@@SAO-RESULT-{nonce}@@"
 _GRACE_S = 0.5
 
 # Shared by runner and worker: framing (4-byte length, then JSON) and the value codec.
-_CODEC = r'''
+_CODEC = r"""
 import json as _json, os as _os, signal as _signal, sys as _sys
 
 _MAX_MESSAGE = 1 << 20
@@ -101,9 +101,9 @@ def _recv(fd):
     if n > _MAX_MESSAGE:
         raise ValueError("message of %d bytes is too large" % n)
     return _json.loads(_read_exactly(fd, n))
-'''
+"""
 
-_WORKER = r'''
+_WORKER = r"""
 class _Timeout(BaseException):
     pass
 
@@ -145,11 +145,11 @@ def _worker(rfd, wfd):
             _send(wfd, reply)
         except (TypeError, ValueError) as exc:
             _send(wfd, {"seq": message["seq"], "exc": [type(exc).__name__, str(exc)[:160]]})
-'''
+"""
 
 _WORKER_MAIN = "\n_worker(int(_sys.argv[1]), int(_sys.argv[2]))\n"
 
-_RUNNER = r'''
+_RUNNER = r"""
 import builtins as _builtins, select as _select, time as _time
 
 
@@ -279,12 +279,18 @@ def _main(cfg, write=_os.write, dumps=_json.dumps):
 
 
 _main(_json.loads(_CONFIG))
-'''
+"""
 
 
 def harness_program(solution: str, entry_point: str, tests: list[str], limit_s: float, nonce: str) -> str:
     """The sandbox program that grades `solution` against `tests` and prints one marked result line."""
-    config = {"solution": solution, "entry_point": entry_point, "tests": tests, "limit_s": limit_s,
-              "grace_s": _GRACE_S, "marker": RESULT_MARKER.format(nonce=nonce),
-              "worker": _CODEC + _WORKER + _WORKER_MAIN}
+    config = {
+        "solution": solution,
+        "entry_point": entry_point,
+        "tests": tests,
+        "limit_s": limit_s,
+        "grace_s": _GRACE_S,
+        "marker": RESULT_MARKER.format(nonce=nonce),
+        "worker": _CODEC + _WORKER + _WORKER_MAIN,
+    }
     return f"_CONFIG = {json.dumps(config)!r}\n{_CODEC}{_WORKER}{_RUNNER}"

@@ -48,10 +48,21 @@ MAX_ANSWER_CHARS = 1000
 _MAX_DEPTH = 8
 """Nesting (tuples in tuples, fractions in fractions) beyond this compares unequal instead of recursing."""
 
-_TEXT_WRAPPERS = ("\\text", "\\textbf", "\\textit", "\\textrm", "\\textnormal", "\\mathrm", "\\mathbf",
-                  "\\mathit", "\\mbox")
-_WRAPPED_UNIT = re.compile(r"\\(?:text|textrm|textnormal|mathrm|mbox)\s*\{\s*[A-Za-z][A-Za-z .]*\}"
-                           r"(?:\^\{?[23]\}?)?\s*$")
+_TEXT_WRAPPERS = (
+    "\\text",
+    "\\textbf",
+    "\\textit",
+    "\\textrm",
+    "\\textnormal",
+    "\\mathrm",
+    "\\mathbf",
+    "\\mathit",
+    "\\mbox",
+)
+_WRAPPED_UNIT = re.compile(
+    r"\\(?:text|textrm|textnormal|mathrm|mbox)\s*\{\s*[A-Za-z][A-Za-z .]*\}"
+    r"(?:\^\{?[23]\}?)?\s*$"
+)
 _UNIT_WORD = re.compile(r"[A-Za-z]{2,}(?:\^\{?[23]\}?)?")
 _VALUE_WORDS = frozenset({"pi", "inf", "infty", "infinity", "hundred", "thousand", "million", "billion", "trillion"})
 """Words that are or scale values, not units: `2 pi` keeps its `pi`, `1 million` is not 1."""
@@ -73,7 +84,7 @@ def extract_boxed(text: str) -> str | None:
     if start < 0:
         return None
     end = _closing_brace(text, start + len("\\boxed"))
-    return text[start + len("\\boxed{"):end] if end >= 0 else None
+    return text[start + len("\\boxed{") : end] if end >= 0 else None
 
 
 def reference_answer(answer: Any) -> Any:
@@ -138,7 +149,7 @@ def _unwrap(s: str, command: str) -> str:
         end = _closing_brace(s, start + len(command))
         if end < 0:
             return s
-        s = s[:start] + s[start + len(opener):end] + s[end + 1:]
+        s = s[:start] + s[start + len(opener) : end] + s[end + 1 :]
         start = s.find(opener, start)
     return s
 
@@ -157,8 +168,8 @@ def _is_number(s: str) -> bool:
 def _strip_unit(s: str) -> str:
     """`5\\text{ cm}` / `5 cm` / `5 square units` -> `5`; kept as it is unless what precedes the unit is a number."""
     wrapped = _WRAPPED_UNIT.search(s)
-    if wrapped and _is_number(s[:wrapped.start()]):
-        return s[:wrapped.start()].strip()
+    if wrapped and _is_number(s[: wrapped.start()]):
+        return s[: wrapped.start()].strip()
     words = s.split()
     keep = len(words)
     while keep > 1 and _UNIT_WORD.fullmatch(words[keep - 1]) and words[keep - 1] not in _VALUE_WORDS:
@@ -171,8 +182,8 @@ def _strip_unit(s: str) -> str:
 def _strip_variable(s: str) -> str:
     """`x = 5` / `a_1 = 5` / `\\theta = 5` -> `5`, only when that `=` is the only one."""
     match = _VARIABLE.match(s)
-    if match and s.count("=") == 1 and s[match.end():].strip():
-        return s[match.end():].strip()
+    if match and s.count("=") == 1 and s[match.end() :].strip():
+        return s[match.end() :].strip()
     return s
 
 
@@ -212,7 +223,7 @@ def _frac_argument(s: str, i: int) -> tuple[str, int] | None:
         return None
     if s[i] == "{":
         end = _closing_brace(s, i)
-        return (s[i + 1:end], end + 1) if end >= 0 else None
+        return (s[i + 1 : end], end + 1) if end >= 0 else None
     return s[i], i + 1
 
 

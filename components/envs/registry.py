@@ -48,8 +48,8 @@ from components.envs.tir_math import TIRMathEnvironment, tasks_from_problems
 SYNTHETIC_CHUNK = 4096
 """Problems generated at a time by the synthetic stream (changing it changes nothing but speed)."""
 
-def synthetic_prompts(kinds: tuple[str, ...], seed: int, operand_max: int, start: int
-                      ) -> Iterator[tuple[int, Task]]:
+
+def synthetic_prompts(kinds: tuple[str, ...], seed: int, operand_max: int, start: int) -> Iterator[tuple[int, Task]]:
     """The built-in tir_math stream from `start` on: training-split problem `index` as task `rl-{index}`."""
     for offset in itertools.count(start - start % SYNTHETIC_CHUNK, SYNTHETIC_CHUNK):
         problems = generate_problems(kinds, offset + SYNTHETIC_CHUNK, seed, operand_max, "train")[offset:]
@@ -108,8 +108,9 @@ def _tir_math(cfg: Config) -> EnvSetup:
     def held_out() -> list[Task]:
         if cfg.env.eval_tasks:
             return load_tasks(cfg.env.eval_tasks)
-        return tasks_from_problems(generate_problems(cfg.task.kinds, cfg.task.eval_size, cfg.task.seed,
-                                                     cfg.task.operand_max, "eval"))
+        return tasks_from_problems(
+            generate_problems(cfg.task.kinds, cfg.task.eval_size, cfg.task.seed, cfg.task.operand_max, "eval")
+        )
 
     return EnvSetup("tir_math", env, prompts, held_out)
 
@@ -124,8 +125,13 @@ def _style(cfg: Config) -> EnvSetup:
     tasks = load_style_tasks(cfg.env.tasks or None)
     phases = cfg.env.preference_phases
     env = StyleEnvironment(tasks, judge_from(cfg.env.judge, cfg.env.judge_model), preferred=phases[0][0])
-    return EnvSetup("style", env, _cycled(tasks, cfg), lambda: load_style_tasks(cfg.env.eval_tasks or None),
-                    PreferenceSchedule(env, phases).on_step)
+    return EnvSetup(
+        "style",
+        env,
+        _cycled(tasks, cfg),
+        lambda: load_style_tasks(cfg.env.eval_tasks or None),
+        PreferenceSchedule(env, phases).on_step,
+    )
 
 
 def _tir_math_traces(cfg: Config) -> list[Trace]:

@@ -27,12 +27,40 @@ STYLES = ("cute", "chuunibyou", "classical")
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "style" / "prompts.jsonl"
 
 LEXICON: dict[str, tuple[str, ...]] = {
-    "cute": ("~", "nya", "uwu", "owo", "(^_^)", "<3", "kawaii", "yay", "!!", "hehe", "teehee", "fluffy",
-             "sparkly"),
-    "chuunibyou": ("dark flame", "my right eye", "sealed", "the organization", "fufufu", "kukuku", "destiny",
-                   "abyss", "forbidden", "awaken", "awakened", "cursed", "mortal", "mortals"),
-    "classical": ("thee", "thou", "thy", "thine", "hath", "verily", "forsooth", "doth", "whence", "hither",
-                  "prithee", "'tis", "alas", "methinks", "ere"),
+    "cute": ("~", "nya", "uwu", "owo", "(^_^)", "<3", "kawaii", "yay", "!!", "hehe", "teehee", "fluffy", "sparkly"),
+    "chuunibyou": (
+        "dark flame",
+        "my right eye",
+        "sealed",
+        "the organization",
+        "fufufu",
+        "kukuku",
+        "destiny",
+        "abyss",
+        "forbidden",
+        "awaken",
+        "awakened",
+        "cursed",
+        "mortal",
+        "mortals",
+    ),
+    "classical": (
+        "thee",
+        "thou",
+        "thy",
+        "thine",
+        "hath",
+        "verily",
+        "forsooth",
+        "doth",
+        "whence",
+        "hither",
+        "prithee",
+        "'tis",
+        "alas",
+        "methinks",
+        "ere",
+    ),
 }
 """Style markers. Word markers match whole words only (`awaken` does not hit `awakened`), so one piece of
 text is never counted twice."""
@@ -40,7 +68,7 @@ text is never counted twice."""
 DESCRIPTIONS = {
     "cute": "cute and playful: kaomoji like (^_^), 'nya', 'uwu', tildes, '<3', excited exclamations",
     "chuunibyou": "chuunibyou: the grandiose delusions of a teenager who believes they wield sealed dark "
-                  "powers (my right eye, the dark flame, the organization, destiny, fufufu)",
+    "powers (my right eye, the dark flame, the organization, destiny, fufufu)",
     "classical": "classical, archaic English: thee, thou, hath, verily, forsooth, Shakespearean diction",
 }
 
@@ -105,9 +133,11 @@ class LexicalJudge:
 
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
-_SYSTEM = ("You grade writing style. Reply with a single number from 0 to 10 rating how strongly the "
-           "response is written in the requested style (0: not at all, 10: perfectly). Judge the style only, "
-           "not the content.")
+_SYSTEM = (
+    "You grade writing style. Reply with a single number from 0 to 10 rating how strongly the "
+    "response is written in the requested style (0: not at all, 10: perfectly). Judge the style only, "
+    "not the content."
+)
 
 
 class LLMJudge:
@@ -123,10 +153,15 @@ class LLMJudge:
 
     def request(self, prompt: str, response: str, style: str) -> dict:
         """The chat-completions request body for one rating."""
-        user = (f"Requested style: {DESCRIPTIONS[check_style(style)]}\n\nPrompt: {prompt}\n\n"
-                f"Response: {response}\n\nScore:")
-        return {"model": self.model, "temperature": 0.0, "max_tokens": 16,
-                "messages": [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": user}]}
+        user = (
+            f"Requested style: {DESCRIPTIONS[check_style(style)]}\n\nPrompt: {prompt}\n\nResponse: {response}\n\nScore:"
+        )
+        return {
+            "model": self.model,
+            "temperature": 0.0,
+            "max_tokens": 16,
+            "messages": [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": user}],
+        }
 
     @staticmethod
     def parse(reply: str) -> float:
@@ -160,8 +195,9 @@ class StyleEnvironment:
     name = "style"
     success_threshold = 0.75  # clearly in style: about 2 net marker hits per 10 words (tanh(1.95 / 2) = 0.75)
 
-    def __init__(self, tasks: list[Task] | None = None, judge: StyleJudge | None = None,
-                 preferred: str = "cute") -> None:
+    def __init__(
+        self, tasks: list[Task] | None = None, judge: StyleJudge | None = None, preferred: str = "cute"
+    ) -> None:
         self.tasks = load_style_tasks() if tasks is None else list(tasks)
         self.judge = judge if judge is not None else LexicalJudge()
         self.preferred = check_style(preferred)

@@ -31,15 +31,16 @@ def tasks_from_problems(problems: list[Problem]) -> list[Task]:
 def last_tool_code(turn_text: str) -> str:
     """Code between the last `<|python|>` and the closing `<|/python|>` of a turn."""
     begin = turn_text.rfind(CALL)
-    return turn_text[begin + len(CALL): turn_text.rfind(CALL_END)] if begin >= 0 else ""
+    return turn_text[begin + len(CALL) : turn_text.rfind(CALL_END)] if begin >= 0 else ""
 
 
 class TIRMathEnvironment:
     name = "tir_math"
     success_threshold = 1.0  # an exactly correct answer
 
-    def __init__(self, tool_timeout_s: float = 5.0, latency: ToolLatency = NO_LATENCY,
-                 max_output_chars: int = 256) -> None:
+    def __init__(
+        self, tool_timeout_s: float = 5.0, latency: ToolLatency = NO_LATENCY, max_output_chars: int = 256
+    ) -> None:
         self.tool = PythonTool(timeout_s=tool_timeout_s, max_chars=max_output_chars)
         self.latency = latency
 

@@ -78,17 +78,37 @@ class BenchmarkFormat:
 _MATHARENA = frozenset({"problem_idx", "problem", "answer", "problem_type"})
 
 BENCHMARKS: dict[str, BenchmarkFormat] = {
-    "aime2025": BenchmarkFormat("aime2025", "MathArena/aime_2025", _MATHARENA, _PROMPTS, _ANSWERS,
-                                _first("problem_idx", _IDS), ("aime",), integer_answers=True),
-    "hmmt": BenchmarkFormat("hmmt", "MathArena/hmmt_feb_2025", _MATHARENA, _PROMPTS, _ANSWERS,
-                            _first("problem_idx", _IDS), ("hmmt",)),
-    "beyondaime": BenchmarkFormat("beyondaime", "ByteDance-Seed/BeyondAIME", frozenset({"problem", "answer"}),
-                                  _PROMPTS, _ANSWERS, _IDS, ("beyond",)),
+    "aime2025": BenchmarkFormat(
+        "aime2025",
+        "MathArena/aime_2025",
+        _MATHARENA,
+        _PROMPTS,
+        _ANSWERS,
+        _first("problem_idx", _IDS),
+        ("aime",),
+        integer_answers=True,
+    ),
+    "hmmt": BenchmarkFormat(
+        "hmmt", "MathArena/hmmt_feb_2025", _MATHARENA, _PROMPTS, _ANSWERS, _first("problem_idx", _IDS), ("hmmt",)
+    ),
+    "beyondaime": BenchmarkFormat(
+        "beyondaime",
+        "ByteDance-Seed/BeyondAIME",
+        frozenset({"problem", "answer"}),
+        _PROMPTS,
+        _ANSWERS,
+        _IDS,
+        ("beyond",),
+    ),
     "imoanswerbench": BenchmarkFormat(
-        "imoanswerbench", "google-deepmind/superhuman imobench/answerbench.csv",
+        "imoanswerbench",
+        "google-deepmind/superhuman imobench/answerbench.csv",
         frozenset({"Problem ID", "Problem", "Short Answer", "Category", "Level", "Subcategory", "Source"}),
-        _first("Problem", _PROMPTS), _first("Short Answer", _ANSWERS), _first("Problem ID", _IDS),
-        ("imo", "answerbench")),
+        _first("Problem", _PROMPTS),
+        _first("Short Answer", _ANSWERS),
+        _first("Problem ID", _IDS),
+        ("imo", "answerbench"),
+    ),
 }
 """The benchmark formats by name; `load_benchmark` also takes `"auto"`."""
 
@@ -116,11 +136,12 @@ def _is_small_integer(value: Any) -> bool:
 
 def _detect(uri: str, rows: list[dict[str, Any]]) -> BenchmarkFormat:
     columns = _columns(rows)
-    readable = [f for f in BENCHMARKS.values()
-                if _pick(f.prompt_fields, columns) and _pick(f.answer_fields, columns)]
+    readable = [f for f in BENCHMARKS.values() if _pick(f.prompt_fields, columns) and _pick(f.answer_fields, columns)]
     if not readable:
-        raise ValueError(f"{uri}: no benchmark format fits its columns {sorted(columns)}; a problem column "
-                         f"({' / '.join(_PROMPTS)}) and an answer column ({' / '.join(_ANSWERS)}) are needed")
+        raise ValueError(
+            f"{uri}: no benchmark format fits its columns {sorted(columns)}; a problem column "
+            f"({' / '.join(_PROMPTS)}) and an answer column ({' / '.join(_ANSWERS)}) are needed"
+        )
 
     def similarity(f: BenchmarkFormat) -> float:
         return len(f.columns & columns) / len(f.columns | columns)
@@ -162,11 +183,15 @@ def _to_tasks(fmt: BenchmarkFormat, uri: str, rows: list[dict[str, Any]]) -> lis
     columns = _columns(rows)
     prompt_field, answer_field = _pick(fmt.prompt_fields, columns), _pick(fmt.answer_fields, columns)
     id_field = _pick(fmt.id_fields, columns)
-    for role, field, names in (("problem", prompt_field, fmt.prompt_fields),
-                               ("answer", answer_field, fmt.answer_fields)):
+    for role, field, names in (
+        ("problem", prompt_field, fmt.prompt_fields),
+        ("answer", answer_field, fmt.answer_fields),
+    ):
         if rows and field is None:
-            raise ValueError(f"{fmt.name}: {uri}: no {role} column; expected one of {list(names)} "
-                             f"(as in {fmt.release}), found {sorted(columns)}")
+            raise ValueError(
+                f"{fmt.name}: {uri}: no {role} column; expected one of {list(names)} "
+                f"(as in {fmt.release}), found {sorted(columns)}"
+            )
     tasks: list[Task] = []
     seen: dict[str, int] = {}
     for i, row in enumerate(rows):
@@ -175,12 +200,14 @@ def _to_tasks(fmt: BenchmarkFormat, uri: str, rows: list[dict[str, Any]]) -> lis
                 raise ValueError(f"{fmt.name}: {uri}: row {i}: field {field!r} is missing or empty")
         prompt, answer = row[prompt_field], row[answer_field]
         if not isinstance(prompt, str):
-            raise ValueError(f"{fmt.name}: {uri}: row {i}: field {prompt_field!r} must be a string, "
-                             f"got {type(prompt).__name__}")
+            raise ValueError(
+                f"{fmt.name}: {uri}: row {i}: field {prompt_field!r} must be a string, got {type(prompt).__name__}"
+            )
         task_id = _task_id(fmt, row.get(id_field) if id_field else None, i)
         if task_id in seen:
-            raise ValueError(f"{fmt.name}: {uri}: row {i}: field {id_field!r}: id {task_id!r} repeats row "
-                             f"{seen[task_id]}")
+            raise ValueError(
+                f"{fmt.name}: {uri}: row {i}: field {id_field!r}: id {task_id!r} repeats row {seen[task_id]}"
+            )
         seen[task_id] = i
         metadata = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
         metadata["benchmark"] = fmt.name

@@ -11,8 +11,16 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-KEY_METRICS = ("reward/mean", "critic/explained_variance", "critic/grad_norm", "dis/masked_frac_low",
-               "dis/masked_frac_high", "rollout/staleness_mean", "rollout/trajectories_per_s", "trainer/idle_frac")
+KEY_METRICS = (
+    "reward/mean",
+    "critic/explained_variance",
+    "critic/grad_norm",
+    "dis/masked_frac_low",
+    "dis/masked_frac_high",
+    "rollout/staleness_mean",
+    "rollout/trajectories_per_s",
+    "trainer/idle_frac",
+)
 PLOTTED = ("reward/mean", "critic/explained_variance", "rollout/staleness_mean", "dis/masked_frac_high")
 
 
@@ -28,8 +36,12 @@ def resolve_runs(client: Any, names: list[str]) -> list[Any]:
             continue
         except MlflowException:
             pass
-        found = client.search_runs(experiments, filter_string=f"attributes.run_name = '{name}'",
-                                   order_by=["attributes.start_time DESC"], max_results=1)
+        found = client.search_runs(
+            experiments,
+            filter_string=f"attributes.run_name = '{name}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
         if not found:
             raise ValueError(f"RUN: no MLflow run with id or name {name!r}")
         runs.append(found[0])
@@ -85,8 +97,9 @@ def plot(client: Any, runs: list[Any], labels: list[str], out: Path) -> Path:
     return out
 
 
-def run_compare(names: list[str], home: Path | None, tracking_uri: str | None, out: Path | None,
-                log=print) -> tuple[str, Path]:
+def run_compare(
+    names: list[str], home: Path | None, tracking_uri: str | None, out: Path | None, log=print
+) -> tuple[str, Path]:
     """Print the table of `names` and write the plot; returns both."""
     from mlflow.tracking import MlflowClient
 

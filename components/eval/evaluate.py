@@ -56,17 +56,26 @@ class EvalReport:
 
     def summary(self) -> dict:
         """The report's numbers (no trajectories), for JSON and metrics."""
-        return {"env": self.env, "n": self.n, "samples": self.samples, "accuracy": self.accuracy,
-                f"avg@{self.samples}": self.avg_at_k, f"pass@{self.samples}": self.pass_at_k,
-                "reward_mean": self.reward_mean, "tool_calls_mean": self.tool_calls_mean,
-                "finish_reasons": self.finish_reasons, "seconds": self.seconds}
+        return {
+            "env": self.env,
+            "n": self.n,
+            "samples": self.samples,
+            "accuracy": self.accuracy,
+            f"avg@{self.samples}": self.avg_at_k,
+            f"pass@{self.samples}": self.pass_at_k,
+            "reward_mean": self.reward_mean,
+            "tool_calls_mean": self.tool_calls_mean,
+            "finish_reasons": self.finish_reasons,
+            "seconds": self.seconds,
+        }
 
 
 def score(greedy: list[Trajectory], sampled: list[list[Trajectory]], threshold: float) -> tuple[float, float, float]:
     """(accuracy, avg@K, pass@K) of per-task trajectories, as defined in the module docstring."""
     if not greedy or len(greedy) != len(sampled):
-        raise ValueError(f"score: need one greedy trajectory and K samples per task, got {len(greedy)} and "
-                         f"{len(sampled)} tasks")
+        raise ValueError(
+            f"score: need one greedy trajectory and K samples per task, got {len(greedy)} and {len(sampled)} tasks"
+        )
     k = len(sampled[0])
     if k < 1 or any(len(s) != k for s in sampled):
         raise ValueError(f"score: every task needs the same number K >= 1 of samples, got {[len(s) for s in sampled]}")
@@ -81,8 +90,17 @@ def score(greedy: list[Trajectory], sampled: list[list[Trajectory]], threshold: 
     return accuracy, avg, passed
 
 
-def evaluate(engine, tokenizer, env: Environment, tasks: list[Task], limits: EpisodeLimits, samples: int = 1,
-             concurrency: int = 64, stop_token_ids: tuple[int, ...] = (), seed: int = 0) -> EvalReport:
+def evaluate(
+    engine,
+    tokenizer,
+    env: Environment,
+    tasks: list[Task],
+    limits: EpisodeLimits,
+    samples: int = 1,
+    concurrency: int = 64,
+    stop_token_ids: tuple[int, ...] = (),
+    seed: int = 0,
+) -> EvalReport:
     """Greedy episodes of every task, plus `samples` sampled ones at `limits.temperature` when samples > 1."""
     if not tasks:
         raise ValueError("tasks: nothing to evaluate")
@@ -94,8 +112,9 @@ def evaluate(engine, tokenizer, env: Environment, tasks: list[Task], limits: Epi
     start = time.perf_counter()
 
     def run(batch: list[Task], temperature: float) -> dict[str, Trajectory]:
-        runner = AgentRunner(engine, tokenizer, env, replace(limits, temperature=temperature), concurrency,
-                             stop_token_ids, seed=seed)
+        runner = AgentRunner(
+            engine, tokenizer, env, replace(limits, temperature=temperature), concurrency, stop_token_ids, seed=seed
+        )
         return {t.prompt_id: t for t in asyncio.run(runner.run(batch))}
 
     greedy_by_id = run(tasks, 0.0)
@@ -108,8 +127,16 @@ def evaluate(engine, tokenizer, env: Environment, tasks: list[Task], limits: Epi
         sampled = [[by_id[f"{t.task_id}#s{k}"] for k in range(samples)] for t in tasks]
     accuracy, avg, passed = score(greedy, sampled, getattr(env, "success_threshold", 1.0))
     return EvalReport(
-        env=env.name, n=len(tasks), samples=samples, accuracy=accuracy, avg_at_k=avg, pass_at_k=passed,
+        env=env.name,
+        n=len(tasks),
+        samples=samples,
+        accuracy=accuracy,
+        avg_at_k=avg,
+        pass_at_k=passed,
         reward_mean=sum(t.reward for t in greedy) / len(greedy),
         tool_calls_mean=sum(t.metadata.get("tool_calls", 0) for t in greedy) / len(greedy),
         finish_reasons=dict(Counter(t.finish_reason for t in greedy)),
-        seconds=time.perf_counter() - start, greedy=greedy, sampled=sampled)
+        seconds=time.perf_counter() - start,
+        greedy=greedy,
+        sampled=sampled,
+    )

@@ -11,8 +11,9 @@ from __future__ import annotations
 from statistics import fmean
 
 
-def phase_table(rewards: list[float], phases: list[tuple[str, int]], window: int = 5,
-                fraction: float = 0.9) -> list[dict]:
+def phase_table(
+    rewards: list[float], phases: list[tuple[str, int]], window: int = 5, fraction: float = 0.9
+) -> list[dict]:
     """One row per phase: style, first and last step (1-based policy steps), mean reward, mean reward of its last
     `window` steps, and steps to recover (from the second phase on). `rewards[i]` is the reward of step i + 1; the
     schedule repeats after its last phase, as the environment's does."""
@@ -24,9 +25,16 @@ def phase_table(rewards: list[float], phases: list[tuple[str, int]], window: int
     start, i = 0, 0
     while start < len(rewards):
         style, length = phases[i % len(phases)]
-        part = rewards[start:start + length]
-        row = {"phase": i + 1, "style": style, "first_step": start + 1, "last_step": start + len(part),
-               "reward_mean": fmean(part), "reward_end": fmean(part[-window:]), "steps_to_recover": None}
+        part = rewards[start : start + length]
+        row = {
+            "phase": i + 1,
+            "style": style,
+            "first_step": start + 1,
+            "last_step": start + len(part),
+            "reward_mean": fmean(part),
+            "reward_end": fmean(part[-window:]),
+            "steps_to_recover": None,
+        }
         if rows:
             row["steps_to_recover"] = steps_to_recover(part, rows[-1]["reward_end"], window, fraction)
         rows.append(row)
@@ -38,6 +46,6 @@ def steps_to_recover(rewards: list[float], before: float, window: int, fraction:
     """The first k >= 1 with mean(rewards[max(0, k - window):k]) >= fraction * before, else None."""
     target = fraction * before
     for k in range(1, len(rewards) + 1):
-        if fmean(rewards[max(0, k - window):k]) >= target:
+        if fmean(rewards[max(0, k - window) : k]) >= target:
             return k
     return None

@@ -53,38 +53,83 @@ class Plot:
 
 
 PLOTS = (
-    Plot("Reward", (("reward/mean",),),
-         "Mean reward of each training batch: a healthy run climbs, then plateaus; a sudden lasting drop is a "
-         "collapse."),
-    Plot("Held-out accuracy", (("eval/*/accuracy",),),
-         "Greedy accuracy on the held-out set, measured before RL (version 0) and after the last step: the last point "
-         "should sit above the first.", percent=True),
-    Plot("Masked fractions", (("dis/masked_frac_low",), ("dis/masked_frac_high",)),
-         "Share of tokens whose importance ratio left the DIS window and were masked out of the loss: near 0 is "
-         "good; a spike usually precedes a collapse.", percent=True, zero=True),
-    Plot("Explained variance", (("critic/explained_variance",),),
-         "How much of the return's variance the critic predicts (1 perfect, 0 no better than a constant): it should "
-         "rise early and stay high."),
-    Plot("Critic gradient norm", (("critic/grad_norm",),),
-         "The critic's gradient norm before clipping: flat or slowly falling is healthy; growing spikes mean the "
-         "critic is diverging.", zero=True),
-    Plot("Staleness", (("rollout/staleness_mean", "rollout/staleness_max"),),
-         "Policy versions between sampling a token and training on it (solid mean, dashed max): the max stays "
-         "within train.max_staleness; a mean near 0 means barely asynchronous.", zero=True),
-    Plot("Trainer idle", (("trainer/idle_frac",),),
-         "Share of wall-clock time the trainer waited for rollouts: near 0 means the rollouts keep up; near 1 means "
-         "the trainer is starved.", percent=True, zero=True),
-    Plot("Throughput", (("rollout/trajectories_per_s",), ("rollout/tokens_per_s",)),
-         "Trajectories per second of the trainer's loop, and generated tokens per second: higher is better, and "
-         "steady; dips point at the engine or the tools."),
+    Plot(
+        "Reward",
+        (("reward/mean",),),
+        "Mean reward of each training batch: a healthy run climbs, then plateaus; a sudden lasting drop is a collapse.",
+    ),
+    Plot(
+        "Held-out accuracy",
+        (("eval/*/accuracy",),),
+        "Greedy accuracy on the held-out set, measured before RL (version 0) and after the last step: the last point "
+        "should sit above the first.",
+        percent=True,
+    ),
+    Plot(
+        "Masked fractions",
+        (("dis/masked_frac_low",), ("dis/masked_frac_high",)),
+        "Share of tokens whose importance ratio left the DIS window and were masked out of the loss: near 0 is "
+        "good; a spike usually precedes a collapse.",
+        percent=True,
+        zero=True,
+    ),
+    Plot(
+        "Explained variance",
+        (("critic/explained_variance",),),
+        "How much of the return's variance the critic predicts (1 perfect, 0 no better than a constant): it should "
+        "rise early and stay high.",
+    ),
+    Plot(
+        "Critic gradient norm",
+        (("critic/grad_norm",),),
+        "The critic's gradient norm before clipping: flat or slowly falling is healthy; growing spikes mean the "
+        "critic is diverging.",
+        zero=True,
+    ),
+    Plot(
+        "Staleness",
+        (("rollout/staleness_mean", "rollout/staleness_max"),),
+        "Policy versions between sampling a token and training on it (solid mean, dashed max): the max stays "
+        "within train.max_staleness; a mean near 0 means barely asynchronous.",
+        zero=True,
+    ),
+    Plot(
+        "Trainer idle",
+        (("trainer/idle_frac",),),
+        "Share of wall-clock time the trainer waited for rollouts: near 0 means the rollouts keep up; near 1 means "
+        "the trainer is starved.",
+        percent=True,
+        zero=True,
+    ),
+    Plot(
+        "Throughput",
+        (("rollout/trajectories_per_s",), ("rollout/tokens_per_s",)),
+        "Trajectories per second of the trainer's loop, and generated tokens per second: higher is better, and "
+        "steady; dips point at the engine or the tools.",
+    ),
 )
 
 MPL_STYLE = {
-    "font.family": "DejaVu Sans", "font.size": 10, "axes.titlesize": 10, "axes.labelsize": 9,
-    "xtick.labelsize": 8.5, "ytick.labelsize": 8.5, "legend.fontsize": 8, "axes.spines.top": False,
-    "axes.spines.right": False, "axes.edgecolor": "#9ca3af", "axes.labelcolor": "#4b5563", "axes.titlecolor": "#1f2937",
-    "xtick.color": "#6b7280", "ytick.color": "#6b7280", "axes.grid": True, "grid.color": "#e5e7eb",
-    "grid.linewidth": 0.8, "svg.fonttype": "path", "figure.facecolor": "white", "axes.facecolor": "white",
+    "font.family": "DejaVu Sans",
+    "font.size": 10,
+    "axes.titlesize": 10,
+    "axes.labelsize": 9,
+    "xtick.labelsize": 8.5,
+    "ytick.labelsize": 8.5,
+    "legend.fontsize": 8,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.edgecolor": "#9ca3af",
+    "axes.labelcolor": "#4b5563",
+    "axes.titlecolor": "#1f2937",
+    "xtick.color": "#6b7280",
+    "ytick.color": "#6b7280",
+    "axes.grid": True,
+    "grid.color": "#e5e7eb",
+    "grid.linewidth": 0.8,
+    "svg.fonttype": "path",
+    "figure.facecolor": "white",
+    "axes.facecolor": "white",
 }
 
 
@@ -93,7 +138,7 @@ def ema(values: list[float], weight: float) -> list[float]:
     out, last = [], 0.0
     for n, value in enumerate(values, 1):
         last = weight * last + (1 - weight) * value
-        out.append(last / (1 - weight ** n))
+        out.append(last / (1 - weight**n))
     return out
 
 
@@ -102,16 +147,21 @@ def latest_runs(client: Any, experiment: str, count: int = DEFAULT_COUNT) -> lis
     found = client.get_experiment_by_name(experiment)
     if found is None:
         raise ValueError(f"--experiment: no MLflow experiment named {experiment!r}")
-    runs = client.search_runs([found.experiment_id], filter_string="attributes.status = 'FINISHED'",
-                              order_by=["attributes.start_time DESC"], max_results=200)
+    runs = client.search_runs(
+        [found.experiment_id],
+        filter_string="attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+        max_results=200,
+    )
     ids = [r.info.run_id for r in runs if "reward/mean" in r.data.metrics][:count]
     if not ids:
         raise ValueError(f"RUN: no finished training run (one that logged reward/mean) in experiment {experiment!r}")
     return ids
 
 
-def write_report(client: Any, runs: list[str], out: Path, smoothing: float = 0.6,
-                 now: dt.datetime | None = None) -> Path:
+def write_report(
+    client: Any, runs: list[str], out: Path, smoothing: float = 0.6, now: dt.datetime | None = None
+) -> Path:
     """The HTML report of `runs` (ids or run names) at `out`; ValueError names a run MLflow does not know."""
     resolved = resolve_runs(client, list(runs))
     names = [r.info.run_name or r.info.run_id[:8] for r in resolved]
@@ -127,8 +177,14 @@ def write_report(client: Any, runs: list[str], out: Path, smoothing: float = 0.6
     return out
 
 
-def run_report(names: list[str], home: Path | None, experiment: str | None, out: Path | None,
-               tracking_uri: str | None = None, log=print) -> Path:
+def run_report(
+    names: list[str],
+    home: Path | None,
+    experiment: str | None,
+    out: Path | None,
+    tracking_uri: str | None = None,
+    log=print,
+) -> Path:
     """`sao report`: `names`, else the newest finished training runs of `experiment`, into `out`
     (default `<home>/reports/report.html`)."""
     from mlflow.tracking import MlflowClient
@@ -151,25 +207,36 @@ def _curves(client: Any, run: Any) -> dict[str, list[tuple[int, float]]]:
 
 def _figure(plot: Plot, curves: list[dict], labels: list[str], colours: list[str], smoothing: float) -> str:
     """One `<figure class="plot">`: caption, legend of the runs with data, and the SVG or a "No data" note."""
-    panels = [[k for pattern in panel for k in sorted({k for c in curves for k in c
-                                                         if fnmatch.fnmatchcase(k, pattern)}) or [pattern]]
-              for panel in plot.panels]
+    panels = [
+        [
+            k
+            for pattern in panel
+            for k in sorted({k for c in curves for k in c if fnmatch.fnmatchcase(k, pattern)}) or [pattern]
+        ]
+        for panel in plot.panels
+    ]
     metrics = [m for panel in panels for m in panel]
     has = [any(c.get(m) for m in metrics) for c in curves]
-    legend = "".join(f'<li class="{"" if ok else "absent"}"><i style="background:{colour}"></i>{escape(label)}'
-                     f'{"" if ok else " (no data)"}</li>' for label, colour, ok in zip(labels, colours, has))
-    caption = (f'<figcaption><span class="kicker">{escape(plot.label)}</span>'
-               f'<h2>{" · ".join(escape(m) for m in metrics)}</h2><p class="how">{escape(plot.how)}</p>'
-               f'<ul class="legend">{legend}</ul></figcaption>')
+    legend = "".join(
+        f'<li class="{"" if ok else "absent"}"><i style="background:{colour}"></i>{escape(label)}'
+        f"{'' if ok else ' (no data)'}</li>"
+        for label, colour, ok in zip(labels, colours, has)
+    )
+    caption = (
+        f'<figcaption><span class="kicker">{escape(plot.label)}</span>'
+        f'<h2>{" · ".join(escape(m) for m in metrics)}</h2><p class="how">{escape(plot.how)}</p>'
+        f'<ul class="legend">{legend}</ul></figcaption>'
+    )
     if any(has):
         body = _svg(plot, panels, curves, colours, smoothing)
     else:
-        body = (f'<div class="nodata">No data: none of these runs logged '
-                f'{" or ".join(f"<code>{escape(m)}</code>" for m in metrics)}.</div>')
+        body = (
+            f'<div class="nodata">No data: none of these runs logged '
+            f"{' or '.join(f'<code>{escape(m)}</code>' for m in metrics)}.</div>"
+        )
     wide = " wide" if len(panels) > 1 else ""
     empty = "" if any(has) else " empty"
-    return (f'<figure class="plot{wide}{empty}" data-metric="{escape(" ".join(metrics))}">'
-            f'{caption}{body}</figure>')
+    return f'<figure class="plot{wide}{empty}" data-metric="{escape(" ".join(metrics))}">{caption}{body}</figure>'
 
 
 def _svg(plot: Plot, panels: list[list[str]], curves: list[dict], colours: list[str], smoothing: float) -> str:
@@ -181,8 +248,7 @@ def _svg(plot: Plot, panels: list[list[str]], curves: list[dict], colours: list[
     from matplotlib.ticker import MaxNLocator, PercentFormatter
 
     with plt.rc_context(MPL_STYLE):
-        fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 3.1), layout="constrained",
-                                 squeeze=False)
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 3.1), layout="constrained", squeeze=False)
         for ax, panel in zip(axes[0], panels):
             drawn = False
             for curve, colour in zip(curves, colours):
@@ -204,30 +270,40 @@ def _svg(plot: Plot, panels: list[list[str]], curves: list[dict], colours: list[
             if plot.percent:
                 ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=None))
             if len(panel) > 1:  # which metric is which line style
-                ax.legend(handles=[Line2D([], [], color="#4b5563", linestyle=s, label=name)
-                                   for name, (s, _) in zip(panel, STYLES)], frameon=False, loc="lower right",
-                          bbox_to_anchor=(1, 1), ncols=len(panel), borderaxespad=0.2)
+                ax.legend(
+                    handles=[
+                        Line2D([], [], color="#4b5563", linestyle=s, label=name) for name, (s, _) in zip(panel, STYLES)
+                    ],
+                    frameon=False,
+                    loc="lower right",
+                    bbox_to_anchor=(1, 1),
+                    ncols=len(panel),
+                    borderaxespad=0.2,
+                )
         buffer = io.StringIO()
         fig.savefig(buffer, format="svg", metadata={"Creator": None, "Date": None, "Format": None, "Type": None})
         plt.close(fig)
     svg = buffer.getvalue()
-    svg = svg[svg.index("<svg"):]  # no XML prolog or DOCTYPE inside HTML
+    svg = svg[svg.index("<svg") :]  # no XML prolog or DOCTYPE inside HTML
     # Scale with the page: the viewBox keeps the aspect ratio, CSS sets the width.
     label = escape(", ".join(m for panel in panels for m in panel))
-    return re.sub(r' width="[\d.]+pt" height="[\d.]+pt"', f' class="chart" role="img" aria-label="{label}"', svg,
-                  count=1)
+    return re.sub(
+        r' width="[\d.]+pt" height="[\d.]+pt"', f' class="chart" role="img" aria-label="{label}"', svg, count=1
+    )
 
 
-def _draw(ax: Any, points: list[tuple[int, float]], colour: str, style: str, marker: str, smoothing: float,
-          raw: bool) -> None:
+def _draw(
+    ax: Any, points: list[tuple[int, float]], colour: str, style: str, marker: str, smoothing: float, raw: bool
+) -> None:
     """A few points as markers; else the raw values faintly under their EMA, or (`raw`) alone, as steps."""
     steps, values = [p[0] for p in points], [p[1] for p in points]
     if len(points) <= FEW_POINTS:
         ax.plot(steps, values, color=colour, linestyle=style, marker=marker, markersize=5, linewidth=1.6)
         return
     if raw or smoothing <= 0:
-        ax.plot(steps, values, color=colour, linestyle=style, linewidth=1.4,
-                drawstyle="steps-mid" if raw else "default")
+        ax.plot(
+            steps, values, color=colour, linestyle=style, linewidth=1.4, drawstyle="steps-mid" if raw else "default"
+        )
         return
     ax.plot(steps, values, color=colour, linestyle=style, linewidth=0.9, alpha=0.28)
     ax.plot(steps, ema(values, smoothing), color=colour, linestyle=style, linewidth=1.9)
@@ -238,16 +314,25 @@ def _row(run: Any, label: str, colour: str, curve: dict, now: dt.datetime) -> st
     start = dt.datetime.fromtimestamp(info.start_time / 1000).astimezone() if info.start_time else None
     end = info.end_time / 1000 if info.end_time else (now.timestamp() if info.status == "RUNNING" else None)
     duration = _duration(end - start.timestamp()) if start and end else "–"
-    accuracy = "<br>".join(
-        f'{escape(k.split("/")[1])}: {points[0][1]:.1%}' + (f" → {points[-1][1]:.1%}" if len(points) > 1 else "")
-        for k, points in curve.items() if fnmatch.fnmatchcase(k, "eval/*/accuracy") and points) or "–"
+    accuracy = (
+        "<br>".join(
+            f"{escape(k.split('/')[1])}: {points[0][1]:.1%}" + (f" → {points[-1][1]:.1%}" if len(points) > 1 else "")
+            for k, points in curve.items()
+            if fnmatch.fnmatchcase(k, "eval/*/accuracy") and points
+        )
+        or "–"
+    )
     steps = max((s for s, _ in curve.get("reward/mean", [])), default=None)
-    cells = [f'<i class="swatch" style="background:{colour}"></i>{escape(label)}',
-             f'<code title="{escape(info.run_id)}">{escape(info.run_id[:8])}</code>',
-             f'<span class="status {escape(info.status.lower())}">{escape(info.status)}</span>',
-             start.strftime("%Y-%m-%d %H:%M") if start else "–", duration,
-             *(escape(params.get(f"config.{k}", "–")) for k in ("name", "train.algo", "env.name")),
-             accuracy, "–" if steps is None else str(steps)]
+    cells = [
+        f'<i class="swatch" style="background:{colour}"></i>{escape(label)}',
+        f'<code title="{escape(info.run_id)}">{escape(info.run_id[:8])}</code>',
+        f'<span class="status {escape(info.status.lower())}">{escape(info.status)}</span>',
+        start.strftime("%Y-%m-%d %H:%M") if start else "–",
+        duration,
+        *(escape(params.get(f"config.{k}", "–")) for k in ("name", "train.algo", "env.name")),
+        accuracy,
+        "–" if steps is None else str(steps),
+    ]
     return "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
 
 
@@ -257,8 +342,15 @@ def _duration(seconds: float) -> str:
     return f"{s}s" if s < 60 else f"{s // 60}m {s % 60:02d}s" if s < 3600 else f"{s // 3600}h {s % 3600 // 60:02d}m"
 
 
-def _page(runs: list, labels: list[str], colours: list[str], curves: list[dict], figures: list[str],
-          now: dt.datetime, smoothing: float) -> str:
+def _page(
+    runs: list,
+    labels: list[str],
+    colours: list[str],
+    curves: list[dict],
+    figures: list[str],
+    now: dt.datetime,
+    smoothing: float,
+) -> str:
     head = ("Run", "Id", "Status", "Started", "Duration", "Preset", "Algorithm", "Env", "Held-out accuracy", "Steps")
     rows = "".join(_row(r, label, c, curve, now) for r, label, c, curve in zip(runs, labels, colours, curves))
     title = "SAO report: " + ", ".join(labels)

@@ -76,7 +76,7 @@ def chunked_head_logprobs(
     use_checkpoint = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     logprob_chunks, entropy_chunks, argmax_chunks = [], [], []
     for start in range(0, flat_hidden.shape[0], chunk_size):
-        h, y = flat_hidden[start:start + chunk_size], targets[start:start + chunk_size]
+        h, y = flat_hidden[start : start + chunk_size], targets[start : start + chunk_size]
         if use_checkpoint:
             lp = checkpoint(_chunk_logprobs, h, y, weight, bias, temperature, use_reentrant=False)
         else:
@@ -90,8 +90,10 @@ def chunked_head_logprobs(
     logprobs = _align(logprob_chunks, batch, length, torch.float32, hidden.device)
     if not return_stats:
         return logprobs
-    return logprobs, TokenStats(_align(entropy_chunks, batch, length, torch.float32, hidden.device),
-                                _align(argmax_chunks, batch, length, torch.bool, hidden.device))
+    return logprobs, TokenStats(
+        _align(entropy_chunks, batch, length, torch.float32, hidden.device),
+        _align(argmax_chunks, batch, length, torch.bool, hidden.device),
+    )
 
 
 def _align(chunks: list[Tensor], batch: int, length: int, dtype: torch.dtype, device) -> Tensor:
@@ -107,8 +109,9 @@ def _chunk_logprobs(h: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | N
     return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
-def _chunk_stats(h: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | None,
-                 temperature: float) -> tuple[Tensor, Tensor]:
+def _chunk_stats(
+    h: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | None, temperature: float
+) -> tuple[Tensor, Tensor]:
     logits = F.linear(h, weight, bias).float() / temperature
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(dim=-1), logits.argmax(dim=-1) == targets

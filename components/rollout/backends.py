@@ -64,10 +64,12 @@ class Rollouts(Protocol):
 class EmbeddedRollouts:
     """The embedded engine in this process, on a private copy of `module` (it loads weights in place)."""
 
-    def __init__(self, module: nn.Module, tokenizer, max_batch: int, version: int = 0,
-                 threads: int | None = None) -> None:
-        self.engine = EmbeddedEngine(copy.deepcopy(module), tokenizer, max_batch=max_batch, version=version,
-                                     threads=threads).start()
+    def __init__(
+        self, module: nn.Module, tokenizer, max_batch: int, version: int = 0, threads: int | None = None
+    ) -> None:
+        self.engine = EmbeddedEngine(
+            copy.deepcopy(module), tokenizer, max_batch=max_batch, version=version, threads=threads
+        ).start()
         self.version = version
 
     async def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
@@ -94,9 +96,20 @@ class HttpRollouts:
     is kept, so the caller may go on training the original.
     """
 
-    def __init__(self, urls: list[str], module_template: nn.Module, tokenizer, publish_dir: str | Path,
-                 server: ServerKind = "sao", timeout_s: float = 300.0, retries: int = 1, version: int = 0,
-                 revive_after_s: float = 2.0, probe_timeout_s: float = 5.0, max_wait_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        module_template: nn.Module,
+        tokenizer,
+        publish_dir: str | Path,
+        server: ServerKind = "sao",
+        timeout_s: float = 300.0,
+        retries: int = 1,
+        version: int = 0,
+        revive_after_s: float = 2.0,
+        probe_timeout_s: float = 5.0,
+        max_wait_s: float = 30.0,
+    ) -> None:
         if not urls:
             raise ValueError("urls: at least one engine server URL is needed")
         if server not in _CLIENT_BACKEND:
@@ -106,24 +119,33 @@ class HttpRollouts:
             raise ConnectionError(f"urls: no engine server answers /health at {', '.join(urls)}")
         # Resolved once: the paths posted to the servers, and those they report back, are compared to it.
         self.publish_dir = Path(publish_dir).resolve()
-        ahead = {url: info for url, info in health.items()
-                 if info is not None and info.get("version") is not None and info["version"] > version}
+        ahead = {
+            url: info
+            for url, info in health.items()
+            if info is not None and info.get("version") is not None and info["version"] > version
+        }
         for url, info in ahead.items():
             if not self._published_here(info.get("path")):
                 raise ValueError(
                     f"urls: {url} serves version {info['version']}, above the trainer's version {version}, from "
                     f"{info.get('path') or 'its starting weights'}, not from this run's publish_dir "
-                    f"{self.publish_dir}: it may serve another run; restart it from the trainer's starting weights")
+                    f"{self.publish_dir}: it may serve another run; restart it from the trainer's starting weights"
+                )
         self.tokenizer = tokenizer
         self.version = version
         # A CPU copy: publishing loads each version into it and saves it as an HF directory.
         self._template = copy.deepcopy(module_template).to("cpu").eval()
         self._published: list[Path] = []
         self._lock = asyncio.Lock()
-        clients = [EngineClient(url, timeout_s=timeout_s, retries=retries, backend=_CLIENT_BACKEND[server],
-                                default_version=version) for url in urls]
-        self.engine = EnginePool(clients, revive_after_s=revive_after_s, probe_timeout_s=probe_timeout_s,
-                                 max_wait_s=max_wait_s)
+        clients = [
+            EngineClient(
+                url, timeout_s=timeout_s, retries=retries, backend=_CLIENT_BACKEND[server], default_version=version
+            )
+            for url in urls
+        ]
+        self.engine = EnginePool(
+            clients, revive_after_s=revive_after_s, probe_timeout_s=probe_timeout_s, max_wait_s=max_wait_s
+        )
         if version > 0 or ahead:
             self._remove_above(version)  # the crashed run's: never to be served again
             weights = {k: v.detach() for k, v in module_template.state_dict().items()}

@@ -161,8 +161,10 @@ def parse_completion(data: dict, prompt_ids: list[int], default_version: int) ->
         raise ValueError("choices[0].token_ids: missing (the server must support return_token_ids)")
     logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
     if logprobs is None or len(logprobs) != len(token_ids):
-        raise ValueError(f"choices[0].logprobs.token_logprobs: expected {len(token_ids)} values, got "
-                         f"{None if logprobs is None else len(logprobs)}")
+        raise ValueError(
+            f"choices[0].logprobs.token_logprobs: expected {len(token_ids)} values, got "
+            f"{None if logprobs is None else len(logprobs)}"
+        )
     versions = choice.get("versions") or [default_version] * len(token_ids)
     if len(versions) != len(token_ids):
         raise ValueError(f"choices[0].versions: expected {len(token_ids)} values, got {len(versions)}")

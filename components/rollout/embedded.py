@@ -153,8 +153,10 @@ class EmbeddedEngine:
         """Queue a request; the future resolves to a `SamplingResult`. Invalid requests raise ValueError now."""
         n_prompt = len(request.prompt_ids)
         if n_prompt + request.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt: {n_prompt} tokens + max_tokens {request.max_tokens} exceed the context "
-                             f"length {self.max_model_len}")
+            raise ValueError(
+                f"prompt: {n_prompt} tokens + max_tokens {request.max_tokens} exceed the context "
+                f"length {self.max_model_len}"
+            )
         bad = [t for t in request.prompt_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary of size {self.vocab_size}")
@@ -172,8 +174,7 @@ class EmbeddedEngine:
     async def generate(self, request: SamplingRequest) -> SamplingResult:
         return await asyncio.wrap_future(self.submit(request))
 
-    def load_weights(self, source: str | Path | dict[str, torch.Tensor], version: int,
-                     rewind: bool = False) -> Future:
+    def load_weights(self, source: str | Path | dict[str, torch.Tensor], version: int, rewind: bool = False) -> Future:
         """Queue new weights as `version`; they apply between decode steps. The future resolves when applied,
         or fails with a ValueError naming `version` when that is not above the current one and `rewind` is
         not set."""
@@ -271,9 +272,12 @@ class EmbeddedEngine:
         applied = False
         for update in updates:
             if update.version <= self.version and not update.rewind:
-                update.future.set_exception(ValueError(
-                    f"version: {update.version} must be greater than the current version {self.version} "
-                    f"(unless the request is a rewind)"))
+                update.future.set_exception(
+                    ValueError(
+                        f"version: {update.version} must be greater than the current version {self.version} "
+                        f"(unless the request is a rewind)"
+                    )
+                )
                 continue
             start = time.perf_counter()
             self.model.load_state_dict(update.tensors, strict=False)
@@ -287,8 +291,9 @@ class EmbeddedEngine:
 
     def _forward(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, cache: DynamicCache):
         kwargs = {self._cache_arg: cache}
-        return self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                          **kwargs).logits[:, -1]
+        return self.model(
+            input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True, **kwargs
+        ).logits[:, -1]
 
     def _prefill(self, seqs: list[_Sequence]) -> torch.Tensor:
         """Run the full context of `seqs` (left-padded), merge their cache into the batch; last logits."""
@@ -297,8 +302,8 @@ class EmbeddedEngine:
         ids = torch.zeros(len(seqs), length, dtype=torch.long)
         attention = torch.zeros(len(seqs), length, dtype=torch.long)
         for row, ctx in enumerate(contexts):
-            ids[row, length - len(ctx):] = torch.tensor(ctx)
-            attention[row, length - len(ctx):] = 1
+            ids[row, length - len(ctx) :] = torch.tensor(ctx)
+            attention[row, length - len(ctx) :] = 1
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(ids, attention, positions, cache)

@@ -24,9 +24,21 @@ class EngineProcess:
     """One `sao engine serve --model model_dir` child on `port` (default: a free one). Its output goes to a file
     (`log`, else a temporary one), never a pipe, so a chatty server can never block on a full pipe."""
 
-    def __init__(self, model_dir: str | Path, port: int | None = None, threads: int | None = None,
-                 log: Path | None = None, env: dict[str, str] | None = None) -> None:
-        self.model_dir, self.port, self.threads, self.log, self.env = Path(model_dir), port or free_port(), threads, log, env
+    def __init__(
+        self,
+        model_dir: str | Path,
+        port: int | None = None,
+        threads: int | None = None,
+        log: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.model_dir, self.port, self.threads, self.log, self.env = (
+            Path(model_dir),
+            port or free_port(),
+            threads,
+            log,
+            env,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self._output = None
@@ -34,8 +46,17 @@ class EngineProcess:
     def start(self, timeout_s: float = 120.0, wait: bool = True) -> EngineProcess:
         """Start it and (with `wait`) return once `/health` answers. Several engines load in parallel when each
         is started with `wait=False` and then waited for (`wait_healthy`)."""
-        command = [sys.executable, "-m", "components.cli", "engine", "serve", "--model", str(self.model_dir),
-                   "--port", str(self.port)] + (["--threads", str(self.threads)] if self.threads else [])
+        command = [
+            sys.executable,
+            "-m",
+            "components.cli",
+            "engine",
+            "serve",
+            "--model",
+            str(self.model_dir),
+            "--port",
+            str(self.port),
+        ] + (["--threads", str(self.threads)] if self.threads else [])
         self._output = self.log.open("ab") if self.log else tempfile.TemporaryFile()
         self.proc = subprocess.Popen(command, stdout=self._output, stderr=subprocess.STDOUT, env=self.env)
         if wait:

@@ -68,13 +68,20 @@ class Server:
 class EnginePool:
     """`generate` over several servers (see the module docstring); `publish` sends weights to every live one."""
 
-    def __init__(self, clients: list[EngineClient], revive_after_s: float = 2.0, max_backoff_s: float = 60.0,
-                 probe_timeout_s: float = 5.0, max_wait_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        clients: list[EngineClient],
+        revive_after_s: float = 2.0,
+        max_backoff_s: float = 60.0,
+        probe_timeout_s: float = 5.0,
+        max_wait_s: float = 30.0,
+    ) -> None:
         if not clients:
             raise ValueError("clients: the pool needs at least one server")
         if revive_after_s <= 0 or max_backoff_s < revive_after_s:
-            raise ValueError(f"revive_after_s: must be > 0 and <= max_backoff_s ({max_backoff_s}), "
-                             f"got {revive_after_s}")
+            raise ValueError(
+                f"revive_after_s: must be > 0 and <= max_backoff_s ({max_backoff_s}), got {revive_after_s}"
+            )
         if max_wait_s < 0:
             raise ValueError(f"max_wait_s: must be >= 0, got {max_wait_s}")
         self.servers = [Server(client) for client in clients]
@@ -181,9 +188,12 @@ class EnginePool:
             if not running:
                 raise EnginesDown(
                     f"every engine server is down: waited {now - self.down_since:.1f} s for one to come back "
-                    f"(no probe is due within rollout.engine_wait_s = {self.max_wait_s:g} s): " + "; ".join(
+                    f"(no probe is due within rollout.engine_wait_s = {self.max_wait_s:g} s): "
+                    + "; ".join(
                         f"{s.url} ({s.last_error or 'down'}; next probe in {max(0.0, s.retry_at - now):.1f} s)"
-                        for s in self.servers))
+                        for s in self.servers
+                    )
+                )
             done, _ = await asyncio.wait(running)
             for task in done:  # a bug in a revival (not a down server) must surface, not loop
                 if not task.cancelled() and task.exception() is not None:

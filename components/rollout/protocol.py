@@ -38,8 +38,11 @@ class SamplingRequest:
             raise ValueError("prompt: token ids must be non-negative integers")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be an integer >= 1, got {_clip(self.max_tokens)}")
-        if not (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-                and 0 <= self.temperature < math.inf):
+        if not (
+            isinstance(self.temperature, (int, float))
+            and not isinstance(self.temperature, bool)
+            and 0 <= self.temperature < math.inf
+        ):
             raise ValueError(f"temperature: must be a finite number >= 0, got {_clip(self.temperature)}")
         if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids: must be non-negative integers, got {_clip(self.stop_token_ids)}")
@@ -73,8 +76,10 @@ class SamplingResult:
 
     def __post_init__(self) -> None:
         if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
-            raise ValueError(f"token_ids ({len(self.token_ids)}), logprobs ({len(self.logprobs)}) and versions "
-                             f"({len(self.versions)}) must have equal lengths")
+            raise ValueError(
+                f"token_ids ({len(self.token_ids)}), logprobs ({len(self.logprobs)}) and versions "
+                f"({len(self.versions)}) must have equal lengths"
+            )
 
 
 class RolloutEngine(Protocol):

@@ -78,8 +78,9 @@ class BadRequest(Exception):
 
 
 def _error(status: int, message: str, param: str | None, kind: str = "BadRequestError") -> JSONResponse:
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": kind, "param": param, "code": status}})
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": status}}
+    )
 
 
 def sampling_request(body: CompletionRequest, model_name: str, tokenizer=None) -> SamplingRequest:
@@ -89,9 +90,10 @@ def sampling_request(body: CompletionRequest, model_name: str, tokenizer=None) -
     if body.n != 1:
         raise BadRequest("n", "n: only n=1 is supported (one rollout per prompt)")
     if body.top_p != 1.0 or body.top_k not in (-1, 0):
-        raise BadRequest("top_p" if body.top_p != 1.0 else "top_k",
-                         "top_p/top_k: truncated sampling is refused during RL (the IS ratio needs the full "
-                         "distribution)")
+        raise BadRequest(
+            "top_p" if body.top_p != 1.0 else "top_k",
+            "top_p/top_k: truncated sampling is refused during RL (the IS ratio needs the full distribution)",
+        )
     prompt = body.prompt
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -99,8 +101,9 @@ def sampling_request(body: CompletionRequest, model_name: str, tokenizer=None) -
         prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     try:
-        return SamplingRequest(list(prompt), body.max_tokens, body.temperature, tuple(body.stop_token_ids or ()),
-                               stop, body.seed)
+        return SamplingRequest(
+            list(prompt), body.max_tokens, body.temperature, tuple(body.stop_token_ids or ()), stop, body.seed
+        )
     except ValueError as exc:
         raise BadRequest(str(exc).split(":", 1)[0], str(exc)) from exc
 
@@ -135,8 +138,7 @@ def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "version": engine.version, "path": engine.weights_path,
-                "in_flight": engine.in_flight}
+        return {"status": "ok", "version": engine.version, "path": engine.weights_path, "in_flight": engine.in_flight}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -145,8 +147,10 @@ def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "sao",
-                                            "max_model_len": engine.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "owned_by": "sao", "max_model_len": engine.max_model_len}],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> dict:
@@ -164,8 +168,11 @@ def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
             "finish_reason": result.finish_reason,
             "stop_reason": None,
             "versions": result.versions,
-            "logprobs": None if body.logprobs is None else {
-                "tokens": tokens, "token_logprobs": result.logprobs,
+            "logprobs": None
+            if body.logprobs is None
+            else {
+                "tokens": tokens,
+                "token_logprobs": result.logprobs,
                 "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, result.logprobs)],
                 "text_offset": [],
             },
@@ -174,9 +181,14 @@ def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
             choice["token_ids"] = result.token_ids
             choice["prompt_token_ids"] = result.prompt_ids
         n_prompt, n_out = len(result.prompt_ids), len(result.token_ids)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": model_name, "choices": [choice],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": [choice],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
+        }
 
     @app.post("/v1/weights")
     async def weights(body: WeightsRequest) -> dict:
@@ -192,8 +204,9 @@ def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
     return app
 
 
-def serve(model_path: str | Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 64,
-          threads: int | None = None) -> None:
+def serve(
+    model_path: str | Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 64, threads: int | None = None
+) -> None:
     """`sao engine serve`: load an HF model directory and serve it until interrupted."""
     if threads is not None:
         # Busy-waiting OpenMP threads collapse throughput when clients share the cores (measured: 2 threads

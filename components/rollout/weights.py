@@ -37,8 +37,10 @@ def validate_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None
         if name not in state:
             raise ValueError(f"weights: unexpected tensor {name!r} for {type(model).__name__}")
         if tuple(tensor.shape) != tuple(state[name].shape):
-            raise ValueError(f"weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"the model expects {tuple(state[name].shape)}")
+            raise ValueError(
+                f"weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(state[name].shape)}"
+            )
     provided_storage = {state[name].data_ptr() for name in tensors}
     for name, param in model.named_parameters(remove_duplicate=False):
         if name not in tensors and param.data_ptr() not in provided_storage:

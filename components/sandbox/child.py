@@ -26,6 +26,7 @@ def _fail(msg):
 def _status_writer(status_fd):
     def status(line):
         os.write(status_fd, (line + "\n").encode("utf-8", "replace"))
+
     return status
 
 
@@ -33,6 +34,7 @@ def _load_libc(report):
     """`(libc, ctypes)` with the argument types the sandbox needs, or `(None, None)` (reported)."""
     try:
         import ctypes
+
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
         libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
@@ -97,6 +99,7 @@ def _kill_tree(child):
 def _supervise(child, ns, libc, status):
     """The supervisor's loop: reap until the program ends, kill what is left, report its status; never returns."""
     import _signal
+
     if not ns:
         try:
             os.setpgid(child, child)
@@ -129,11 +132,13 @@ def _supervise(child, ns, libc, status):
 
 def _set_limits(mem, cpu, fsize, nproc, nofile):
     import resource as R
+
     def setlim(res, soft, hard):
         cur_soft, cur_hard = R.getrlimit(res)
         if cur_hard != R.RLIM_INFINITY:
             hard = min(hard, cur_hard)
         R.setrlimit(res, (min(soft, hard), hard))
+
     try:
         setlim(R.RLIMIT_CORE, 0, 0)
         setlim(R.RLIMIT_CPU, cpu, cpu + 1)
@@ -145,8 +150,9 @@ def _set_limits(mem, cpu, fsize, nproc, nofile):
         _fail("cannot set resource limits: %r" % (e,))
 
 
-def _run_program(src, work, limits, ns, lib, status, status_fd, caller_pid, report, seccomp=None, hook=None,
-                 finish=None):
+def _run_program(
+    src, work, limits, ns, lib, status, status_fd, caller_pid, report, seccomp=None, hook=None, finish=None
+):
     """The program's process: main.py, rlimits, seccomp, audit hook, `ready`, then the code; never returns.
 
     The program ends as an interpreter ends (`finish` None: its SystemExit propagates to the top level), or
@@ -175,6 +181,7 @@ def _run_program(src, work, limits, ns, lib, status, status_fd, caller_pid, repo
         _strip_for_degraded()
         libc = ctypes = None
         import gc
+
         gc.collect()  # drop the supervisor's ctypes objects from this process
     elif libc is not None:
         libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1 (was reset by setuid): normal /proc/self
@@ -184,6 +191,7 @@ def _run_program(src, work, limits, ns, lib, status, status_fd, caller_pid, repo
     status("ready " + ",".join(report))
     os.close(status_fd)
     import builtins
+
     _install_exit_builtins()
     main = type(sys)("__main__")
     main.__file__ = path
@@ -210,15 +218,20 @@ def _run_program(src, work, limits, ns, lib, status, status_fd, caller_pid, repo
 def _install_exit_builtins():
     """`exit()` and `quit()` (`site` is not imported: -S)."""
     import builtins
+
     if getattr(builtins, "exit", None) is not None:
         return
+
     class Quitter:
         def __init__(self, name):
             self.name = name
+
         def __repr__(self):
             return "Use %s() to exit" % self.name
+
         def __call__(self, code=None):
             raise SystemExit(code)
+
     builtins.exit = Quitter("exit")
     builtins.quit = Quitter("quit")
 
@@ -244,8 +257,10 @@ def _sandbox_main():
             _fail("cannot seal the file system without ctypes")
         try:
             import json
-            report.extend(seal_root(libc, ctypes, json.loads(a[13]), os.path.dirname(src_path), work,
-                                    uid, gid, tmpfs_bytes))
+
+            report.extend(
+                seal_root(libc, ctypes, json.loads(a[13]), os.path.dirname(src_path), work, uid, gid, tmpfs_bytes)
+            )
             report.append(a[14])
         except (OSError, ValueError, KeyError) as e:
             _fail("cannot seal the file system: %r" % (e,))
@@ -259,6 +274,7 @@ def _sandbox_main():
         report.append("subreaper")
 
     import _signal
+
     child = 0
 
     def on_deadline(signum, frame):

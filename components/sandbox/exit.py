@@ -24,7 +24,7 @@ def _exit_status(e):
     if code is None:
         return 0
     if isinstance(code, int):
-        return code & 0xFF if -2**63 <= code < 2**63 else 255
+        return code & 0xFF if -(2**63) <= code < 2**63 else 255
     try:
         sys.stderr.write(str(code) + "\n")
     except Exception:
@@ -50,6 +50,7 @@ def exit_like_interpreter(exit_status):
     import atexit
     import gc
     import io
+
     if isinstance(exit_status, SystemExit):
         exit_status = _exit_status(exit_status)
     threading = sys.modules.get("threading")

@@ -33,8 +33,9 @@ from components.sandbox.proc import (
 
 # The child side, passed with -c: seal.py (the sealed root, seccomp, audit hook) comes first, the
 # child calls its functions.
-_BOOTSTRAP = "".join(Path(__file__).with_name(name).read_text() + "\n"
-                     for name in ("seal.py", "child.py")) + "_sandbox_main()\n"
+_BOOTSTRAP = (
+    "".join(Path(__file__).with_name(name).read_text() + "\n" for name in ("seal.py", "child.py")) + "_sandbox_main()\n"
+)
 
 
 def run_percall(
@@ -132,8 +133,7 @@ def run_percall(
         _read_available(status_r, status)
         report, status_exit, _ = _parse_status(bytes(status))
         stdout_b, stderr_b, err_tail, truncated = read_output(out_fd, err_fd, max_output_bytes, max_file_bytes)
-        return Outcome(report, status_exit, proc.returncode, timed_out, stdout_b, stderr_b, err_tail, truncated,
-                       wall_s)
+        return Outcome(report, status_exit, proc.returncode, timed_out, stdout_b, stderr_b, err_tail, truncated, wall_s)
     finally:
         for fd in fds:
             try:

@@ -39,8 +39,9 @@ class Outcome:
     wall_s: float
 
 
-def read_output(out_fd: int, err_fd: int, max_output_bytes: int,
-                max_file_bytes: int) -> tuple[bytes, bytes, bytes, bool]:
+def read_output(
+    out_fd: int, err_fd: int, max_output_bytes: int, max_file_bytes: int
+) -> tuple[bytes, bytes, bytes, bool]:
     """(stdout head, stderr head, stderr tail, truncated): at most `max_output_bytes` of each is read."""
     out_size = os.fstat(out_fd).st_size
     err_size = os.fstat(err_fd).st_size
@@ -157,9 +158,7 @@ def _parse_status(data: bytes) -> tuple[str | None, int | None, int | None]:
     return report, exit_code, program
 
 
-def _kill_sandbox(
-    proc: subprocess.Popen, pidfd: int | None, use_ns: bool, status_r: int, status: bytearray
-) -> None:
+def _kill_sandbox(proc: subprocess.Popen, pidfd: int | None, use_ns: bool, status_r: int, status: bytearray) -> None:
     """Kill everything the sandbox started; return once it is gone and reaped."""
     init_fd = None
     if use_ns:

@@ -47,7 +47,7 @@ class _Plan:
             if os.path.islink(step):
                 target = os.readlink(step)
                 self.links[step] = target
-                rest = "/".join(parts[i + 1:])
+                rest = "/".join(parts[i + 1 :])
                 self.add(os.path.normpath(os.path.join(current, target, rest)), depth + 1)
                 return
             current = step
@@ -59,8 +59,13 @@ class _Plan:
         # A bind inside another bound directory is already there; so is a symlink inside one.
         kept = [b for b in binds if not any(b != d and b.startswith(d + "/") for d in binds)]
         links = sorted((p, t) for p, t in self.links.items() if not any(p.startswith(d + "/") for d in kept))
-        masks = sorted(os.path.join(d, name) for d in kept if os.path.isdir(d) for name in _PACKAGE_DIRS
-                       if os.path.isdir(os.path.join(d, name)))
+        masks = sorted(
+            os.path.join(d, name)
+            for d in kept
+            if os.path.isdir(d)
+            for name in _PACKAGE_DIRS
+            if os.path.isdir(os.path.join(d, name))
+        )
         return {"binds": kept, "links": links, "masks": masks}
 
 
@@ -80,16 +85,16 @@ def _shared_libraries(files: list[str]) -> list[str] | None:
 def rootfs_plan(python: str) -> tuple[str, str]:
     """`(plan as JSON, report word)` for the interpreter `python`; OSError when it cannot be probed."""
     try:
-        probe = subprocess.run([python, "-I", "-S", "-c", _PROBE], capture_output=True, text=True,
-                               timeout=30, env={"LC_ALL": "C.UTF-8"})
+        probe = subprocess.run(
+            [python, "-I", "-S", "-c", _PROBE], capture_output=True, text=True, timeout=30, env={"LC_ALL": "C.UTF-8"}
+        )
         info = json.loads(probe.stdout)
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         raise OSError(f"cannot probe sandbox interpreter {python}: {exc!r}") from exc
     plan = _Plan()
     plan.add(python)
     plan.add(info["exe"])
-    stdlib = [p for p in info["path"] if p and os.path.isdir(p)
-              and os.path.basename(p) not in _PACKAGE_DIRS]
+    stdlib = [p for p in info["path"] if p and os.path.isdir(p) and os.path.basename(p) not in _PACKAGE_DIRS]
     for directory in stdlib:
         plan.add(directory)
     extensions = [os.path.join(d, f) for d in stdlib for f in sorted(os.listdir(d)) if f.endswith(".so")]

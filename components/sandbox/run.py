@@ -257,11 +257,22 @@ def run_python(
         except OSError as exc:
             raise SandboxError(f"cannot plan the sandbox's root file system: {exc}") from exc
     call = dict(
-        python=python, plan=plan, uid=uid, gid=gid, env=_BASE_ENV, host_dir=_FAST_TMP if use_ns else None,
-        limits=(min(memory_mb * MiB, 2**62), min(max(1, math.ceil(timeout_s)) + 1, 2**31),
-                min(max_file_bytes, 2**62), max_processes, MAX_OPEN_FILES),
+        python=python,
+        plan=plan,
+        uid=uid,
+        gid=gid,
+        env=_BASE_ENV,
+        host_dir=_FAST_TMP if use_ns else None,
+        limits=(
+            min(memory_mb * MiB, 2**62),
+            min(max(1, math.ceil(timeout_s)) + 1, 2**31),
+            min(max_file_bytes, 2**62),
+            max_processes,
+            MAX_OPEN_FILES,
+        ),
         tmpfs_bytes=max(MIN_TMPFS_BYTES, 2 * max_file_bytes),
-        max_output_bytes=max_output_bytes, max_file_bytes=max_file_bytes,
+        max_output_bytes=max_output_bytes,
+        max_file_bytes=max_file_bytes,
     )
     outcome = None
     if use_ns and ZYGOTE:

@@ -34,39 +34,187 @@ _RO = MS_RDONLY | MS_NOSUID | MS_NODEV
 # Syscall numbers per architecture: (AUDIT_ARCH, numbers). x86_64 from asm/unistd_64.h, aarch64 from
 # asm-generic/unistd.h (the aarch64 table is not exercised by the tests on this x86_64 host).
 _SYSCALLS = {
-    "x86_64": (0xC000003E, dict(
-        ptrace=101, personality=135, chroot=161, mount=165, umount2=166, pivot_root=155, unshare=272,
-        setns=308, keyctl=250, add_key=248, request_key=249, process_vm_readv=310, process_vm_writev=311,
-        bpf=321, perf_event_open=298, userfaultfd=323, io_uring_setup=425, io_uring_enter=426,
-        io_uring_register=427, open_by_handle_at=304, name_to_handle_at=303, kexec_load=246,
-        kexec_file_load=320, init_module=175, finit_module=313, delete_module=176, open_tree=428,
-        move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
-        pidfd_getfd=438, acct=163, clone=56, clone3=435, socket=41, socketpair=53,
-        shmget=29, shmat=30, shmctl=31, shmdt=67, semget=64, semop=65, semctl=66, semtimedop=220, msgget=68,
-        msgsnd=69, msgrcv=70, msgctl=71, mq_open=240, mq_unlink=241, mq_timedsend=242, mq_timedreceive=243,
-        mq_notify=244, mq_getsetattr=245)),
-    "aarch64": (0xC00000B7, dict(
-        ptrace=117, personality=92, chroot=51, mount=40, umount2=39, pivot_root=41, unshare=97,
-        setns=268, keyctl=219, add_key=217, request_key=218, process_vm_readv=270, process_vm_writev=271,
-        bpf=280, perf_event_open=241, userfaultfd=282, io_uring_setup=425, io_uring_enter=426,
-        io_uring_register=427, open_by_handle_at=265, name_to_handle_at=264, kexec_load=104,
-        kexec_file_load=294, init_module=105, finit_module=273, delete_module=106, open_tree=428,
-        move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
-        pidfd_getfd=438, acct=89, clone=220, clone3=435, socket=198, socketpair=199,
-        shmget=194, shmat=196, shmctl=195, shmdt=197, semget=190, semop=193, semctl=191, semtimedop=192,
-        msgget=186, msgsnd=189, msgrcv=188, msgctl=187, mq_open=180, mq_unlink=181, mq_timedsend=182,
-        mq_timedreceive=183, mq_notify=184, mq_getsetattr=185)),
+    "x86_64": (
+        0xC000003E,
+        dict(
+            ptrace=101,
+            personality=135,
+            chroot=161,
+            mount=165,
+            umount2=166,
+            pivot_root=155,
+            unshare=272,
+            setns=308,
+            keyctl=250,
+            add_key=248,
+            request_key=249,
+            process_vm_readv=310,
+            process_vm_writev=311,
+            bpf=321,
+            perf_event_open=298,
+            userfaultfd=323,
+            io_uring_setup=425,
+            io_uring_enter=426,
+            io_uring_register=427,
+            open_by_handle_at=304,
+            name_to_handle_at=303,
+            kexec_load=246,
+            kexec_file_load=320,
+            init_module=175,
+            finit_module=313,
+            delete_module=176,
+            open_tree=428,
+            move_mount=429,
+            fsopen=430,
+            fsconfig=431,
+            fsmount=432,
+            fspick=433,
+            mount_setattr=442,
+            pidfd_getfd=438,
+            acct=163,
+            clone=56,
+            clone3=435,
+            socket=41,
+            socketpair=53,
+            shmget=29,
+            shmat=30,
+            shmctl=31,
+            shmdt=67,
+            semget=64,
+            semop=65,
+            semctl=66,
+            semtimedop=220,
+            msgget=68,
+            msgsnd=69,
+            msgrcv=70,
+            msgctl=71,
+            mq_open=240,
+            mq_unlink=241,
+            mq_timedsend=242,
+            mq_timedreceive=243,
+            mq_notify=244,
+            mq_getsetattr=245,
+        ),
+    ),
+    "aarch64": (
+        0xC00000B7,
+        dict(
+            ptrace=117,
+            personality=92,
+            chroot=51,
+            mount=40,
+            umount2=39,
+            pivot_root=41,
+            unshare=97,
+            setns=268,
+            keyctl=219,
+            add_key=217,
+            request_key=218,
+            process_vm_readv=270,
+            process_vm_writev=271,
+            bpf=280,
+            perf_event_open=241,
+            userfaultfd=282,
+            io_uring_setup=425,
+            io_uring_enter=426,
+            io_uring_register=427,
+            open_by_handle_at=265,
+            name_to_handle_at=264,
+            kexec_load=104,
+            kexec_file_load=294,
+            init_module=105,
+            finit_module=273,
+            delete_module=106,
+            open_tree=428,
+            move_mount=429,
+            fsopen=430,
+            fsconfig=431,
+            fsmount=432,
+            fspick=433,
+            mount_setattr=442,
+            pidfd_getfd=438,
+            acct=89,
+            clone=220,
+            clone3=435,
+            socket=198,
+            socketpair=199,
+            shmget=194,
+            shmat=196,
+            shmctl=195,
+            shmdt=197,
+            semget=190,
+            semop=193,
+            semctl=191,
+            semtimedop=192,
+            msgget=186,
+            msgsnd=189,
+            msgrcv=188,
+            msgctl=187,
+            mq_open=180,
+            mq_unlink=181,
+            mq_timedsend=182,
+            mq_timedreceive=183,
+            mq_notify=184,
+            mq_getsetattr=185,
+        ),
+    ),
 }
-_DENY = ("ptrace", "chroot", "mount", "umount2", "pivot_root", "unshare", "setns", "keyctl", "add_key",
-         "request_key", "process_vm_readv", "process_vm_writev", "bpf", "perf_event_open", "userfaultfd",
-         "io_uring_setup", "io_uring_enter", "io_uring_register", "open_by_handle_at", "name_to_handle_at",
-         "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "open_tree",
-         "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "pidfd_getfd", "acct",
-         # SysV IPC and POSIX message queues: objects that outlive a call and are shared by every process of
-         # an IPC namespace (the host's, for the per-call path), so a call could read or leave data there.
-         "shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl", "semtimedop", "msgget", "msgsnd",
-         "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
-         "mq_getsetattr")
+_DENY = (
+    "ptrace",
+    "chroot",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "unshare",
+    "setns",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "process_vm_readv",
+    "process_vm_writev",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+    "pidfd_getfd",
+    "acct",
+    # SysV IPC and POSIX message queues: objects that outlive a call and are shared by every process of
+    # an IPC namespace (the host's, for the per-call path), so a call could read or leave data there.
+    "shmget",
+    "shmat",
+    "shmctl",
+    "shmdt",
+    "semget",
+    "semop",
+    "semctl",
+    "semtimedop",
+    "msgget",
+    "msgsnd",
+    "msgrcv",
+    "msgctl",
+    "mq_open",
+    "mq_unlink",
+    "mq_timedsend",
+    "mq_timedreceive",
+    "mq_notify",
+    "mq_getsetattr",
+)
 #: CLONE_NEWTIME | NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 CLONE_NEW_MASK = 0x80 | 0x20000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 _EPERM, _ENOSYS, _AF_UNIX = 1, 38, 1
@@ -80,8 +228,7 @@ def seccomp_program(machine):
     arch, nr = _SYSCALLS[machine]
     allow, eperm = (_RET_K, 0, 0, _RET_ALLOW), (_RET_K, 0, 0, _RET_ERRNO | _EPERM)
     # seccomp_data: nr at 0, arch at 4, args[i] at 16 + 8 * i (the low 32 bits first: little endian).
-    prog = [(_LD_W_ABS, 0, 0, 4), (_JEQ_K, 1, 0, arch), (_RET_K, 0, 0, _RET_KILL_PROCESS),
-            (_LD_W_ABS, 0, 0, 0)]
+    prog = [(_LD_W_ABS, 0, 0, 4), (_JEQ_K, 1, 0, arch), (_RET_K, 0, 0, _RET_KILL_PROCESS), (_LD_W_ABS, 0, 0, 0)]
     if machine == "x86_64":
         prog += [(_JGE_K, 0, 1, _X32_SYSCALL_BIT), (_RET_K, 0, 0, _RET_KILL_PROCESS)]
     # The denied numbers as a binary search tree (7 comparisons instead of a scan of the table: the kernel
@@ -95,10 +242,22 @@ def seccomp_program(machine):
     prog += [(_JA, 0, 0, 1), eperm]
     prog += [(_JEQ_K, 0, 1, nr["clone3"]), (_RET_K, 0, 0, _RET_ERRNO | _ENOSYS)]
     prog += [(_JEQ_K, 0, 3, nr["clone"]), (_LD_W_ABS, 0, 0, 16), (_JSET_K, 0, 1, CLONE_NEW_MASK), eperm]
-    prog += [(_LD_W_ABS, 0, 0, 0), (_JEQ_K, 1, 0, nr["socket"]), (_JEQ_K, 0, 3, nr["socketpair"]),
-             (_LD_W_ABS, 0, 0, 16), (_JEQ_K, 1, 0, _AF_UNIX), eperm]
-    prog += [(_LD_W_ABS, 0, 0, 0), (_JEQ_K, 0, 4, nr["personality"]), (_LD_W_ABS, 0, 0, 16),
-             (_JEQ_K, 2, 0, 0), (_JEQ_K, 1, 0, 0xFFFFFFFF), eperm]
+    prog += [
+        (_LD_W_ABS, 0, 0, 0),
+        (_JEQ_K, 1, 0, nr["socket"]),
+        (_JEQ_K, 0, 3, nr["socketpair"]),
+        (_LD_W_ABS, 0, 0, 16),
+        (_JEQ_K, 1, 0, _AF_UNIX),
+        eperm,
+    ]
+    prog += [
+        (_LD_W_ABS, 0, 0, 0),
+        (_JEQ_K, 0, 4, nr["personality"]),
+        (_LD_W_ABS, 0, 0, 16),
+        (_JEQ_K, 2, 0, 0),
+        (_JEQ_K, 1, 0, 0xFFFFFFFF),
+        eperm,
+    ]
     prog.append(allow)
     return prog
 
@@ -141,15 +300,37 @@ def install_seccomp(libc, ctypes, prepared=None):
 def _audit_hook(strict, caller_pid):
     """The audit hook: no non-UNIX sockets, no connect/bind/send/DNS; `strict` (no namespaces) also refuses
     spawning programs, ctypes and signals to processes outside the sandbox's process group."""
-    net_events = frozenset(("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
-                            "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
-                            "socket.getnameinfo"))
-    strict_events = frozenset(("os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
-                               "ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle",
-                               "ctypes.call_function", "ctypes.PyObj_FromPtr", "ctypes.string_at"))
+    net_events = frozenset(
+        (
+            "socket.connect",
+            "socket.bind",
+            "socket.sendto",
+            "socket.sendmsg",
+            "socket.getaddrinfo",
+            "socket.gethostbyname",
+            "socket.gethostbyaddr",
+            "socket.getnameinfo",
+        )
+    )
+    strict_events = frozenset(
+        (
+            "os.system",
+            "os.exec",
+            "os.posix_spawn",
+            "os.spawn",
+            "subprocess.Popen",
+            "ctypes.dlopen",
+            "ctypes.dlsym",
+            "ctypes.dlsym/handle",
+            "ctypes.call_function",
+            "ctypes.PyObj_FromPtr",
+            "ctypes.string_at",
+        )
+    )
     own_pgrp = os.getpgrp()
     supervisor = os.getppid()
     getpgid = os.getpgid
+
     def hook(event, args):
         if event == "socket.__new__":
             if args[1] != 1:  # only AF_UNIX (socketpair, e.g. for asyncio)
@@ -172,6 +353,7 @@ def _audit_hook(strict, caller_pid):
             elif event == "os.killpg":
                 if args[0] not in (0, own_pgrp):
                     raise PermissionError("sandbox: may only signal its own process group")
+
     return hook
 
 
@@ -180,6 +362,7 @@ def _strip_for_degraded():
     programs without the hook."""
     import posix
     import sys
+
     for mod in (os, posix):
         for name in ("setsid", "setpgid", "setpgrp", "pidfd_open"):
             try:
@@ -188,6 +371,7 @@ def _strip_for_degraded():
                 pass
     try:
         import _signal
+
         del _signal.pidfd_send_signal
     except (ImportError, AttributeError):
         pass
@@ -195,8 +379,10 @@ def _strip_for_degraded():
         del sys.modules[name]
     for name in ("ctypes", "_ctypes"):
         sys.modules[name] = None
+
     def fork_exec(*args, **kwargs):
         raise PermissionError("sandbox: starting programs is disabled (degraded sandbox)")
+
     stub = type(sys)("_posixsubprocess")
     stub.fork_exec = fork_exec
     sys.modules["_posixsubprocess"] = stub  # its fork_exec would bypass the audit hook
@@ -207,6 +393,7 @@ def _mounter(libc, ctypes):
         if libc.mount(src, dst.encode(), fstype, flags, opts.encode() if opts else None) != 0:
             e = ctypes.get_errno()
             raise OSError(e, "mount %s on %s: %s" % (src, dst, os.strerror(e)))
+
     return mount
 
 
@@ -238,13 +425,16 @@ def build_root(libc, ctypes, plan, top, uid, gid, home):
     os.makedirs(top + "/dev", exist_ok=True)
     for dev in ("null", "zero", "random", "urandom"):
         _bind(mount, "/dev/" + dev, top + "/dev/" + dev, MS_RDONLY | MS_NOSUID)  # a device node needs dev
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, top + "/dev/" + name)
     os.makedirs(top + "/etc", exist_ok=True)
     with open(top + "/etc/passwd", "w") as f:
-        f.write("root:x:0:0:root:/nonexistent:/nonexistent\nnobody:x:%d:%d:nobody:%s:/nonexistent\n"
-                % (uid, gid, home))
+        f.write("root:x:0:0:root:/nonexistent:/nonexistent\nnobody:x:%d:%d:nobody:%s:/nonexistent\n" % (uid, gid, home))
     with open(top + "/etc/group", "w") as f:
         f.write("root:x:0:\nnogroup:x:%d:\n" % gid)
     for d in ("/proc", "/tmp", "/var/tmp", "/dev/shm"):
@@ -262,8 +452,9 @@ def private_mounts(libc, ctypes, top, work, uid, gid, tmpfs_bytes):
     for d in ("/tmp", "/var/tmp", "/dev/shm"):
         mount(b"tmpfs", top + d, b"tmpfs", MS_NOSUID | MS_NODEV, scratch)
     os.makedirs(top + work, mode=0o755, exist_ok=True)
-    mount(b"tmpfs", top + work, b"tmpfs", MS_NOSUID | MS_NODEV,
-          "size=%d,mode=700,uid=%d,gid=%d" % (tmpfs_bytes, uid, gid))
+    mount(
+        b"tmpfs", top + work, b"tmpfs", MS_NOSUID | MS_NODEV, "size=%d,mode=700,uid=%d,gid=%d" % (tmpfs_bytes, uid, gid)
+    )
     return ["tmpfs=/tmp+/var/tmp+/dev/shm+workdir"]
 
 

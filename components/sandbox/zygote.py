@@ -40,12 +40,15 @@ from pathlib import Path
 
 from components.sandbox.proc import Outcome, SandboxError, read_output
 
-_SERVER = "".join(Path(__file__).with_name(name).read_text() + "\n" for name in (
-    "seal.py", "child.py", "exit.py", "zygote_server.py"))
+_SERVER = "".join(
+    Path(__file__).with_name(name).read_text() + "\n" for name in ("seal.py", "child.py", "exit.py", "zygote_server.py")
+)
 # The zygote's command line: it reads its source from the channel it is started with (a long `-c` would stay in
 # memory several times over, and every page of it is mapped again at every fork), compiled without docstrings.
-_STUB = ("import _socket, sys\n_s = _socket.socket(fileno=int(sys.argv[1]))\n"
-         "exec(compile(_s.recv(1 << 20), '<sao-zygote>', 'exec', optimize=2))\n_s.detach()\ndel _s\n_zygote_main()\n")
+_STUB = (
+    "import _socket, sys\n_s = _socket.socket(fileno=int(sys.argv[1]))\n"
+    "exec(compile(_s.recv(1 << 20), '<sao-zygote>', 'exec', optimize=2))\n_s.detach()\ndel _s\n_zygote_main()\n"
+)
 _START_TIMEOUT_S = 30.0
 #: How long after the deadline the zygote may take to answer (it kills and reaps the call in milliseconds).
 _KILL_GRACE_S = 5.0
@@ -64,27 +67,68 @@ def _recv(sock: socket.socket, timeout_s: float) -> tuple[str | None, list[int]]
     if not poller.poll(max(0, math.ceil(timeout_s * 1000))):
         return None, []
     msg, anc, _, _ = sock.recvmsg(8192, socket.CMSG_SPACE(4 * 4))
-    fds = [f for level, kind, data in anc if (level, kind) == _RIGHTS
-           for f in struct.unpack(f"{len(data) // 4}i", data[: len(data) // 4 * 4])]
+    fds = [
+        f
+        for level, kind, data in anc
+        if (level, kind) == _RIGHTS
+        for f in struct.unpack(f"{len(data) // 4}i", data[: len(data) // 4 * 4])
+    ]
     return msg.decode("utf-8", "replace").rstrip("\n"), fds
 
 
 class _Zygote:
     """One running zygote: its `unshare` process, the control channel, its pid as this process sees it."""
 
-    def __init__(self, key: tuple, unshare: str, python: str, plan: tuple[str, str], uid: int, gid: int,
-                 env: dict[str, str], host_dir: str | None) -> None:
+    def __init__(
+        self,
+        key: tuple,
+        unshare: str,
+        python: str,
+        plan: tuple[str, str],
+        uid: int,
+        gid: int,
+        env: dict[str, str],
+        host_dir: str | None,
+    ) -> None:
         self.key = key
         self.ctl, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         boot, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # `unshare` keeps a copy
         self.stderr = os.memfd_create("sao-zygote-stderr", os.MFD_CLOEXEC)
         top = tempfile.mkdtemp(prefix="sao-zygote-", dir=host_dir)  # the root's mount point while it is built
-        argv = [unshare, "--net", "--pid", "--fork", "--mount", "--ipc", "--kill-child", "--",
-                python, "-I", "-S", "-B", "-X", "utf8", "-c", _STUB, str(theirs.fileno()), top, str(uid), str(gid)]
+        argv = [
+            unshare,
+            "--net",
+            "--pid",
+            "--fork",
+            "--mount",
+            "--ipc",
+            "--kill-child",
+            "--",
+            python,
+            "-I",
+            "-S",
+            "-B",
+            "-X",
+            "utf8",
+            "-c",
+            _STUB,
+            str(theirs.fileno()),
+            top,
+            str(uid),
+            str(gid),
+        ]
         try:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=self.stderr, env=dict(env), cwd="/", start_new_session=True,
-                                         close_fds=True, pass_fds=(theirs.fileno(),))
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=self.stderr,
+                env=dict(env),
+                cwd="/",
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=(theirs.fileno(),),
+            )
         except OSError as exc:
             for s in (zygote_end, boot, theirs):
                 s.close()
@@ -227,9 +271,22 @@ def _submit(key: tuple, start: dict, header: str, fds: list[int]) -> _Zygote:
     raise SandboxError("the sandbox zygote cannot be reached after a restart")
 
 
-def run_in_zygote(code: str, timeout_s: float, *, unshare: str, python: str, plan: tuple[str, str], uid: int,
-                  gid: int, limits: tuple[int, int, int, int, int], tmpfs_bytes: int, env: dict[str, str],
-                  host_dir: str | None, max_output_bytes: int, max_file_bytes: int) -> Outcome:
+def run_in_zygote(
+    code: str,
+    timeout_s: float,
+    *,
+    unshare: str,
+    python: str,
+    plan: tuple[str, str],
+    uid: int,
+    gid: int,
+    limits: tuple[int, int, int, int, int],
+    tmpfs_bytes: int,
+    env: dict[str, str],
+    host_dir: str | None,
+    max_output_bytes: int,
+    max_file_bytes: int,
+) -> Outcome:
     """Run `code` in a fork of this process's zygote (started on first use); the arguments as `run_percall`'s.
 
     The zygote enforces the deadline (it holds the call's PID 1) and answers once, after the call is reaped;
@@ -248,7 +305,7 @@ def run_in_zygote(code: str, timeout_s: float, *, unshare: str, python: str, pla
         program, out_fd, err_fd = fds
         data = memoryview(code.encode("utf-8", "surrogatepass"))
         while data:
-            data = data[os.write(program, data):]
+            data = data[os.write(program, data) :]
         channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with channel, theirs:  # closing our end (even on KeyboardInterrupt) makes the zygote kill the call
             zygote = _submit(key, how, header, [theirs.fileno(), out_fd, err_fd, program])
@@ -261,7 +318,7 @@ def run_in_zygote(code: str, timeout_s: float, *, unshare: str, python: str, pla
                 _retire(zygote)
             raise SandboxError(f"the sandbox zygote did not answer within {timeout_s + _KILL_GRACE_S:.1f} s")
         if not reply.startswith("done "):
-            why = reply[len("error "):] if reply.startswith("error ") else zygote.stderr_text() or "it was killed"
+            why = reply[len("error ") :] if reply.startswith("error ") else zygote.stderr_text() or "it was killed"
             raise SandboxError(f"the sandbox zygote failed the call: {why}")
         wall_s = time.monotonic() - start
         first, *lines = reply.split("\n")
@@ -271,8 +328,9 @@ def run_in_zygote(code: str, timeout_s: float, *, unshare: str, python: str, pla
         # The program's status when its supervisor reported one (125: its setup failed), else the supervisor's.
         returncode = exit_status if exit_status is not None else os.waitstatus_to_exitcode(wait_status)
         stdout_b, stderr_b, err_tail, truncated = read_output(out_fd, err_fd, max_output_bytes, max_file_bytes)
-        return Outcome(status.get("ready"), exit_status, returncode, bool(killed), stdout_b, stderr_b, err_tail,
-                       truncated, wall_s)
+        return Outcome(
+            status.get("ready"), exit_status, returncode, bool(killed), stdout_b, stderr_b, err_tail, truncated, wall_s
+        )
     finally:
         for fd in fds:
             os.close(fd)

@@ -46,12 +46,17 @@ def _send(fd, text, fds=()):
 
 def _received_fds(anc):
     """The descriptors an SCM_RIGHTS message carried (`anc`, recvmsg's ancillary data)."""
-    return [f for level, kind, data in anc if (level, kind) == _SCM_RIGHTS_LEVEL
-            for f in struct.unpack("%di" % (len(data) // 4), data[:len(data) // 4 * 4])]
+    return [
+        f
+        for level, kind, data in anc
+        if (level, kind) == _SCM_RIGHTS_LEVEL
+        for f in struct.unpack("%di" % (len(data) // 4), data[: len(data) // 4 * 4])
+    ]
 
 
 def _cpu_seconds():
     import resource
+
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
@@ -106,8 +111,20 @@ def _program_process(header, status, libc, ctypes, prepared):
     _drop_privileges(libc, uid, gid, report)
     lib = [libc, ctypes]
     del libc, ctypes
-    _run_program(src, work, (mem, cpu, fsize, nproc, nofile), True, lib, status, 3, 0, report,
-                 prepared["seccomp"], prepared["hook"], finish=exit_like_interpreter)
+    _run_program(
+        src,
+        work,
+        (mem, cpu, fsize, nproc, nofile),
+        True,
+        lib,
+        status,
+        3,
+        0,
+        report,
+        prepared["seccomp"],
+        prepared["hook"],
+        finish=exit_like_interpreter,
+    )
 
 
 def _serve(ctl, pidns, libc, ctypes, prepared):
@@ -120,6 +137,7 @@ def _serve(ctl, pidns, libc, ctypes, prepared):
     """
     import _signal
     import time
+
     null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
     poller = select.poll()
     poller.register(ctl.fileno(), select.POLLIN)
@@ -172,6 +190,7 @@ def _serve(ctl, pidns, libc, ctypes, prepared):
 def _accept(ctl, pidns, null, libc, ctypes, prepared, calls, channels, poller):
     """Take one request from the control channel: fork a call (or answer `cpu`); exits at EOF."""
     import time
+
     msg, anc, flags, _ = ctl.recvmsg(4096, _socket.CMSG_SPACE(4 * 4))
     fds = _received_fds(anc)
     if not msg and not fds:
@@ -221,6 +240,7 @@ def _warm_up():
     build lazily is built in the zygote instead of in every sandbox (its stdout is /dev/null)."""
     import builtins
     import io
+
     exec(compile("print([1], 'x', end='')\n", "<warm-up>", "exec", dont_inherit=True), {"__builtins__": builtins})
     _flush([sys.stdout, sys.stderr] + [o for o in gc.get_objects() if isinstance(o, io.IOBase)])
 
@@ -242,6 +262,7 @@ def _zygote_main():
     if libc is None or not hasattr(os, "pidfd_open") or not hasattr(sys, "addaudithook"):
         _fail("the zygote needs ctypes and Python >= 3.9 (os.pidfd_open)")
     import resource
+
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     libc.unshare.argtypes = [ctypes.c_int]
     libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]

@@ -52,8 +52,10 @@ class Distilled:
 def teacher_tasks(cfg: Config) -> list[Task]:
     """The problems an endpoint teacher solves: `env.tasks` when set, else the synthetic training split."""
     if cfg.env.name != "tir_math":
-        raise ValueError(f"distill.teacher: an endpoint teacher distils tir_math problems; env.name={cfg.env.name!r} "
-                         f"uses distill.teacher='programmatic'")
+        raise ValueError(
+            f"distill.teacher: an endpoint teacher distils tir_math problems; env.name={cfg.env.name!r} "
+            f"uses distill.teacher='programmatic'"
+        )
     if cfg.env.tasks:
         return load_tasks(cfg.env.tasks)
     t = cfg.task
@@ -71,10 +73,19 @@ def write_teacher_traces(cfg: Config, log: Log = print, progress: Progress | Non
 
     tasks = teacher_tasks(cfg)
     endpoint = TeacherEndpoint.from_config(cfg.distill)
-    log(f"distill: {len(tasks)} problems to {cfg.distill.model} at {cfg.distill.teacher}, "
-        f"{cfg.distill.concurrency} in flight")
-    result = distill(endpoint, tasks, PythonTool(timeout_s=cfg.rollout.tool_timeout_s), cfg.distill.max_turns,
-                     cfg.distill.concurrency, progress=progress, grade=grade_answer)
+    log(
+        f"distill: {len(tasks)} problems to {cfg.distill.model} at {cfg.distill.teacher}, "
+        f"{cfg.distill.concurrency} in flight"
+    )
+    result = distill(
+        endpoint,
+        tasks,
+        PythonTool(timeout_s=cfg.rollout.tool_timeout_s),
+        cfg.distill.max_turns,
+        cfg.distill.concurrency,
+        progress=progress,
+        grade=grade_answer,
+    )
     rejected = {reason: n for reason, n in result.rejected.items() if n and reason != "accepted"}
     log(f"distill: kept {len(result.traces)} traces, rejected {rejected or 'none'} in {result.seconds:.1f}s")
     return Distilled(list(result.traces), rejected, result.seconds)
@@ -92,8 +103,15 @@ def save_dataset(cfg: Config, home: Path, distilled: Distilled, report: GateRepo
     with atomic_dir(Path(home) / key) as tmp:
         write_traces(tmp / "traces.parquet", distilled.traces)
         write_json(tmp / "gate.json", report.to_dict())
-        write_json(tmp / "dataset.json", {"recipe": data_recipe(cfg), "traces": len(distilled.traces),
-                                          "rejected": distilled.rejected, "teacher_seconds": distilled.seconds})
+        write_json(
+            tmp / "dataset.json",
+            {
+                "recipe": data_recipe(cfg),
+                "traces": len(distilled.traces),
+                "rejected": distilled.rejected,
+                "teacher_seconds": distilled.seconds,
+            },
+        )
     path = Path(home) / key / "traces.parquet"
     log(f"data: wrote {len(distilled.traces)} {cfg.env.name} traces to {path}")
     publish(cfg, home, key, log)

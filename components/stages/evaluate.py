@@ -42,8 +42,9 @@ def eval_tasks(cfg: Config, benchmark: str, tasks: str) -> tuple[list[Task] | No
     return load_benchmark(benchmark or "auto", tasks), f"{benchmark or 'benchmark'}:{Path(tasks).name}"
 
 
-def model_to_score(cfg: Config, home: Path, model: str, checkpoint_step: int | None,
-                   log: Log = print) -> tuple[Path, str | None, str]:
+def model_to_score(
+    cfg: Config, home: Path, model: str, checkpoint_step: int | None, log: Log = print
+) -> tuple[Path, str | None, str]:
     """(HF directory, the URI to register or None, a name for reports): `model`, checkpoint `checkpoint_step`, or
     by default the newest checkpoint of this config, else the SFT policy (which is not registered). Nothing is
     trained here: a checkpoint is rebuilt on the complete SFT policy of this config, which must exist."""
@@ -53,8 +54,10 @@ def model_to_score(cfg: Config, home: Path, model: str, checkpoint_step: int | N
     step = checkpoint_step if checkpoint_step is not None else store.latest_step()
     sft_dir = existing_sft(cfg, home, log)
     if sft_dir is None:
-        raise FileNotFoundError(f"eval: no complete SFT policy of this config in {home} or its store (`sao sft` "
-                                f"trains one); evaluation rebuilds checkpoints on it")
+        raise FileNotFoundError(
+            f"eval: no complete SFT policy of this config in {home} or its store (`sao sft` "
+            f"trains one); evaluation rebuilds checkpoints on it"
+        )
     if step is None:
         return sft_dir, None, "sft"
     return export_checkpoint(cfg, home, step, sft_dir, log), store.store.uri(store.key(step)), f"step-{step}"
@@ -76,8 +79,16 @@ def export_checkpoint(cfg: Config, home: Path, step: int, sft_dir: Path, log: Lo
     return out
 
 
-def run_eval(cfg: Config, model_dir: Path, home: Path, name: str, samples: int = 1, log: Log = print,
-             tasks: list[Task] | None = None, eval_set: str | None = None) -> EvalReport:
+def run_eval(
+    cfg: Config,
+    model_dir: Path,
+    home: Path,
+    name: str,
+    samples: int = 1,
+    log: Log = print,
+    tasks: list[Task] | None = None,
+    eval_set: str | None = None,
+) -> EvalReport:
     """Evaluation of `model_dir` in `cfg.env` on the episode path (greedy, plus `samples` sampled episodes per task
     when > 1): on `tasks` (a benchmark, named `eval_set`) or the environment's held-out set; writes
     `reports/<name>.json` and every trajectory to `reports/<name>.parquet`."""
@@ -87,26 +98,45 @@ def run_eval(cfg: Config, model_dir: Path, home: Path, name: str, samples: int =
     tokenizer = load_tokenizer(model_dir)
     engine = EmbeddedEngine(load_policy(model_dir), tokenizer, max_batch=cfg.rollout.max_batch).start()
     try:
-        report = evaluate(engine, tokenizer, setup.env, tasks, episode_limits(cfg), samples,
-                          concurrency=cfg.rollout.max_batch, stop_token_ids=tuple(stop_token_ids(tokenizer)),
-                          seed=cfg.task.seed)
+        report = evaluate(
+            engine,
+            tokenizer,
+            setup.env,
+            tasks,
+            episode_limits(cfg),
+            samples,
+            concurrency=cfg.rollout.max_batch,
+            stop_token_ids=tuple(stop_token_ids(tokenizer)),
+            seed=cfg.task.seed,
+        )
     finally:
         engine.shutdown()
     trajectories = report.greedy + ([t for s in report.sampled for t in s] if samples > 1 else [])
     write_trajectories(home / "reports" / f"{name}.parquet", trajectories)
-    write_json(home / "reports" / f"{name}.json", {
-        **report.summary(),
-        "model": str(model_dir),
-        "weights": weights_fingerprint(model_dir),
-        "eval_task": eval_task(cfg) if eval_set is None else {"benchmark": eval_set},
-        "samples_text": [{"task": t.prompt_id, "output": tokenizer.decode(t.token_ids[t.prompt_len:]),
-                          "reward": t.reward, "finish_reason": t.finish_reason} for t in report.greedy[:20]],
-    })
+    write_json(
+        home / "reports" / f"{name}.json",
+        {
+            **report.summary(),
+            "model": str(model_dir),
+            "weights": weights_fingerprint(model_dir),
+            "eval_task": eval_task(cfg) if eval_set is None else {"benchmark": eval_set},
+            "samples_text": [
+                {
+                    "task": t.prompt_id,
+                    "output": tokenizer.decode(t.token_ids[t.prompt_len :]),
+                    "reward": t.reward,
+                    "finish_reason": t.finish_reason,
+                }
+                for t in report.greedy[:20]
+            ],
+        },
+    )
     return report
 
 
-def register(cfg: Config, client, run_id: str | None, source: str, accuracy: float, eval_set: str,
-             label: str) -> Promotion:
+def register(
+    cfg: Config, client, run_id: str | None, source: str, accuracy: float, eval_set: str, label: str
+) -> Promotion:
     """The checkpoint's policy, and its critic when the algorithm has one, as registered model versions (both
     point at the checkpoint, which holds both); returns the policy's promotion."""
     tags = {"sao.checkpoint": label, "sao.algo": cfg.train.algo}

@@ -16,8 +16,9 @@ def parent_run(cfg: Config, home: Path):
     return pipeline_run(cfg, home, fingerprint({"config": to_dict(cfg), "home": str(home)}))
 
 
-def record_held_out(cfg: Config, home: Path, training_run_id: str | None, before: float, after: float,
-                    version: int) -> None:
+def record_held_out(
+    cfg: Config, home: Path, training_run_id: str | None, before: float, after: float, version: int
+) -> None:
     """The held-out accuracy before RL (step 0) and after it (the final version) in the training run itself, as
     `sao train` logs them: `sao report` and `sao compare` then show what the run achieved, not only its reward."""
     run = reopen(cfg, home, training_run_id)
@@ -34,13 +35,20 @@ def uses_critic(cfg: Config) -> bool:
 def summary(dataset: str, policy: dict, critic: dict | None, warm: bool, trained: dict, scored: dict) -> dict:
     """The headline numbers of every stage, from the stage flows' results."""
     return {
-        "dataset": dataset, "sft_policy": policy["uri"], "sft_accuracy": policy["accuracy"],
+        "dataset": dataset,
+        "sft_policy": policy["uri"],
+        "sft_accuracy": policy["accuracy"],
         "critic": critic["uri"] if critic else None,
         "critic_ev_cold": critic["ev_cold"] if critic else None,
-        "critic_ev_pretrained": critic["ev_best"] if critic else None, "critic_warm_start": warm,
+        "critic_ev_pretrained": critic["ev_best"] if critic else None,
+        "critic_warm_start": warm,
         "ev_step1": trained.get("explained_variance_step1"),
-        "version": trained["version"], "rollbacks": trained["rollbacks"],
-        "trajectories_per_s": trained["trajectories_per_s"], "trainer_idle": trained["idle_frac"],
-        "accuracy": scored["accuracy"], "eval_set": scored["eval_set"],
-        "registered": scored.get("registered"), "champion": scored.get("champion"),
+        "version": trained["version"],
+        "rollbacks": trained["rollbacks"],
+        "trajectories_per_s": trained["trajectories_per_s"],
+        "trainer_idle": trained["idle_frac"],
+        "accuracy": scored["accuracy"],
+        "eval_set": scored["eval_set"],
+        "registered": scored.get("registered"),
+        "champion": scored.get("champion"),
     }

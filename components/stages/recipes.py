@@ -46,8 +46,13 @@ def data_recipe(cfg: Config) -> dict:
     recipe: dict = {"env": {"name": cfg.env.name, "tasks": cfg.env.tasks}, "task": task}
     if cfg.distill.teacher != "programmatic":  # the embedded default keeps the keys it always had
         d = cfg.distill
-        recipe["teacher"] = {"url": d.teacher, "model": d.model, "temperature": d.temperature,
-                             "max_tokens": d.max_tokens, "max_turns": d.max_turns}
+        recipe["teacher"] = {
+            "url": d.teacher,
+            "model": d.model,
+            "temperature": d.temperature,
+            "max_tokens": d.max_tokens,
+            "max_turns": d.max_turns,
+        }
     return _normalised(recipe)
 
 
@@ -80,16 +85,29 @@ def value_pretrain_recipe(cfg: Config, sft_dir: Path) -> dict:
     """What a pretrained critic depends on: the SFT weights, the rollouts' settings and the critic's training
     settings (not `value_pretrain.warm_start`, which decides only whether RL uses it)."""
     tc = cfg.train
-    training = {"freeze_attention": ALGORITHMS[tc.algo].freeze_critic_attention,
-                "lr": cfg.value_pretrain.lr or tc.critic_lr, "weight_decay": tc.weight_decay,
-                "grad_clip": tc.grad_clip, "adam_beta2": tc.adam_beta2,
-                "task_seed": prompt_config(cfg).train.task_seed}
+    training = {
+        "freeze_attention": ALGORITHMS[tc.algo].freeze_critic_attention,
+        "lr": cfg.value_pretrain.lr or tc.critic_lr,
+        "weight_decay": tc.weight_decay,
+        "grad_clip": tc.grad_clip,
+        "adam_beta2": tc.adam_beta2,
+        "task_seed": prompt_config(cfg).train.task_seed,
+    }
     algo = {k: getattr(cfg.algo, k) for k in ("gamma", "lam_critic", "value_clip", "temperature")}
     rollout = {k: getattr(cfg.rollout, k) for k in ("max_total_tokens", "max_wall_s", "tool_timeout_s")}
     value_pretrain = {k: v for k, v in to_dict(cfg.value_pretrain).items() if k != "warm_start"}
-    return _normalised({"model": to_dict(cfg.model), "env": to_dict(cfg.env), "task": to_dict(cfg.task),
-                        "value_pretrain": value_pretrain, "algo": algo, "rollout": rollout, "training": training,
-                        "sft_weights": weights_fingerprint(sft_dir)})
+    return _normalised(
+        {
+            "model": to_dict(cfg.model),
+            "env": to_dict(cfg.env),
+            "task": to_dict(cfg.task),
+            "value_pretrain": value_pretrain,
+            "algo": algo,
+            "rollout": rollout,
+            "training": training,
+            "sft_weights": weights_fingerprint(sft_dir),
+        }
+    )
 
 
 def critic_key(cfg: Config, sft_dir: Path) -> str:

@@ -22,16 +22,18 @@ from components.models import load_policy, load_tokenizer, stop_token_ids
 from components.rollout.embedded import EmbeddedEngine
 
 
-def sample_episodes(cfg: Config, model_dir: Path, env: Environment, tasks: list[Task], seed: int,
-                    concurrency: int) -> tuple[list[Trajectory], float]:
+def sample_episodes(
+    cfg: Config, model_dir: Path, env: Environment, tasks: list[Task], seed: int, concurrency: int
+) -> tuple[list[Trajectory], float]:
     """One episode per task in `env`, sampled from the policy at `model_dir` on the embedded engine with the
     config's episode limits and temperature, `concurrency` episodes in flight; `seed` seeds the per-request
     sampling (each request's seed depends on it, the task id and the turn, never on the concurrency).
     Returns (trajectories in finish order, seconds)."""
     tokenizer = load_tokenizer(model_dir)
     engine = EmbeddedEngine(load_policy(model_dir), tokenizer, max_batch=cfg.rollout.max_batch).start()
-    runner = AgentRunner(engine, tokenizer, env, episode_limits(cfg), concurrency, tuple(stop_token_ids(tokenizer)),
-                         seed=seed)
+    runner = AgentRunner(
+        engine, tokenizer, env, episode_limits(cfg), concurrency, tuple(stop_token_ids(tokenizer)), seed=seed
+    )
     start = time.perf_counter()
     try:
         trajectories = asyncio.run(runner.run(tasks))
@@ -45,14 +47,17 @@ def run_rollout(cfg: Config, model_dir: Path, episodes: int, out: Path, log=prin
     `env.name` and `env.tasks`)."""
     setup = build_env(cfg)
     tasks = list(itertools.islice(setup.train_tasks(0, 1), episodes))
-    trajectories, elapsed = sample_episodes(cfg, model_dir, setup.env, tasks, cfg.task.seed,
-                                            cfg.rollout.concurrency)
+    trajectories, elapsed = sample_episodes(cfg, model_dir, setup.env, tasks, cfg.task.seed, cfg.rollout.concurrency)
     write_trajectories(out, trajectories)
     n = len(trajectories)
     actions = sum(t.num_actions for t in trajectories)
-    log(f"rollout: {n} {setup.name} episodes in {elapsed:.1f}s ({n / elapsed:.1f} episodes/s, "
-        f"{actions / elapsed:,.0f} action tok/s, concurrency {cfg.rollout.concurrency})")
-    log(f"  reward mean {sum(t.reward for t in trajectories) / n:.3f}, turns mean "
-        f"{sum(t.turns for t in trajectories) / n:.2f}, finish {dict(Counter(t.finish_reason for t in trajectories))}")
+    log(
+        f"rollout: {n} {setup.name} episodes in {elapsed:.1f}s ({n / elapsed:.1f} episodes/s, "
+        f"{actions / elapsed:,.0f} action tok/s, concurrency {cfg.rollout.concurrency})"
+    )
+    log(
+        f"  reward mean {sum(t.reward for t in trajectories) / n:.3f}, turns mean "
+        f"{sum(t.turns for t in trajectories) / n:.2f}, finish {dict(Counter(t.finish_reason for t in trajectories))}"
+    )
     log(f"  wrote {out}")
     return trajectories

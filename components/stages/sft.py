@@ -43,8 +43,10 @@ def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> P
     tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else build_tokenizer()
     model = build_policy(cfg.model, tokenizer, seed=cfg.sft.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"sft: {type(model).__name__} with {n_params / 1e6:.2f}M parameters, {len(traces)} traces, "
-        f"{cfg.sft.steps} steps x {cfg.sft.batch_size}")
+    log(
+        f"sft: {type(model).__name__} with {n_params / 1e6:.2f}M parameters, {len(traces)} traces, "
+        f"{cfg.sft.steps} steps x {cfg.sft.batch_size}"
+    )
     result = train_sft(model, tokenizer, traces, cfg.sft, log)
     with atomic_dir(out) as tmp:
         save_model_dir(model, tokenizer, tmp)

@@ -34,8 +34,12 @@ def run_name(cfg: Config, algo: str) -> str:
 def run_overrides(cfg: Config, overrides: list[str], algo: str, steps_per_phase: int) -> list[str]:
     """The overrides of `algo`'s run: the style environment on the schedule, under its own name."""
     return list(overrides) + [
-        'env.name="style"', f'env.preference_schedule="{schedule(steps_per_phase)}"', f'train.algo="{algo}"',
-        f"train.max_steps={steps_per_phase * len(STYLES)}", f'name="{run_name(cfg, algo)}"']
+        'env.name="style"',
+        f'env.preference_schedule="{schedule(steps_per_phase)}"',
+        f'train.algo="{algo}"',
+        f"train.max_steps={steps_per_phase * len(STYLES)}",
+        f'name="{run_name(cfg, algo)}"',
+    ]
 
 
 def reward_curve(home: Path, cfg: Config, algo: str) -> list[float]:
@@ -51,8 +55,7 @@ def phase_rows(curves: dict[str, list[float]], steps_per_phase: int) -> list[dic
     return [{"algo": algo, **row} for algo, curve in curves.items() for row in phase_table(curve, phases)]
 
 
-def write_report(out: Path, rows: list[dict], curves: dict[str, list[float]], steps_per_phase: int,
-                 table: str) -> Path:
+def write_report(out: Path, rows: list[dict], curves: dict[str, list[float]], steps_per_phase: int, table: str) -> Path:
     """`style-shift.json` (rows and curves), `style-shift.md` (`table`) and `style-shift.png` under `out`."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "style-shift.json").write_text(json.dumps({"phases": rows, "curves": curves}, indent=1))

@@ -63,8 +63,9 @@ class SeedResult:
     minutes: float
 
 
-def run_sweep(cfg: Config, home: Path, seeds: int, first_seed: int = 1, name: str | None = None,
-              log: Log = print) -> list[SeedResult]:
+def run_sweep(
+    cfg: Config, home: Path, seeds: int, first_seed: int = 1, name: str | None = None, log: Log = print
+) -> list[SeedResult]:
     if seeds < 1:
         raise ValueError(f"--seeds: must be >= 1, got {seeds}")
     swept = json.loads(json.dumps({**to_dict(cfg), "train": {**to_dict(cfg.train), "task_seed": None}}))
@@ -77,14 +78,17 @@ def run_sweep(cfg: Config, home: Path, seeds: int, first_seed: int = 1, name: st
     sft_dir = run_sft(cfg, home, log=log)
     sft_accuracy = sft_eval(cfg, sft_dir, home, log)
     parent = tagged_run(cfg, home, SWEEP_TAG, name, f"sweep/{name}")
-    log(f"sweep {name}: {seeds} seed(s) from {first_seed}, SFT held-out accuracy {sft_accuracy:.1%}; "
-        f"table at {root}/results.md")
+    log(
+        f"sweep {name}: {seeds} seed(s) from {first_seed}, SFT held-out accuracy {sft_accuracy:.1%}; "
+        f"table at {root}/results.md"
+    )
     results = []
     try:
         for seed in range(first_seed, first_seed + seeds):
             # Each seed keeps its checkpoints in its own home: seeds of one config would share one store prefix.
-            seeded = replace(cfg, train=replace(cfg.train, task_seed=seed),
-                             store=replace(cfg.store, uri=str(root / f"seed-{seed}")))
+            seeded = replace(
+                cfg, train=replace(cfg.train, task_seed=seed), store=replace(cfg.store, uri=str(root / f"seed-{seed}"))
+            )
             results.append(_run_seed(seeded, home, root, sft_dir, sft_accuracy, parent, log))
             _write_table(root, results, sft_accuracy)
     except BaseException:
@@ -95,20 +99,21 @@ def run_sweep(cfg: Config, home: Path, seeds: int, first_seed: int = 1, name: st
     return results
 
 
-def _run_seed(cfg: Config, home: Path, root: Path, sft_dir: Path, sft_accuracy: float, parent: StageRun,
-              log: Log) -> SeedResult:
+def _run_seed(
+    cfg: Config, home: Path, root: Path, sft_dir: Path, sft_accuracy: float, parent: StageRun, log: Log
+) -> SeedResult:
     seed, seed_home = cfg.train.task_seed, root / f"seed-{cfg.train.task_seed}"
     done = seed_home / "result.json"
     if done.exists():
         log(f"sweep: seed {seed} finished earlier")
         return SeedResult(**json.loads(done.read_text()))
     metrics = seed_home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl"
-    tracker = open_tracker(cfg.tracking, home, f"{root.name}/seed-{seed}", metrics,
-                           parent_run_id=parent.run_id)
+    tracker = open_tracker(cfg.tracking, home, f"{root.name}/seed-{seed}", metrics, parent_run_id=parent.run_id)
     start, failed = time.perf_counter(), True
     try:
-        result = train(cfg, build_env(cfg), sft_dir, seed_home, tracker, resume=True,
-                       log=_every_tenth_step(log, f"[seed {seed}] "))
+        result = train(
+            cfg, build_env(cfg), sft_dir, seed_home, tracker, resume=True, log=_every_tenth_step(log, f"[seed {seed}] ")
+        )
         accuracy = run_eval(cfg, result.policy_dir, seed_home, f"{cfg.train.algo}-eval", log=log).accuracy
         tracker.log_metrics({"eval/tir_math/accuracy": accuracy}, result.version)
         failed = False
@@ -117,16 +122,20 @@ def _run_seed(cfg: Config, home: Path, root: Path, sft_dir: Path, sft_accuracy: 
     history = [r for r in DiskTracker.read(metrics) if "metrics" in r]
     row = summarize(seed, history, accuracy, sft_accuracy, (time.perf_counter() - start) / 60)
     write_json(done, asdict(row))
-    log(f"sweep: seed {seed}: {accuracy:.1%} ({row.delta:+.1f} points)"
-        + (f", COLLAPSED ({row.cause}, step {row.collapse_step})" if row.collapsed else ""))
+    log(
+        f"sweep: seed {seed}: {accuracy:.1%} ({row.delta:+.1f} points)"
+        + (f", COLLAPSED ({row.cause}, step {row.collapse_step})" if row.collapsed else "")
+    )
     return row
 
 
 def _every_tenth_step(log: Log, prefix: str) -> Log:
     """The trainer's lines, with only every tenth progress line (`step   10/200 ...`)."""
+
     def filtered(line: str) -> None:
         if not line.startswith("step") or int(line.split()[1].split("/")[0]) % 10 == 0:
             log(prefix + line)
+
     return filtered
 
 
@@ -151,12 +160,17 @@ def summarize(seed: int, history: list[dict], accuracy: float, sft_accuracy: flo
     last = steps[-10:]
     evs = [m["critic/explained_variance"] for m in last if "critic/explained_variance" in m]
     return SeedResult(
-        seed=seed, accuracy=accuracy, delta=100 * (accuracy - sft_accuracy), collapsed=bool(cause),
-        collapse_step=fired[0] if fired else None, cause=cause,
+        seed=seed,
+        accuracy=accuracy,
+        delta=100 * (accuracy - sft_accuracy),
+        collapsed=bool(cause),
+        collapse_step=fired[0] if fired else None,
+        cause=cause,
         rollbacks=int(max((r["metrics"].get("trainer/rollbacks", 0) for r in history), default=0)),
         peak_entropy=max((m.get("policy/entropy", 0.0) for m in steps), default=0.0),
-        max_masked_frac=max((m.get("dis/masked_frac_low", 0.0) + m.get("dis/masked_frac_high", 0.0) for m in steps),
-                            default=0.0),
+        max_masked_frac=max(
+            (m.get("dis/masked_frac_low", 0.0) + m.get("dis/masked_frac_high", 0.0) for m in steps), default=0.0
+        ),
         final_ev=statistics.fmean(evs) if evs else float("nan"),
         final_reward=statistics.fmean(m["reward/mean"] for m in last) if last else float("nan"),
         minutes=minutes,
@@ -165,10 +179,12 @@ def summarize(seed: int, history: list[dict], accuracy: float, sft_accuracy: flo
 
 def summary_line(results: list[SeedResult], sft_accuracy: float) -> str:
     accs = [r.accuracy for r in results]
-    return (f"sweep: {len(results)} seed(s), SFT {sft_accuracy:.1%}; held-out accuracy mean {statistics.fmean(accs):.1%}"
-            f" (SFT {100 * (statistics.fmean(accs) - sft_accuracy):+.1f} points), worst {min(accs):.1%}, best "
-            f"{max(accs):.1%}; collapsed {sum(r.collapsed for r in results)}; rollbacks "
-            f"{sum(r.rollbacks for r in results)}; {sum(r.minutes for r in results):.0f} min")
+    return (
+        f"sweep: {len(results)} seed(s), SFT {sft_accuracy:.1%}; held-out accuracy mean {statistics.fmean(accs):.1%}"
+        f" (SFT {100 * (statistics.fmean(accs) - sft_accuracy):+.1f} points), worst {min(accs):.1%}, best "
+        f"{max(accs):.1%}; collapsed {sum(r.collapsed for r in results)}; rollbacks "
+        f"{sum(r.rollbacks for r in results)}; {sum(r.minutes for r in results):.0f} min"
+    )
 
 
 def _write_table(root: Path, results: list[SeedResult], sft_accuracy: float) -> None:
@@ -178,13 +194,18 @@ def _write_table(root: Path, results: list[SeedResult], sft_accuracy: float) -> 
     writer.writeheader()
     writer.writerows(asdict(r) for r in results)
     (root / "results.csv").write_text(buffer.getvalue())
-    lines = ["| seed | held-out | vs SFT | collapse (step, cause) | rollbacks | peak entropy | max masked | "
-             "final EV | final reward | min |", "|" + "---|" * 10]
+    lines = [
+        "| seed | held-out | vs SFT | collapse (step, cause) | rollbacks | peak entropy | max masked | "
+        "final EV | final reward | min |",
+        "|" + "---|" * 10,
+    ]
     for r in results:
         collapse = f"yes ({r.collapse_step or '-'}, {r.cause})" if r.collapsed else "no"
-        lines.append(f"| {r.seed} | {r.accuracy:.1%} | {r.delta:+.1f} | {collapse} | {r.rollbacks} | "
-                     f"{r.peak_entropy:.3f} | {r.max_masked_frac:.3f} | {r.final_ev:.2f} | {r.final_reward:.3f} | "
-                     f"{r.minutes:.1f} |")
+        lines.append(
+            f"| {r.seed} | {r.accuracy:.1%} | {r.delta:+.1f} | {collapse} | {r.rollbacks} | "
+            f"{r.peak_entropy:.3f} | {r.max_masked_frac:.3f} | {r.final_ev:.2f} | {r.final_reward:.3f} | "
+            f"{r.minutes:.1f} |"
+        )
     lines += ["", summary_line(results, sft_accuracy), ""]
     (root / "results.md").write_text("\n".join(lines))
 
@@ -192,9 +213,14 @@ def _write_table(root: Path, results: list[SeedResult], sft_accuracy: float) -> 
 def _finish_parent(parent: StageRun, root: Path, results: list[SeedResult]) -> None:
     """The table as the parent run's artifacts and its headline numbers as metrics."""
     accs = [r.accuracy for r in results]
-    parent.log_metrics({"sweep/accuracy_mean": statistics.fmean(accs), "sweep/accuracy_min": min(accs),
-                        "sweep/collapsed": float(sum(r.collapsed for r in results)),
-                        "sweep/rollbacks": float(sum(r.rollbacks for r in results))})
+    parent.log_metrics(
+        {
+            "sweep/accuracy_mean": statistics.fmean(accs),
+            "sweep/accuracy_min": min(accs),
+            "sweep/collapsed": float(sum(r.collapsed for r in results)),
+            "sweep/rollbacks": float(sum(r.rollbacks for r in results)),
+        }
+    )
     for filename in ("results.md", "results.csv"):
         parent.log_artifact(root / filename)
     parent.close()

@@ -23,8 +23,16 @@ from components.training.engines import init_single_process_group
 from components.training.trainer import train
 
 
-def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, force_sft: bool = False,
-              parent_run_id: str | None = None, on_checkpoint=None, evaluate: bool = True) -> dict:
+def run_train(
+    cfg: Config,
+    home: Path,
+    resume: bool = False,
+    log: Log = print,
+    force_sft: bool = False,
+    parent_run_id: str | None = None,
+    on_checkpoint=None,
+    evaluate: bool = True,
+) -> dict:
     """`sao train`: bootstrap the SFT policy if needed, train with `cfg.train.algo` (the critic from
     `train.critic_path` when set), evaluate before and after on the held-out set (`evaluate=False`: the caller evaluates).
     Metrics go to `runs/<preset>/<algo>.jsonl` and to MLflow (`tracking.*`, nested under `parent_run_id`);
@@ -43,9 +51,11 @@ def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, f
     sft_dir = run_sft(cfg, home, force=force_sft, log=log)
     comm.broadcast(str(sft_dir))  # releases the other ranks (a no-op in one process)
     before = sft_eval(cfg, sft_dir, home, log) if evaluate else None
-    log(f"train: {cfg.train.algo}, {cfg.train.max_steps} steps x {cfg.train.batch_size} trajectories, "
+    log(
+        f"train: {cfg.train.algo}, {cfg.train.max_steps} steps x {cfg.train.batch_size} trajectories, "
         f"{'sync' if cfg.train.sync else 'async'}, backend {cfg.train.backend}, {comm.world} process(es)"
-        + (f"; SFT held-out accuracy {before:.1%}" if evaluate else ""))
+        + (f"; SFT held-out accuracy {before:.1%}" if evaluate else "")
+    )
     run_name = f"{cfg.name}/{cfg.train.algo}"
     jsonl = home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl"
     tracker = open_tracker(cfg.tracking, home, run_name, jsonl, parent_run_id=parent_run_id)
@@ -64,10 +74,14 @@ def run_train(cfg: Config, home: Path, resume: bool = False, log: Log = print, f
         failed = False
     finally:
         tracker.close(failed)
-    log(f"train: held-out accuracy {before:.1%} -> {after.accuracy:.1%} after {result.version} policy "
-        f"versions ({result.policy_dir})")
-    log(f"reports: {home / 'reports'}; metrics: {home / 'runs' / cfg.name}"
-        + (f", MLflow at {mlflow_uri(cfg.tracking, home)}" if cfg.tracking.backend == "mlflow" else ""))
+    log(
+        f"train: held-out accuracy {before:.1%} -> {after.accuracy:.1%} after {result.version} policy "
+        f"versions ({result.policy_dir})"
+    )
+    log(
+        f"reports: {home / 'reports'}; metrics: {home / 'runs' / cfg.name}"
+        + (f", MLflow at {mlflow_uri(cfg.tracking, home)}" if cfg.tracking.backend == "mlflow" else "")
+    )
     return {"before": before, "after": after.accuracy, **_summary(result, tracker, jsonl, cfg.train.batch_size)}
 
 
@@ -80,10 +94,15 @@ def _summary(result, tracker, jsonl: Path, batch_size: int) -> dict:
     rate = None
     if len(steps) >= 2 and steps[-1]["time"] > steps[0]["time"]:
         rate = (len(steps) - 1) * batch_size / (steps[-1]["time"] - steps[0]["time"])
-    return {"version": result.version, "rollbacks": result.rollbacks, "policy_dir": result.policy_dir,
-            "run_id": getattr(tracker, "run_id", None), "trajectories_per_s": rate,
-            "idle_frac": steps[-1]["metrics"].get("trainer/idle_frac") if steps else None,
-            "explained_variance_step1": steps[0]["metrics"].get("critic/explained_variance") if steps else None}
+    return {
+        "version": result.version,
+        "rollbacks": result.rollbacks,
+        "policy_dir": result.policy_dir,
+        "run_id": getattr(tracker, "run_id", None),
+        "trajectories_per_s": rate,
+        "idle_frac": steps[-1]["metrics"].get("trainer/idle_frac") if steps else None,
+        "explained_variance_step1": steps[0]["metrics"].get("critic/explained_variance") if steps else None,
+    }
 
 
 def latest_checkpoint(cfg: Config, home: Path) -> int | None:

@@ -92,27 +92,39 @@ def pretrain_value(cfg: Config, sft_dir: Path, out_dir: Path, log: Log = print) 
     critic = ValueModel.from_policy(load_policy(sft_dir))
     if algorithm.freeze_critic_attention:
         freeze_attention(critic)
-    engine = TorchEngine(critic, vp.lr or tc.critic_lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip,
-                         beta2=tc.adam_beta2)
-    settings = FitSettings(cfg.algo.gamma, cfg.algo.lam_critic, cfg.algo.value_clip, vp.batch_size, vp.max_epochs,
-                           vp.patience, vp.seed)
+    engine = TorchEngine(
+        critic, vp.lr or tc.critic_lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip, beta2=tc.adam_beta2
+    )
+    settings = FitSettings(
+        cfg.algo.gamma, cfg.algo.lam_critic, cfg.algo.value_clip, vp.batch_size, vp.max_epochs, vp.patience, vp.seed
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(tc.threads or threads)  # train.threads = 0: every core (nothing else runs now)
     try:
-        history, best_epoch = fit_critic(engine, train_part, held_out, load_tokenizer(sft_dir).pad_token_id,
-                                         settings, log)
+        history, best_epoch = fit_critic(
+            engine, train_part, held_out, load_tokenizer(sft_dir).pad_token_id, settings, log
+        )
     finally:
         torch.set_num_threads(threads)
 
-    result = ValuePretrainResult(history[0], history, best_epoch, history[best_epoch],
-                                 len(train_part) + len(held_out), len(held_out), time.perf_counter() - start,
-                                 Path(out_dir))
+    result = ValuePretrainResult(
+        history[0],
+        history,
+        best_epoch,
+        history[best_epoch],
+        len(train_part) + len(held_out),
+        len(held_out),
+        time.perf_counter() - start,
+        Path(out_dir),
+    )
     summary = {k: v for k, v in asdict(result).items() if k != "out_dir"}
     with atomic_dir(out_dir) as tmp:
         critic.save(tmp)
         write_json(tmp / SUMMARY_FILE, {"recipe": value_pretrain_recipe(cfg, sft_dir), "result": summary})
-    log(f"value-pretrain: kept epoch {best_epoch} (held-out EV {result.ev_cold:.3f} -> {result.ev_best:.3f}), "
-        f"{result.seconds:.1f}s; saved {out_dir}")
+    log(
+        f"value-pretrain: kept epoch {best_epoch} (held-out EV {result.ev_cold:.3f} -> {result.ev_best:.3f}), "
+        f"{result.seconds:.1f}s; saved {out_dir}"
+    )
     return result
 
 
@@ -126,6 +138,8 @@ def collect_rollouts(cfg: Config, sft_dir: Path, log: Log = print) -> tuple[list
     trajectories, seconds = sample_episodes(cfg, sft_dir, setup.env, tasks, vp.seed, cfg.rollout.max_batch)
     train_part, held_out = split_by_prompt(trajectories, vp.held_out_episodes, vp.seed)
     reward = sum(t.reward for t in trajectories) / len(trajectories)
-    log(f"value-pretrain: {len(trajectories)} {setup.name} episodes in {seconds:.1f}s (reward mean {reward:.3f}); "
-        f"{len(train_part)} train / {len(held_out)} held-out prompts")
+    log(
+        f"value-pretrain: {len(trajectories)} {setup.name} episodes in {seconds:.1f}s (reward mean {reward:.3f}); "
+        f"{len(train_part)} train / {len(held_out)} held-out prompts"
+    )
     return train_part, held_out

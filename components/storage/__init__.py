@@ -5,27 +5,41 @@
 """
 
 from components.storage.artifacts import (
-                                          MANIFEST,
-                                          ArtifactStore,
-                                          CorruptArtifact,
-                                          IncompleteArtifact,
-                                          LocalStore,
-                                          StoreError,
+    MANIFEST,
+    ArtifactStore,
+    CorruptArtifact,
+    IncompleteArtifact,
+    LocalStore,
+    StoreError,
 )
 from components.storage.local import (
-                                          MARKER,
-                                          HomeStateError,
-                                          atomic_dir,
-                                          atomic_fill,
-                                          is_complete,
-                                          mark_complete,
-                                          weights_fingerprint,
-                                          write_json,
+    MARKER,
+    HomeStateError,
+    atomic_dir,
+    atomic_fill,
+    is_complete,
+    mark_complete,
+    weights_fingerprint,
+    write_json,
 )
 from components.storage.stores import open_store, read_uri, resolve_store_uri
 
 __all__ = [
-    "MANIFEST", "MARKER", "ArtifactStore", "CorruptArtifact", "HomeStateError", "IncompleteArtifact", "LocalStore",
-    "StoreError", "atomic_dir", "atomic_fill", "is_complete", "mark_complete", "open_store", "read_uri", "resolve_store_uri",
-    "weights_fingerprint", "write_json",
+    "MANIFEST",
+    "MARKER",
+    "ArtifactStore",
+    "CorruptArtifact",
+    "HomeStateError",
+    "IncompleteArtifact",
+    "LocalStore",
+    "StoreError",
+    "atomic_dir",
+    "atomic_fill",
+    "is_complete",
+    "mark_complete",
+    "open_store",
+    "read_uri",
+    "resolve_store_uri",
+    "weights_fingerprint",
+    "write_json",
 ]

@@ -156,8 +156,10 @@ def verify(uri: str, rel: str, expected: dict, actual: dict) -> None:
     if actual["bytes"] != expected["bytes"]:
         raise CorruptArtifact(f"{uri}/{rel} has {actual['bytes']} bytes, its manifest says {expected['bytes']}")
     if actual["sha256"] != expected["sha256"]:
-        raise CorruptArtifact(f"{uri}/{rel} does not match its manifest sha256 (manifest {expected['sha256'][:16]}"
-                              f"..., stored {actual['sha256'][:16]}...)")
+        raise CorruptArtifact(
+            f"{uri}/{rel} does not match its manifest sha256 (manifest {expected['sha256'][:16]}"
+            f"..., stored {actual['sha256'][:16]}...)"
+        )
 
 
 class LocalStore:

@@ -63,12 +63,28 @@ MIN_PART = 5 * 1024 * 1024
 
 _MISSING = ("404", "NoSuchKey", "NotFound")
 
-_TRANSIENT_CODES = ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeoutException",
-                    "InternalError", "ServiceUnavailable", "RequestLimitExceeded")
+_TRANSIENT_CODES = (
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "InternalError",
+    "ServiceUnavailable",
+    "RequestLimitExceeded",
+)
 """S3 error codes that say "try again" (besides any 5xx status)."""
 
-_TRANSIENT_EXCEPTIONS = (BotoConnectionError, HTTPClientError, ResponseStreamingError, IncompleteReadError,
-                         RetriesExceededError, TransferRetriesExceeded, socket.timeout, ConnectionError)
+_TRANSIENT_EXCEPTIONS = (
+    BotoConnectionError,
+    HTTPClientError,
+    ResponseStreamingError,
+    IncompleteReadError,
+    RetriesExceededError,
+    TransferRetriesExceeded,
+    socket.timeout,
+    ConnectionError,
+)
 """Transport failures: refused or reset connections, timeouts, a body cut short, the transfer manager's own
 download retries exhausted."""
 
@@ -95,15 +111,26 @@ def transient(exc: BaseException) -> bool:
 class S3Store:
     """Artifacts as objects `s3://<bucket>/<prefix>/<key>/{files..., manifest.json, _COMPLETE}`."""
 
-    def __init__(self, bucket: str, prefix: str = "", *, multipart_threshold: int = 64 * 1024 * 1024,
-                 multipart_chunksize: int = 64 * 1024 * 1024, retries: int = 4, attempts: int = 6,
-                 backoff_s: float = 1.0, max_backoff_s: float = 30.0, connect_timeout_s: float = 10.0,
-                 read_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        multipart_threshold: int = 64 * 1024 * 1024,
+        multipart_chunksize: int = 64 * 1024 * 1024,
+        retries: int = 4,
+        attempts: int = 6,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float = 60.0,
+    ) -> None:
         if not bucket or "/" in bucket:
             raise ValueError(f"S3Store bucket must be a bucket name, got {bucket!r}")
         if multipart_chunksize < MIN_PART:
-            raise ValueError(f"S3Store multipart_chunksize must be >= {MIN_PART} (S3's smallest part), "
-                             f"got {multipart_chunksize}")
+            raise ValueError(
+                f"S3Store multipart_chunksize must be >= {MIN_PART} (S3's smallest part), got {multipart_chunksize}"
+            )
         if multipart_threshold < 1:
             raise ValueError(f"S3Store multipart_threshold must be >= 1, got {multipart_threshold}")
         if retries < 0:
@@ -111,8 +138,10 @@ class S3Store:
         if attempts < 1:
             raise ValueError(f"S3Store attempts must be >= 1, got {attempts}")
         if not 0 <= backoff_s <= max_backoff_s <= 600:
-            raise ValueError(f"S3Store backoff must satisfy 0 <= backoff_s <= max_backoff_s <= 600, got "
-                             f"backoff_s={backoff_s}, max_backoff_s={max_backoff_s}")
+            raise ValueError(
+                f"S3Store backoff must satisfy 0 <= backoff_s <= max_backoff_s <= 600, got "
+                f"backoff_s={backoff_s}, max_backoff_s={max_backoff_s}"
+            )
         for name, value in (("connect_timeout_s", connect_timeout_s), ("read_timeout_s", read_timeout_s)):
             if not 0 < value <= 3600:
                 raise ValueError(f"S3Store {name} must be in (0, 3600] seconds, got {value}")
@@ -120,8 +149,7 @@ class S3Store:
         """Bucket holding the artifacts."""
         self.prefix = check_key(prefix, allow_empty=True)
         """Key prefix inside the bucket that every artifact key is relative to ('' for the bucket's root)."""
-        self.transfer = TransferConfig(multipart_threshold=multipart_threshold,
-                                       multipart_chunksize=multipart_chunksize)
+        self.transfer = TransferConfig(multipart_threshold=multipart_threshold, multipart_chunksize=multipart_chunksize)
         """boto3 transfer-manager settings for uploads and downloads (files above the threshold go multipart)."""
         self.attempts, self.backoff_s, self.max_backoff_s = attempts, backoff_s, max_backoff_s
         """Store-level tries of each unit of work on transient failures, and the backoff between them: attempt
@@ -129,9 +157,15 @@ class S3Store:
         doubling) wait 15.5-31 s in all before giving up, on top of botocore's own retries."""
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         # botocore's "max_attempts" counts retries after the first try (it keeps retries + 1 as the total).
-        self.client = boto3.client("s3", endpoint_url=endpoint, config=Config(
-            retries={"max_attempts": retries, "mode": "standard"},
-            connect_timeout=connect_timeout_s, read_timeout=read_timeout_s))
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            config=Config(
+                retries={"max_attempts": retries, "mode": "standard"},
+                connect_timeout=connect_timeout_s,
+                read_timeout=read_timeout_s,
+            ),
+        )
         """The boto3 S3 client: endpoint from AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, `retries` retries of
         throttled and transient failures per request in botocore's "standard" mode, and every request bounded
         by `connect_timeout_s` and `read_timeout_s` (a read timeout is one more transient failure)."""
@@ -141,7 +175,7 @@ class S3Store:
         """`s3://bucket[/prefix]` -> a store; ValueError naming the URI when the bucket is missing."""
         if not uri.startswith("s3://"):
             raise ValueError(f"not an s3:// URI: {uri!r}")
-        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        bucket, _, prefix = uri[len("s3://") :].partition("/")
         if not bucket:
             raise ValueError(f"s3 store URI must be s3://bucket[/prefix], got {uri!r}")
         return cls(bucket, prefix, **options)
@@ -172,8 +206,9 @@ class S3Store:
                 if not transient(exc):
                     raise
                 if failures == self.attempts:
-                    raise StoreError(f"s3://{self.bucket}/{what}: failed {failures} times, last: "
-                                     f"{type(exc).__name__}: {exc}") from exc
+                    raise StoreError(
+                        f"s3://{self.bucket}/{what}: failed {failures} times, last: {type(exc).__name__}: {exc}"
+                    ) from exc
                 ceiling = min(self.backoff_s * 2 ** (failures - 1), self.max_backoff_s)
                 time.sleep(random.uniform(ceiling / 2, ceiling))
 
@@ -185,6 +220,7 @@ class S3Store:
                 if _missing(exc):
                     return None
                 raise
+
         return self._retry(object_key, get)
 
     def read_object(self, key: str) -> bytes | None:
@@ -203,8 +239,12 @@ class S3Store:
             manifest = {}
             for rel, path in files:
                 manifest[rel] = file_meta(path)
-                self._retry(f"{base}/{rel}", lambda path=path, rel=rel: self.client.upload_file(
-                    str(path), self.bucket, f"{base}/{rel}", Config=self.transfer))
+                self._retry(
+                    f"{base}/{rel}",
+                    lambda path=path, rel=rel: self.client.upload_file(
+                        str(path), self.bucket, f"{base}/{rel}", Config=self.transfer
+                    ),
+                )
                 fault_point("store.upload")
             self._put(f"{base}/{MANIFEST}", manifest_bytes(check_key(key), manifest))
             self._put(f"{base}/{MARKER}", json.dumps({"completed_at": time.time()}).encode())
@@ -221,8 +261,12 @@ class S3Store:
                     dst = tmp / rel
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     try:
-                        self._retry(f"{base}/{rel}", lambda rel=rel, dst=dst: self.client.download_file(
-                            self.bucket, f"{base}/{rel}", str(dst), Config=self.transfer))
+                        self._retry(
+                            f"{base}/{rel}",
+                            lambda rel=rel, dst=dst: self.client.download_file(
+                                self.bucket, f"{base}/{rel}", str(dst), Config=self.transfer
+                            ),
+                        )
                     except ClientError as exc:
                         if _missing(exc):
                             raise CorruptArtifact(f"{uri}/{rel} is listed in its manifest but missing") from exc
@@ -245,6 +289,7 @@ class S3Store:
         def listing() -> list[str]:
             pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start)
             return [entry["Key"] for page in pages for entry in page.get("Contents", [])]
+
         return self._retry(start, listing)
 
     def list_complete(self, prefix: str = "") -> list[str]:
@@ -253,7 +298,7 @@ class S3Store:
         names = set()
         with self._errors(prefix):
             for object_key in self._list(start):  # one listing instead of a HEAD per child
-                parts = object_key[len(start):].split("/")
+                parts = object_key[len(start) :].split("/")
                 if len(parts) == 2 and parts[1] == MARKER:
                     names.add(parts[0])
         return sorted(names)
@@ -261,14 +306,21 @@ class S3Store:
     def delete(self, key: str) -> None:
         base = self._key(key)
         with self._errors(key):
-            self._retry(f"{base}/{MARKER}", lambda: self.client.delete_object(Bucket=self.bucket,
-                                                                               Key=f"{base}/{MARKER}"))
+            self._retry(
+                f"{base}/{MARKER}", lambda: self.client.delete_object(Bucket=self.bucket, Key=f"{base}/{MARKER}")
+            )
             keys = self._list(f"{base}/")
             for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-                batch = [{"Key": k} for k in keys[i:i + 1000]]
-                result = self._retry(f"{base}/", lambda batch=batch: self.client.delete_objects(
-                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}))
+                batch = [{"Key": k} for k in keys[i : i + 1000]]
+                result = self._retry(
+                    f"{base}/",
+                    lambda batch=batch: self.client.delete_objects(
+                        Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+                    ),
+                )
                 if result.get("Errors"):
                     error = result["Errors"][0]
-                    raise StoreError(f"{self.uri(key)}: could not delete {error.get('Key')}: "
-                                     f"{error.get('Code')} {error.get('Message')}")
+                    raise StoreError(
+                        f"{self.uri(key)}: could not delete {error.get('Key')}: "
+                        f"{error.get('Code')} {error.get('Message')}"
+                    )

@@ -52,7 +52,7 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
     """`s3://bucket/some/key` -> `("bucket", "some/key")`; ValueError when either part is missing."""
     if not uri.startswith("s3://"):
         raise ValueError(f"not an s3:// URI: {uri!r}")
-    bucket, _, key = uri[len("s3://"):].partition("/")
+    bucket, _, key = uri[len("s3://") :].partition("/")
     if not bucket or not key:
         raise ValueError(f"s3 URI must be s3://bucket/key, got {uri!r}")
     return bucket, key
@@ -63,8 +63,9 @@ def _s3_store(uri: str) -> type:
     try:
         import boto3  # noqa: F401  (S3Store's dependency: checked here to name the URI that needs it)
     except ImportError as exc:
-        raise ImportError(f"{uri} needs boto3, which is not installed in this environment; install it with "
-                          f"`pip install boto3`") from exc
+        raise ImportError(
+            f"{uri} needs boto3, which is not installed in this environment; install it with `pip install boto3`"
+        ) from exc
     from components.storage.s3 import S3Store  # it imports boto3: loaded for s3:// URIs only
 
     return S3Store

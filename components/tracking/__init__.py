@@ -10,20 +10,32 @@ runs and the model registry.
 """
 
 from components.tracking.mlflow_tracker import (
-           MlflowTracker,
-           mlflow_experiment,
-           mlflow_uri,
-           spool_dir,
+    MlflowTracker,
+    mlflow_experiment,
+    mlflow_uri,
+    spool_dir,
 )
 from components.tracking.spool import replay_spool, spool_files
 from components.tracking.trackers import (
-           DiskTracker,
-           FanOut,
-           NullTracker,
-           Tracker,
-           open_tracker,
-           prometheus_port,
+    DiskTracker,
+    FanOut,
+    NullTracker,
+    Tracker,
+    open_tracker,
+    prometheus_port,
 )
 
-__all__ = ["DiskTracker", "FanOut", "MlflowTracker", "NullTracker", "Tracker", "mlflow_experiment", "mlflow_uri",
-           "open_tracker", "prometheus_port", "replay_spool", "spool_dir", "spool_files"]
+__all__ = [
+    "DiskTracker",
+    "FanOut",
+    "MlflowTracker",
+    "NullTracker",
+    "Tracker",
+    "mlflow_experiment",
+    "mlflow_uri",
+    "open_tracker",
+    "prometheus_port",
+    "replay_spool",
+    "spool_dir",
+    "spool_files",
+]

@@ -45,10 +45,21 @@ class MlflowTracker:
 
     LINEAGE_TAG = LINEAGE_TAG
 
-    def __init__(self, uri: str, experiment: str, run_name: str, lineage: str = "",
-                 artifact_root: str | None = None, parent_run_id: str | None = None,
-                 spool_dir: str | Path | None = None, wait_s: float = 2.0, close_timeout_s: float = 30.0,
-                 retry_max_s: float = 10.0, tags: dict[str, str] | None = None, run_id: str | None = None) -> None:
+    def __init__(
+        self,
+        uri: str,
+        experiment: str,
+        run_name: str,
+        lineage: str = "",
+        artifact_root: str | None = None,
+        parent_run_id: str | None = None,
+        spool_dir: str | Path | None = None,
+        wait_s: float = 2.0,
+        close_timeout_s: float = 30.0,
+        retry_max_s: float = 10.0,
+        tags: dict[str, str] | None = None,
+        run_id: str | None = None,
+    ) -> None:
         """A new run `run_name` in `experiment` (created with `artifact_root` when missing), tagged with `tags`,
         `lineage` (when set) and `parent_run_id` (shown nested under it); or with `run_id`, the existing run of
         that id, reopened (a pipeline's parent run found again, a finished training run given its evaluation)."""
@@ -59,8 +70,7 @@ class MlflowTracker:
             try:
                 replay_spool(spool_dir, quiet=True)
             except Exception as exc:  # noqa: BLE001 - they stay on disk; this run can start without them
-                logger.warning("MLflow: could not replay the spools left in %s (%s); they stay there", spool_dir,
-                               exc)
+                logger.warning("MLflow: could not replay the spools left in %s (%s); they stay there", spool_dir, exc)
         self.client = MlflowClient(uri)
         self.lineage = lineage
         tags = {**(tags or {}), **({self.LINEAGE_TAG: lineage} if lineage else {})}
@@ -75,8 +85,11 @@ class MlflowTracker:
                         self.client.update_run(run_id, status="RUNNING")
                     break
                 found = self.client.get_experiment_by_name(experiment)
-                experiment_id = found.experiment_id if found else self.client.create_experiment(
-                    experiment, artifact_location=artifact_root)
+                experiment_id = (
+                    found.experiment_id
+                    if found
+                    else self.client.create_experiment(experiment, artifact_location=artifact_root)
+                )
                 run = self.client.create_run(experiment_id, run_name=run_name, tags=tags)
                 break
             except Exception as exc:
@@ -85,8 +98,10 @@ class MlflowTracker:
                 time.sleep(2.0 * (attempt + 1))
         self.experiment_id, self.run_id = experiment_id, run.info.run_id
         spool_dir = Path(spool_dir) if spool_dir else Path(tempfile.gettempdir()) / "sao-mlflow-spool"
-        self.spool = Spool(spool_dir / f"{self.run_id}.jsonl", header={
-            "run_id": self.run_id, "uri": uri, "experiment_id": experiment_id, "lineage": lineage})
+        self.spool = Spool(
+            spool_dir / f"{self.run_id}.jsonl",
+            header={"run_id": self.run_id, "uri": uri, "experiment_id": experiment_id, "lineage": lineage},
+        )
         """This run's outbox on disk (replay_spool delivers what a closed or killed tracker left in it)."""
         self.spool.lock()
         self.wait_s, self.close_timeout_s = wait_s, close_timeout_s
@@ -99,8 +114,14 @@ class MlflowTracker:
         self._submit({"op": "params", "params": {k: str(v)[:6000] for k, v in flatten(params).items()}})
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
-        self._submit({"op": "metrics", "step": step, "time_ms": int(time.time() * 1000),
-                      "metrics": {k: float(v) for k, v in metrics.items()}})
+        self._submit(
+            {
+                "op": "metrics",
+                "step": step,
+                "time_ms": int(time.time() * 1000),
+                "metrics": {k: float(v) for k, v in metrics.items()},
+            }
+        )
 
     def log_dataset(self, rows: list[dict], source: str, name: str, context: str = "training") -> None:
         """A dataset input (name, digest of its rows, source URI, schema) shown on the run's page; the entity is
@@ -111,9 +132,20 @@ class MlflowTracker:
         with warnings.catch_warnings():  # MLflow's notes on source resolution and integer columns, not ours
             warnings.simplefilter("ignore", UserWarning)
             entity = mlflow.data.from_pandas(pd.DataFrame(rows), source=source, name=name)._to_mlflow_entity()
-        self._submit({"op": "dataset", "context": context, "dataset": {
-            "name": entity.name, "digest": entity.digest, "source_type": entity.source_type,
-            "source": entity.source, "schema": entity.schema, "profile": entity.profile}})
+        self._submit(
+            {
+                "op": "dataset",
+                "context": context,
+                "dataset": {
+                    "name": entity.name,
+                    "digest": entity.digest,
+                    "source_type": entity.source_type,
+                    "source": entity.source,
+                    "schema": entity.schema,
+                    "profile": entity.profile,
+                },
+            }
+        )
 
     def log_artifact(self, path: str | Path) -> None:
         """A file uploaded to the run's artifacts (delivered through the spool: the file must stay in place)."""
@@ -130,9 +162,14 @@ class MlflowTracker:
         self.courier.submit(self.spool.append({"op": "terminate", "status": "FAILED" if failed else "FINISHED"}), 0)
         left = self.courier.drain(self.close_timeout_s)
         if left:
-            logger.warning("MLflow: %d records of run %s were not delivered within %.0f s; they are kept in %s "
-                           "(deliver them with `sao tracking replay`)", left, self.run_id, self.close_timeout_s,
-                           self.spool.path)
+            logger.warning(
+                "MLflow: %d records of run %s were not delivered within %.0f s; they are kept in %s "
+                "(deliver them with `sao tracking replay`)",
+                left,
+                self.run_id,
+                self.close_timeout_s,
+                self.spool.path,
+            )
         if not self.courier.alive:  # a request still in flight keeps the spool locked until the process ends
             self.spool.close(remove=True)  # removed when all was delivered
 
@@ -158,8 +195,13 @@ def mlflow_experiment(config: TrackingConfig, home: Path) -> tuple[Any, str]:
 
     client = MlflowClient(mlflow_uri(config, home))
     found = client.get_experiment_by_name(config.experiment)
-    experiment = found.experiment_id if found else client.create_experiment(
-        config.experiment, artifact_location=(Path(home).resolve() / "mlartifacts").as_uri())
+    experiment = (
+        found.experiment_id
+        if found
+        else client.create_experiment(
+            config.experiment, artifact_location=(Path(home).resolve() / "mlartifacts").as_uri()
+        )
+    )
     return client, experiment
 
 
@@ -182,5 +224,3 @@ def mlflow_uri(config: TrackingConfig, home: Path) -> str:
 def spool_dir(home: Path) -> Path:
     """Where a run home's MLflow spools live (`replay_spool` takes this directory, a spool file or the home)."""
     return Path(home).resolve() / SPOOL_DIR
-
-

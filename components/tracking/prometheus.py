@@ -33,18 +33,51 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TRAINER_METRICS = (
     # DESIGN section 6 (eval/<benchmark>/accuracy is EVAL_ACCURACY below)
-    "policy/loss", "policy/entropy", "policy/grad_norm", "dis/ratio_mean", "dis/masked_frac_low",
-    "dis/masked_frac_high", "dis/approx_kl", "critic/loss", "critic/explained_variance", "critic/grad_norm",
-    "critic/value_mean", "adv/mean", "adv/std", "reward/mean", "rollout/staleness_mean", "rollout/staleness_max",
-    "rollout/tokens_per_s", "rollout/trajectories_per_s", "rollout/turns_mean", "rollout/length_mean",
-    "trainer/idle_frac", "trainer/step_s",
+    "policy/loss",
+    "policy/entropy",
+    "policy/grad_norm",
+    "dis/ratio_mean",
+    "dis/masked_frac_low",
+    "dis/masked_frac_high",
+    "dis/approx_kl",
+    "critic/loss",
+    "critic/explained_variance",
+    "critic/grad_norm",
+    "critic/value_mean",
+    "adv/mean",
+    "adv/std",
+    "reward/mean",
+    "rollout/staleness_mean",
+    "rollout/staleness_max",
+    "rollout/tokens_per_s",
+    "rollout/trajectories_per_s",
+    "rollout/turns_mean",
+    "rollout/length_mean",
+    "trainer/idle_frac",
+    "trainer/step_s",
     # what the trainer logs beyond them (components/training/trainer.py, algorithms.py, diagnostics.py,
     # components/algo/losses.py, components/rollout/backends.py, the style environment)
-    "policy/clip_frac", "critic/clip_frac", "policy/entropy_argmax", "policy/entropy_other",
-    "policy/nonargmax_frac", "adv/failed_mean", "adv/success_mean", "adv/traj_extreme", "trainer/wait_s",
-    "trainer/publish_s", "rollout/action_tokens", "trainer/lr_scale", "trainer/rollbacks", "trainer/rollback_to", "trainer/skipped_steps", "trainer/checkpoint_failures",
-    "trainer/critic_skipped_steps", "rollout/engine_errors",
-    "rollout/engines_live", "rollout/episodes_dropped", "env/preference",
+    "policy/clip_frac",
+    "critic/clip_frac",
+    "policy/entropy_argmax",
+    "policy/entropy_other",
+    "policy/nonargmax_frac",
+    "adv/failed_mean",
+    "adv/success_mean",
+    "adv/traj_extreme",
+    "trainer/wait_s",
+    "trainer/publish_s",
+    "rollout/action_tokens",
+    "trainer/lr_scale",
+    "trainer/rollbacks",
+    "trainer/rollback_to",
+    "trainer/skipped_steps",
+    "trainer/checkpoint_failures",
+    "trainer/critic_skipped_steps",
+    "rollout/engine_errors",
+    "rollout/engines_live",
+    "rollout/episodes_dropped",
+    "env/preference",
 )
 """Metric names (as logged) exported one-to-one as `sao_<name with / as _>` gauges."""
 
@@ -63,11 +96,21 @@ def series_name(metric: str) -> str:
     return "sao_" + metric.replace("/", "_")
 
 
-TRAINER_SERIES = ("sao_trainer_step", "sao_trainer_max_steps", "sao_trainer_last_step_timestamp_seconds",
-                  "sao_trainer_steps_total",
-                  "sao_eval_accuracy", *(series_name(m) for m in TRAINER_METRICS))
-ENGINE_SERIES = ("sao_engine_queue_depth", "sao_engine_tokens_per_second", "sao_engine_weight_version",
-                 "sao_engine_requests_total", "sao_engine_generated_tokens_total")
+TRAINER_SERIES = (
+    "sao_trainer_step",
+    "sao_trainer_max_steps",
+    "sao_trainer_last_step_timestamp_seconds",
+    "sao_trainer_steps_total",
+    "sao_eval_accuracy",
+    *(series_name(m) for m in TRAINER_METRICS),
+)
+ENGINE_SERIES = (
+    "sao_engine_queue_depth",
+    "sao_engine_tokens_per_second",
+    "sao_engine_weight_version",
+    "sao_engine_requests_total",
+    "sao_engine_generated_tokens_total",
+)
 EXPORTED: tuple[str, ...] = TRAINER_SERIES + ENGINE_SERIES
 """Every series name this module can export (trainer exporter, then engine `/metrics`); nothing else is."""
 
@@ -92,17 +135,22 @@ class PrometheusTracker:
         try:
             self._server, self._thread = start_http_server(port, addr, registry=self.registry)
         except OSError as exc:
-            raise OSError(exc.errno, f"tracking.prometheus_port: cannot serve metrics on {addr}:{port} "
-                                     f"({exc.strerror}); choose a free port, or 0 for no exporter") from exc
+            raise OSError(
+                exc.errno,
+                f"tracking.prometheus_port: cannot serve metrics on {addr}:{port} "
+                f"({exc.strerror}); choose a free port, or 0 for no exporter",
+            ) from exc
         self.port = self._server.server_port
 
     def log_params(self, params: dict) -> None:
         config = params.get("config")
         if isinstance(config, dict):
             with self._lock:
-                self.labels = {"preset": str(config.get("name", "")),
-                               "algo": str(config.get("train", {}).get("algo", "")),
-                               "env": str(config.get("env", {}).get("name", ""))}
+                self.labels = {
+                    "preset": str(config.get("name", "")),
+                    "algo": str(config.get("train", {}).get("algo", "")),
+                    "env": str(config.get("env", {}).get("name", "")),
+                }
                 # the target version: an exporter that vanishes before it crashed (SaoTrainerGone)
                 max_steps = config.get("train", {}).get("max_steps")
                 if max_steps is not None:
@@ -192,14 +240,26 @@ class EngineMetrics:
     def collect(self):
         labels = [self.model]
         values = (
-            (GaugeMetricFamily, "sao_engine_queue_depth", "Requests waiting plus running in the engine",
-             self.engine.in_flight),
-            (GaugeMetricFamily, "sao_engine_tokens_per_second", "Generated tokens per second over the recent window",
-             self._sample()),
+            (
+                GaugeMetricFamily,
+                "sao_engine_queue_depth",
+                "Requests waiting plus running in the engine",
+                self.engine.in_flight,
+            ),
+            (
+                GaugeMetricFamily,
+                "sao_engine_tokens_per_second",
+                "Generated tokens per second over the recent window",
+                self._sample(),
+            ),
             (GaugeMetricFamily, "sao_engine_weight_version", "Policy version the engine serves", self.engine.version),
             (CounterMetricFamily, "sao_engine_requests", "Completions served", self.requests),
-            (CounterMetricFamily, "sao_engine_generated_tokens", "Tokens sampled by the engine",
-             self.engine.stats.generated_tokens),
+            (
+                CounterMetricFamily,
+                "sao_engine_generated_tokens",
+                "Tokens sampled by the engine",
+                self.engine.stats.generated_tokens,
+            ),
         )
         for family, name, doc, value in values:
             metric = family(name, doc, labels=["model"])

@@ -43,8 +43,15 @@ def register_version(client: Any, name: str, source: str, run_id: str | None, ta
     return str(client.create_model_version(name, source, run_id=run_id, tags=tags).version)
 
 
-def promote(client: Any, name: str, source: str, run_id: str | None, score: float, eval_set: str,
-            extra_tags: dict[str, str] | None = None) -> Promotion:
+def promote(
+    client: Any,
+    name: str,
+    source: str,
+    run_id: str | None,
+    score: float,
+    eval_set: str,
+    extra_tags: dict[str, str] | None = None,
+) -> Promotion:
     """Register a scored checkpoint as `candidate`, and as `champion` when it beats the champion on `eval_set`
     (strictly: a tie keeps the incumbent)."""
     from mlflow.exceptions import MlflowException
@@ -85,8 +92,15 @@ def versions_table(client: Any, name: str | None = None) -> list[dict[str, str]]
             aliases.setdefault(str(version), []).append(alias)
         found = client.search_model_versions(f"name = '{model.name}'")
         for v in sorted(found, key=lambda v: int(v.version), reverse=True):
-            rows.append({"model": model.name, "version": str(v.version),
-                         "aliases": ",".join(sorted(aliases.get(str(v.version), []))) or "-",
-                         "checkpoint": v.tags.get("sao.checkpoint", "-"), "score": v.tags.get(SCORE_TAG, "-"),
-                         "eval_set": v.tags.get(EVAL_SET_TAG, "-"), "source": v.source})
+            rows.append(
+                {
+                    "model": model.name,
+                    "version": str(v.version),
+                    "aliases": ",".join(sorted(aliases.get(str(v.version), []))) or "-",
+                    "checkpoint": v.tags.get("sao.checkpoint", "-"),
+                    "score": v.tags.get(SCORE_TAG, "-"),
+                    "eval_set": v.tags.get(EVAL_SET_TAG, "-"),
+                    "source": v.source,
+                }
+            )
     return rows

@@ -106,8 +106,14 @@ class Spool:
         """Keep a record the server refused for good, with the reason, beside the spool."""
         with self.path.with_suffix(".rejected.jsonl").open("a") as out:
             out.write(json.dumps({**record, "error": f"{type(exc).__name__}: {exc}"}) + "\n")
-        logger.warning("MLflow refused %s record %d of run %s (kept in %s): %s", record["op"], record["seq"],
-                       self.run_id, self.path.with_suffix(".rejected.jsonl"), exc)
+        logger.warning(
+            "MLflow refused %s record %d of run %s (kept in %s): %s",
+            record["op"],
+            record["seq"],
+            self.run_id,
+            self.path.with_suffix(".rejected.jsonl"),
+            exc,
+        )
 
     def close(self, remove: bool = False) -> None:
         """Close (releasing the lock); `remove` (by the lock's holder) deletes the spool and its offset when
@@ -162,15 +168,19 @@ def deliver(client: Any, header: dict, record: dict, in_doubt: bool) -> bool:
 
 
 def _present(client: Any, run_id: str, point: Any) -> bool:
-    return any(m.step == point.step and m.timestamp == point.timestamp
-               for m in client.get_metric_history(run_id, point.key))
+    return any(
+        m.step == point.step and m.timestamp == point.timestamp for m in client.get_metric_history(run_id, point.key)
+    )
 
 
 def previous_run(client: Any, header: dict) -> Any:
     """The newest other run of the spool's lineage, or None."""
-    runs = client.search_runs([header["experiment_id"]],
-                              filter_string=f"tags.`{LINEAGE_TAG}` = '{header['lineage']}'",
-                              order_by=["attributes.start_time DESC"], max_results=10)
+    runs = client.search_runs(
+        [header["experiment_id"]],
+        filter_string=f"tags.`{LINEAGE_TAG}` = '{header['lineage']}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=10,
+    )
     return next((r for r in runs if r.info.run_id != header["run_id"]), None)
 
 
@@ -184,10 +194,12 @@ def rewind_run(client: Any, header: dict, step: int) -> None:
         return
     run_id, prev_id = header["run_id"], previous.info.run_id
     have = {(key, m.step) for key in previous.data.metrics for m in client.get_metric_history(run_id, key)}
-    points = [Metric(m.key, m.value, m.timestamp, m.step)
-              for key in previous.data.metrics
-              for m in client.get_metric_history(prev_id, key)
-              if m.step <= step and (m.key, m.step) not in have]
+    points = [
+        Metric(m.key, m.value, m.timestamp, m.step)
+        for key in previous.data.metrics
+        for m in client.get_metric_history(prev_id, key)
+        if m.step <= step and (m.key, m.step) not in have
+    ]
     for chunk in chunks(points, 1000):
         client.log_batch(run_id, metrics=chunk)
     client.set_tag(run_id, "sao.resumed_from_run", prev_id)
@@ -199,7 +211,7 @@ def rewind_run(client: Any, header: dict, step: int) -> None:
 
 def chunks(items: list, size: int) -> list[list]:
     """MLflow's log_batch takes at most 1000 metrics and 100 params per call."""
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 class Courier:
@@ -257,8 +269,9 @@ class Courier:
                 else:
                     failures, in_doubt = failures + 1, True
                     if failures == 1:
-                        logger.warning("MLflow unreachable, metrics stay spooled in %s until it returns: %s",
-                                       self.spool.path, exc)
+                        logger.warning(
+                            "MLflow unreachable, metrics stay spooled in %s until it returns: %s", self.spool.path, exc
+                        )
                     with self._cond:
                         self.healthy = False
                         self._cond.notify_all()
@@ -267,8 +280,9 @@ class Courier:
                     continue
             self.spool.mark(record["seq"])
             if failures:
-                logger.warning("MLflow reachable again after %d failed requests; delivering %s", failures,
-                               self.spool.path)
+                logger.warning(
+                    "MLflow reachable again after %d failed requests; delivering %s", failures, self.spool.path
+                )
             failures, in_doubt = 0, False
             with self._cond:
                 self._queue.popleft()

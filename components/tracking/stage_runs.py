@@ -25,19 +25,33 @@ STAGE_TAG = "sao.stage"
 StageRun = MlflowTracker | NullTracker
 
 
-def _run(cfg: Config, home: Path, run_name: str, tags: dict[str, str] | None = None,
-         parent_run_id: str | None = None, run_id: str | None = None) -> MlflowTracker:
+def _run(
+    cfg: Config,
+    home: Path,
+    run_name: str,
+    tags: dict[str, str] | None = None,
+    parent_run_id: str | None = None,
+    run_id: str | None = None,
+) -> MlflowTracker:
     home = Path(home).resolve()
-    return MlflowTracker(mlflow_uri(cfg.tracking, home), cfg.tracking.experiment, run_name,
-                         artifact_root=(home / "mlartifacts").as_uri(), parent_run_id=parent_run_id,
-                         spool_dir=spool_dir(home), tags=tags, run_id=run_id)
+    return MlflowTracker(
+        mlflow_uri(cfg.tracking, home),
+        cfg.tracking.experiment,
+        run_name,
+        artifact_root=(home / "mlartifacts").as_uri(),
+        parent_run_id=parent_run_id,
+        spool_dir=spool_dir(home),
+        tags=tags,
+        run_id=run_id,
+    )
 
 
 def find_run(cfg: Config, home: Path, tag: str, value: str, unfinished: bool = False) -> str | None:
     """The id of the newest run tagged `tag = value` (with `unfinished`, only one still open or failed)."""
     client, experiment = mlflow_experiment(cfg.tracking, home)
-    runs = client.search_runs([experiment], filter_string=f"tags.`{tag}` = '{value}'",
-                              order_by=["attributes.start_time DESC"], max_results=1)
+    runs = client.search_runs(
+        [experiment], filter_string=f"tags.`{tag}` = '{value}'", order_by=["attributes.start_time DESC"], max_results=1
+    )
     if not runs or (unfinished and runs[0].info.status == "FINISHED"):
         return None
     return runs[0].info.run_id

@@ -132,8 +132,9 @@ def prometheus_port(config: TrackingConfig) -> int:
     return int(raw)
 
 
-def open_tracker(config: TrackingConfig, home: Path, run_name: str, jsonl: Path,
-                 parent_run_id: str | None = None) -> Tracker:
+def open_tracker(
+    config: TrackingConfig, home: Path, run_name: str, jsonl: Path, parent_run_id: str | None = None
+) -> Tracker:
     """The JSON lines under the home, plus MLflow unless `tracking.backend = "disk"` (nested under
     `parent_run_id` when given), plus the Prometheus exporter when a port is set (`prometheus_port`). Only the
     process that drives training opens one (rank 0 under torchrun: jobs.run_train gives the others a
@@ -148,8 +149,16 @@ def open_tracker(config: TrackingConfig, home: Path, run_name: str, jsonl: Path,
     if config.backend == "mlflow":
         home = Path(home).resolve()
         lineage = hashlib.sha256(f"{home}|{run_name}".encode()).hexdigest()[:16]
-        trackers.append(MlflowTracker(mlflow_uri(config, home), config.experiment, run_name, lineage,
-                                      artifact_root=(home / "mlartifacts").as_uri(), parent_run_id=parent_run_id,
-                                      spool_dir=spool_dir(home)))
+        trackers.append(
+            MlflowTracker(
+                mlflow_uri(config, home),
+                config.experiment,
+                run_name,
+                lineage,
+                artifact_root=(home / "mlartifacts").as_uri(),
+                parent_run_id=parent_run_id,
+                spool_dir=spool_dir(home),
+            )
+        )
     trackers += exporter  # last: the records of the step are written before it is served
     return trackers[0] if len(trackers) == 1 else FanOut(*trackers)

@@ -70,12 +70,14 @@ class AlgoSettings:
     group_size: int = 1
 
 
-def policy_update(policy, batch: dict[str, Tensor], advantages: Tensor, s: AlgoSettings, use_dis: bool,
-                  comm: Collective = SOLO) -> dict:
+def policy_update(
+    policy, batch: dict[str, Tensor], advantages: Tensor, s: AlgoSettings, use_dis: bool, comm: Collective = SOLO
+) -> dict:
     """One policy optimizer step: DIS (mask outside the window) or PPO clip against the rollout log-probs."""
     act = batch["action_mask"]
-    logprobs, stats = token_logprobs(policy.module, batch["input_ids"], s.temperature, batch["attention_mask"],
-                                     return_stats=True)
+    logprobs, stats = token_logprobs(
+        policy.module, batch["input_ids"], s.temperature, batch["attention_mask"], return_stats=True
+    )
     if not all_finite(act, comm, logprobs.detach(), batch["rollout_logprobs"], advantages):
         return {"policy/grad_norm": policy.skip_update()}
     if use_dis:
@@ -91,8 +93,9 @@ def policy_update(policy, batch: dict[str, Tensor], advantages: Tensor, s: AlgoS
     return metrics
 
 
-def critic_updates(critic, batch: dict[str, Tensor], s: AlgoSettings, updates: int,
-                   comm: Collective = SOLO) -> tuple[Tensor, dict]:
+def critic_updates(
+    critic, batch: dict[str, Tensor], s: AlgoSettings, updates: int, comm: Collective = SOLO
+) -> tuple[Tensor, dict]:
     """K critic steps on the clipped value loss; returns the updated critic's values and metrics. Non-finite
     values or returns on action tokens skip all K steps and return the values as they are (the policy update
     then skips too: its advantages are not finite)."""
@@ -189,7 +192,7 @@ def running_mean_step(policy, critic, batch, s: AlgoSettings, state: dict, comm:
     baseline: RunningMeanBaseline = state.setdefault("baseline", RunningMeanBaseline())
     local = batch["rewards"].sum(dim=1)
     rewards, offset = comm.gather_rows(local)
-    seq_adv = baseline.advantages(rewards)[offset:offset + len(local)]
+    seq_adv = baseline.advantages(rewards)[offset : offset + len(local)]
     advantages = broadcast_sequence_advantages(seq_adv, batch["action_mask"])
     return policy_update(policy, batch, advantages, s, True, comm)
 

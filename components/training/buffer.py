@@ -31,8 +31,14 @@ ADMISSION_RULES: tuple[str, ...] = get_args(AdmissionRule)
 
 
 class TrajectoryBuffer:
-    def __init__(self, max_staleness: int, batch_size: int = 1, group_size: int = 1, rule: AdmissionRule = "capacity",
-                 version: int = 0) -> None:
+    def __init__(
+        self,
+        max_staleness: int,
+        batch_size: int = 1,
+        group_size: int = 1,
+        rule: AdmissionRule = "capacity",
+        version: int = 0,
+    ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
         if batch_size < 1:

@@ -101,8 +101,10 @@ class CheckpointStore:
         delete every newer one (each loses its completion marker first), so a resume continues from `step`.
         Returns the steps deleted; StoreError / ValueError (naming the step) when `step` is no usable checkpoint."""
         if step not in self.steps():
-            raise ValueError(f"--rollback-to: no complete checkpoint at step {step} in {self.location}; "
-                             f"complete: {self.steps() or 'none'}")
+            raise ValueError(
+                f"--rollback-to: no complete checkpoint at step {step} in {self.location}; "
+                f"complete: {self.steps() or 'none'}"
+            )
         self.load(step)  # raises, naming the object, when it does not verify
         newer = [s for s in self.steps() if s > step]
         for s in reversed(newer):
@@ -148,8 +150,13 @@ class Checkpointer:
     checkpoint of a process and the run's last one must be stored: without them there is nothing to resume
     from, or the result is lost."""
 
-    def __init__(self, store: CheckpointStore, max_failures: int, on_checkpoint: OnCheckpoint | None = None,
-                 log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        max_failures: int,
+        on_checkpoint: OnCheckpoint | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
         self.store, self.max_failures, self.log = store, max_failures, log
         self.on_checkpoint = on_checkpoint or (lambda step, uri: None)
         self.stored = 0
@@ -169,8 +176,10 @@ class Checkpointer:
             self.failed_in_a_row += 1
             if not self.stored or final or self.failed_in_a_row > self.max_failures:
                 raise
-            self.log(f"train: checkpoint {step} not stored ({exc}); training goes on, {self.failed_in_a_row} of "
-                     f"train.checkpoint_failures={self.max_failures} in a row")
+            self.log(
+                f"train: checkpoint {step} not stored ({exc}); training goes on, {self.failed_in_a_row} of "
+                f"train.checkpoint_failures={self.max_failures} in a row"
+            )
             return None
         self.stored += 1
         self.failed_in_a_row = 0

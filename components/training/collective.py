@@ -116,7 +116,7 @@ def shard_rows(rows: int, world: int, group_size: int = 1) -> list[range]:
 
 
 def take_rows(batch: dict[str, Tensor], rows: range) -> dict[str, Tensor]:
-    return {k: v[rows.start:rows.stop] for k, v in batch.items()}
+    return {k: v[rows.start : rows.stop] for k, v in batch.items()}
 
 
 def global_moments(x: Tensor, mask: Tensor, comm: Collective) -> tuple[Tensor, Tensor]:

@@ -14,13 +14,20 @@ from torch import Tensor
 from components.models.logprobs import TokenStats
 from components.training.collective import Collective
 
-DIAGNOSTIC_METRICS = ("policy/entropy_argmax", "policy/entropy_other", "policy/nonargmax_frac", "adv/failed_mean",
-                      "adv/success_mean", "adv/traj_extreme")
+DIAGNOSTIC_METRICS = (
+    "policy/entropy_argmax",
+    "policy/entropy_other",
+    "policy/nonargmax_frac",
+    "adv/failed_mean",
+    "adv/success_mean",
+    "adv/traj_extreme",
+)
 """Metric names added to DESIGN section 6's for collapse diagnosis (docs/stability.md)."""
 
 
-def policy_diagnostics(stats: TokenStats, advantages: Tensor, batch: dict[str, Tensor],
-                       comm: Collective) -> dict[str, Tensor]:
+def policy_diagnostics(
+    stats: TokenStats, advantages: Tensor, batch: dict[str, Tensor], comm: Collective
+) -> dict[str, Tensor]:
     """Metrics from the policy's forward pass on the batch (before its update).
 
     Args:
@@ -47,8 +54,11 @@ def policy_diagnostics(stats: TokenStats, advantages: Tensor, batch: dict[str, T
     }
     values = {"argmax": stats.entropy, "other": stats.entropy, "failed": advantages, "success": advantages}
     zero = torch.zeros((), dtype=torch.float32)
-    sums = comm.sum(torch.stack([torch.stack([torch.where(m, values[k].float(), zero).sum(), m.sum().float()])
-                                 for k, m in subsets.items()]))
+    sums = comm.sum(
+        torch.stack(
+            [torch.stack([torch.where(m, values[k].float(), zero).sum(), m.sum().float()]) for k, m in subsets.items()]
+        )
+    )
     means = dict(zip(subsets, sums[:, 0] / sums[:, 1].clamp(min=1)))
     counts = dict(zip(subsets, sums[:, 1]))
     row_adv = torch.where(act, advantages.float(), zero).sum(dim=1) / act.sum(dim=1).clamp(min=1)

@@ -53,8 +53,11 @@ class _Checkpointable:
             group["lr"] = self.base_lr * scale
 
     def state_dict(self) -> dict:
-        return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "skipped_steps": self.skipped_steps}
+        return {
+            "module": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.module.load_state_dict(state["module"])  # first: an optimizer may pick up the module's weights
@@ -86,8 +89,9 @@ class _Checkpointable:
 class TorchEngine(_Checkpointable):
     """AdamW on the trainable parameters, global-norm clipping, non-finite guard."""
 
-    def __init__(self, module: nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0,
-                 beta2: float = 0.95) -> None:
+    def __init__(
+        self, module: nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0, beta2: float = 0.95
+    ) -> None:
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
         if not self.params:
@@ -122,8 +126,14 @@ SAO_OWNED_KEYS = {
 """Top-level DeepSpeed keys a `train.deepspeed_config` file may not set, and why."""
 
 
-def builtin_deepspeed_config(lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0, zero_stage: int = 0,
-                             bf16: bool = False, beta2: float = 0.95) -> dict[str, Any]:
+def builtin_deepspeed_config(
+    lr: float,
+    weight_decay: float = 0.0,
+    grad_clip: float = 1.0,
+    zero_stage: int = 0,
+    bf16: bool = False,
+    beta2: float = 0.95,
+) -> dict[str, Any]:
     """The DeepSpeed config the SAO fields give: one micro-batch per step, torch's AdamW (no op to compile)."""
     return {
         "train_micro_batch_size_per_gpu": 1,
@@ -131,8 +141,10 @@ def builtin_deepspeed_config(lr: float, weight_decay: float = 0.0, grad_clip: fl
         "gradient_clipping": grad_clip,
         "zero_optimization": {"stage": zero_stage},
         "bf16": {"enabled": bf16},
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay,
-                                                  "betas": [0.9, beta2], "torch_adam": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": lr, "weight_decay": weight_decay, "betas": [0.9, beta2], "torch_adam": True},
+        },
         "steps_per_print": 10**9,
     }
 
@@ -141,8 +153,10 @@ def read_deepspeed_file(path: str | Path) -> dict[str, Any]:
     """A `train.deepspeed_config` file as a dict; errors name the field and the file."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"train.deepspeed_config: no such file {path} (a relative path is taken from the "
-                                f"working directory {Path.cwd()})")
+        raise FileNotFoundError(
+            f"train.deepspeed_config: no such file {path} (a relative path is taken from the "
+            f"working directory {Path.cwd()})"
+        )
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -168,15 +182,20 @@ def deepspeed_file_problems(config: dict[str, Any], max_stage: int = 3) -> list[
     """What a file merged into the built-in config may not do here: set a key the learner owns, turn on fp16
     (bf16 only: the non-finite guard has no loss scale), or ask for a ZeRO stage above `max_stage`."""
     problems = [f"{key}: may not be set ({why})" for key, why in SAO_OWNED_KEYS.items() if key in config]
-    problems += [f"{key}: must be 1 (the learner takes one optimizer step per backward_step), got {config[key]!r}"
-                 for key in ONE_STEP_KEYS if config.get(key, 1) != 1]
+    problems += [
+        f"{key}: must be 1 (the learner takes one optimizer step per backward_step), got {config[key]!r}"
+        for key in ONE_STEP_KEYS
+        if config.get(key, 1) != 1
+    ]
     if (config.get("fp16") or {}).get("enabled"):
         problems.append("fp16.enabled: fp16 is not supported (no loss scaling in the step); use bf16")
     stage = (config.get("zero_optimization") or {}).get("stage", 0)
     if stage not in range(max_stage + 1):
-        problems.append(f"zero_optimization.stage: ZeRO stage {stage!r} is not supported here (0-{max_stage}); "
-                        f"stage 3 partitions the parameters, and the chunked log-prob path, checkpoints and weight "
-                        f"publishing read them outside DeepSpeed's forward")
+        problems.append(
+            f"zero_optimization.stage: ZeRO stage {stage!r} is not supported here (0-{max_stage}); "
+            f"stage 3 partitions the parameters, and the chunked log-prob path, checkpoints and weight "
+            f"publishing read them outside DeepSpeed's forward"
+        )
     return problems
 
 
@@ -223,8 +242,11 @@ def deepspeed_schema_problems(config: dict[str, Any]) -> list[str]:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     problems = []
-    for section, model in (("zero_optimization", DeepSpeedZeroConfig), ("bf16", DeepSpeedBF16Config),
-                           ("fp16", DeepSpeedFP16Config)):
+    for section, model in (
+        ("zero_optimization", DeepSpeedZeroConfig),
+        ("bf16", DeepSpeedBF16Config),
+        ("fp16", DeepSpeedFP16Config),
+    ):
         value = config.get(section)
         if value is None:
             continue
@@ -249,8 +271,17 @@ class DeepSpeedEngine(_Checkpointable):
     """`deepspeed.initialize` around one model (fp32 on CPU, bf16 on GPU when `bf16` is set or the config file
     enables it)."""
 
-    def __init__(self, module: nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0,
-                 zero_stage: int = 0, bf16: bool = False, beta2: float = 0.95, config_file: str = "") -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        lr: float,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        zero_stage: int = 0,
+        bf16: bool = False,
+        beta2: float = 0.95,
+        config_file: str = "",
+    ) -> None:
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage: {zero_stage} is not supported here (0, 1 or 2)")
         config = builtin_deepspeed_config(lr, weight_decay, grad_clip, zero_stage, bf16, beta2)
@@ -263,8 +294,7 @@ class DeepSpeedEngine(_Checkpointable):
         import deepspeed
 
         params = [p for p in module.parameters() if p.requires_grad]
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=params,
-                                                                 config=config)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=config)
         self.module = self.engine.module
         self.config = config
         self.base_lr = config["optimizer"]["params"]["lr"]
@@ -334,8 +364,9 @@ def init_single_process_group() -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(port)})
+        os.environ.update(
+            {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        )
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
 
 

@@ -28,8 +28,9 @@ Log = Callable[[str], None]
 
 
 class CollapseGuard:
-    def __init__(self, mode: str, max_rollbacks: int, rollback_lr_scale: float,
-                 detector: CollapseDetector | None = None) -> None:
+    def __init__(
+        self, mode: str, max_rollbacks: int, rollback_lr_scale: float, detector: CollapseDetector | None = None
+    ) -> None:
         self.mode, self.max_rollbacks, self.rollback_lr_scale = mode, max_rollbacks, rollback_lr_scale
         self.detector = detector or CollapseDetector()
         """The collapse rule (tests pass a hair-trigger one)."""
@@ -79,16 +80,19 @@ class CollapseGuard:
         and update the record. Returns the restored step, or None when there is none to return to."""
         found = store.load_latest(log, at_most=collapse.last_good_step)
         if found is None or found[0] < self.floor:
-            log(f"train: collapse at step {collapse.step} ({collapse.cause}) and no checkpoint between steps "
-                f"{self.floor} and {collapse.onset} to roll back to; stopping")
+            log(
+                f"train: collapse at step {collapse.step} ({collapse.cause}) and no checkpoint between steps "
+                f"{self.floor} and {collapse.onset} to roll back to; stopping"
+            )
             return None
         restored, saved = found
         learner.load_state_dicts(saved)
         self.rollbacks += 1
         if not self.ends:
             self.lr_scale *= self.rollback_lr_scale
-        log(f"train: collapse at step {collapse.step} ({collapse.cause}); "
-            + ("rolling back and stopping" if self.ends else
-               f"rolling back, learning rates now x{self.lr_scale:g}"))
+        log(
+            f"train: collapse at step {collapse.step} ({collapse.cause}); "
+            + ("rolling back and stopping" if self.ends else f"rolling back, learning rates now x{self.lr_scale:g}")
+        )
         self.detector.reset()  # the reward curve starts again from the restored policy
         return restored

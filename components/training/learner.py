@@ -47,8 +47,9 @@ def initial_critic(policy: torch.nn.Module, critic_path: str) -> ValueModel:
     for name in ("hidden_size", "vocab_size"):
         theirs, ours = getattr(critic.backbone.config, name), getattr(policy.config, name)
         if theirs != ours:
-            raise ValueError(f"train.critic_path: the critic at {path} has {name}={theirs}, the policy has "
-                             f"{name}={ours}")
+            raise ValueError(
+                f"train.critic_path: the critic at {path} has {name}={theirs}, the policy has {name}={ours}"
+            )
     return critic
 
 
@@ -56,8 +57,10 @@ class Learner:
     def __init__(self, cfg: Config, sft_dir: Path, settings: AlgoSettings, threads: int) -> None:
         tc = cfg.train
         if launched_world_size() > 1 and tc.backend != "deepspeed":
-            raise ValueError(f"train.backend: {launched_world_size()} processes need the deepspeed backend "
-                             f"(gradients are averaged by DeepSpeed), got {tc.backend!r}")
+            raise ValueError(
+                f"train.backend: {launched_world_size()} processes need the deepspeed backend "
+                f"(gradients are averaged by DeepSpeed), got {tc.backend!r}"
+            )
         self.algorithm, self.settings, self.threads = ALGORITHMS[tc.algo], settings, threads
         self.state: dict = {}  # the algorithm's own state (the running-mean baseline), the same on every rank
         torch.manual_seed(cfg.sft.seed)
@@ -99,8 +102,10 @@ class Learner:
     def load_state_dicts(self, saved: dict) -> None:
         peers = saved.get("peers", [])
         if len(peers) + 1 != self.comm.world:
-            raise HomeStateError(f"checkpoint: written by {len(peers) + 1} rank(s), this run has {self.comm.world}; "
-                             f"resume with the same number of processes")
+            raise HomeStateError(
+                f"checkpoint: written by {len(peers) + 1} rank(s), this run has {self.comm.world}; "
+                f"resume with the same number of processes"
+            )
         ranks = [{k: saved[k] for k in ("policy", "critic", "algo_state") if k in saved}, *peers]
         for name in ("policy", "critic"):  # ZeRO-1/2 optimizers restore from every rank's partition
             if name in ranks[0]:

@@ -94,29 +94,56 @@ def thread_budget(cfg: Config, cores: int | None = None) -> tuple[int, int]:
 def settings_from(cfg: Config) -> AlgoSettings:
     algorithm = ALGORITHMS[cfg.train.algo]
     eps_low, eps_high = cfg.algo.dis_window
-    return AlgoSettings(cfg.algo.gamma, cfg.algo.lam_critic, cfg.algo.lam_policy, eps_low, eps_high,
-                        cfg.algo.temperature, algorithm.critic_updates or cfg.algo.critic_updates,
-                        cfg.algo.value_clip, cfg.algo.normalize_advantages,
-                        group_size=cfg.train.group_size if algorithm.grouped else 1)
+    return AlgoSettings(
+        cfg.algo.gamma,
+        cfg.algo.lam_critic,
+        cfg.algo.lam_policy,
+        eps_low,
+        eps_high,
+        cfg.algo.temperature,
+        algorithm.critic_updates or cfg.algo.critic_updates,
+        cfg.algo.value_clip,
+        cfg.algo.normalize_advantages,
+        group_size=cfg.train.group_size if algorithm.grouped else 1,
+    )
 
 
-def open_rollouts(cfg: Config, module: torch.nn.Module, tokenizer, home: Path, version: int,
-                  engine_threads: int) -> Rollouts:
+def open_rollouts(
+    cfg: Config, module: torch.nn.Module, tokenizer, home: Path, version: int, engine_threads: int
+) -> Rollouts:
     """Where episodes are generated (`rollout.backend`): the embedded engine on a copy of `module` in this
     process, or the `rollout.urls` servers, which load each version from `rollout.publish_dir`."""
     rc = cfg.rollout
     backends: dict[str, Callable[[], Rollouts]] = {
         "embedded": lambda: EmbeddedRollouts(module, tokenizer, rc.max_batch, version, engine_threads),
-        "http": lambda: HttpRollouts(list(rc.urls), module, tokenizer, Path(rc.publish_dir or home / "published"),
-                                     rc.server, rc.request_timeout_s, rc.request_retries, version,
-                                     max_wait_s=rc.engine_wait_s),
+        "http": lambda: HttpRollouts(
+            list(rc.urls),
+            module,
+            tokenizer,
+            Path(rc.publish_dir or home / "published"),
+            rc.server,
+            rc.request_timeout_s,
+            rc.request_retries,
+            version,
+            max_wait_s=rc.engine_wait_s,
+        ),
     }
     return backends[rc.backend]()
 
 
-def build_parts(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, home: Path, tracker: Tracker,
-                engine_threads: int, resume: bool = False, log: Log = print,
-                detector: CollapseDetector | None = None, on_checkpoint: OnCheckpoint | None = None) -> TrainerParts:
+def build_parts(
+    cfg: Config,
+    setup: EnvSetup,
+    learner: Learner,
+    sft_dir: Path,
+    home: Path,
+    tracker: Tracker,
+    engine_threads: int,
+    resume: bool = False,
+    log: Log = print,
+    detector: CollapseDetector | None = None,
+    on_checkpoint: OnCheckpoint | None = None,
+) -> TrainerParts:
     """The loop's parts for `learner` (rank 0's) trained from `sft_dir`, continuing the newest checkpoint when
     `resume`. `detector` is the collapse rule (default: `CollapseDetector()`); `on_checkpoint(step, uri)` is called
     after each checkpoint is complete in the store."""
@@ -129,16 +156,41 @@ def build_parts(cfg: Config, setup: EnvSetup, learner: Learner, sft_dir: Path, h
     rollouts = open_rollouts(cfg, learner.policy.module, tokenizer, home, start.step, engine_threads)
     group = learner.settings.group_size
     buffer = TrajectoryBuffer(tc.max_staleness, tc.batch_size, group, tc.admission, version=start.step)
-    runner = AgentRunner(rollouts.engine, tokenizer, setup.env, episode_limits(cfg), cfg.rollout.concurrency,
-                         tuple(stop_token_ids(tokenizer)), seed=cfg.task.seed + start.step)
-    return TrainerParts(cfg, setup, learner, tokenizer, rollouts, buffer,
-                        Intake(buffer, limit=max(2 * cfg.rollout.concurrency, 16)), runner,
-                        setup.train_tasks(start.cursor, group),
-                        Checkpointer(store, tc.checkpoint_failures, on_checkpoint, log), guard, tracker, start)
+    runner = AgentRunner(
+        rollouts.engine,
+        tokenizer,
+        setup.env,
+        episode_limits(cfg),
+        cfg.rollout.concurrency,
+        tuple(stop_token_ids(tokenizer)),
+        seed=cfg.task.seed + start.step,
+    )
+    return TrainerParts(
+        cfg,
+        setup,
+        learner,
+        tokenizer,
+        rollouts,
+        buffer,
+        Intake(buffer, limit=max(2 * cfg.rollout.concurrency, 16)),
+        runner,
+        setup.train_tasks(start.cursor, group),
+        Checkpointer(store, tc.checkpoint_failures, on_checkpoint, log),
+        guard,
+        tracker,
+        start,
+    )
 
 
-def resume_from(store: CheckpointStore, learner: Learner, guard: CollapseGuard, tracker: Tracker, sft_dir: Path,
-                resume: bool, log: Log = print) -> RunStart:
+def resume_from(
+    store: CheckpointStore,
+    learner: Learner,
+    guard: CollapseGuard,
+    tracker: Tracker,
+    sft_dir: Path,
+    resume: bool,
+    log: Log = print,
+) -> RunStart:
     """Where the run starts: fresh from `sft_dir`, or (`resume`) from the newest checkpoint that loads, with the
     learner's states, the guard's record, the RNG states and the tracker rewound to it."""
     origin = weights_fingerprint(sft_dir)
@@ -146,17 +198,22 @@ def resume_from(store: CheckpointStore, learner: Learner, guard: CollapseGuard, 
     if latest is None:
         return RunStart(0, 0, origin, fresh=True)
     if not resume:
-        raise HomeStateError(f"{store.location} holds checkpoints up to step {latest} of an earlier run: pass "
-                             f"--resume to continue it, or remove them to start over")
+        raise HomeStateError(
+            f"{store.location} holds checkpoints up to step {latest} of an earlier run: pass "
+            f"--resume to continue it, or remove them to start over"
+        )
     found = store.load_latest(log)
     if found is None:
-        raise HomeStateError(f"{store.location}: no checkpoint up to step {latest} loads (see above); remove them "
-                             f"to start over")
+        raise HomeStateError(
+            f"{store.location}: no checkpoint up to step {latest} loads (see above); remove them to start over"
+        )
     latest, saved = found
     state = saved["state"]
     if state.get("origin") != origin:
-        raise HomeStateError(f"{store.location}/step-{latest:08d} was trained from other starting weights than "
-                             f"{sft_dir}; remove {store.location} to start over from them")
+        raise HomeStateError(
+            f"{store.location}/step-{latest:08d} was trained from other starting weights than "
+            f"{sft_dir}; remove {store.location} to start over from them"
+        )
     learner.load_state_dicts(saved)
     guard.load(state.get("guard", {}))
     torch.set_rng_state(state["torch_rng"])
@@ -183,5 +240,7 @@ class Intake:
         await self.buffer.discard(trajectory)
         self.failing += 1
         if self.failing >= self.limit:
-            raise RuntimeError(f"rollout: {self.failing} episodes in a row failed on every engine; the last: "
-                               f"{trajectory.metadata.get('error', 'no message')}")
+            raise RuntimeError(
+                f"rollout: {self.failing} episodes in a row failed on every engine; the last: "
+                f"{trajectory.metadata.get('error', 'no message')}"
+            )

@@ -48,8 +48,7 @@ def train_sft(
     rendered = [render_tokens(t, tokenizer) for t in traces]
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     model.train()
     order: list[int] = []
     window_loss, window_tokens, total_tokens = 0.0, 0, 0
@@ -58,9 +57,10 @@ def train_sft(
     for step in range(cfg.steps):
         if len(order) < cfg.batch_size:
             order += rng.sample(range(len(rendered)), len(rendered))
-        batch, order = order[: cfg.batch_size], order[cfg.batch_size:]
-        ids, attention, action = pad_batch([rendered[i][0] for i in batch], [rendered[i][1] for i in batch],
-                                           tokenizer.pad_token_id)
+        batch, order = order[: cfg.batch_size], order[cfg.batch_size :]
+        ids, attention, action = pad_batch(
+            [rendered[i][0] for i in batch], [rendered[i][1] for i in batch], tokenizer.pad_token_id
+        )
         for group in optimizer.param_groups:
             group["lr"] = warmup_cosine(step, cfg.steps, cfg.lr, cfg.min_lr, cfg.warmup_steps)
         logprobs = token_logprobs(model, ids, 1.0, attention_mask=attention)
@@ -76,8 +76,10 @@ def train_sft(
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             recent_loss = window_loss / max(window_tokens, 1)
             elapsed = time.perf_counter() - start
-            log(f"sft step {step + 1:>5}/{cfg.steps}  loss {recent_loss:.4f}  "
-                f"{total_tokens / elapsed:,.0f} action tok/s  {elapsed:.0f}s")
+            log(
+                f"sft step {step + 1:>5}/{cfg.steps}  loss {recent_loss:.4f}  "
+                f"{total_tokens / elapsed:,.0f} action tok/s  {elapsed:.0f}s"
+            )
             window_loss, window_tokens = 0.0, 0
     model.eval()
     elapsed = time.perf_counter() - start

@@ -47,8 +47,10 @@ class CollapseDetector:
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.patience < 1 or not 0 < self.drop < 1:
-            raise ValueError(f"collapse detector: window and patience >= 1 and drop in (0, 1), got "
-                             f"{self.window}, {self.patience}, {self.drop}")
+            raise ValueError(
+                f"collapse detector: window and patience >= 1 and drop in (0, 1), got "
+                f"{self.window}, {self.patience}, {self.drop}"
+            )
 
     def update(self, step: int, reward: float) -> Collapse | None:
         """Feed one step's `reward/mean`; returns a `Collapse` when the rule fires (once per streak)."""
@@ -68,9 +70,12 @@ class CollapseDetector:
         if self._streak_start is None:
             self._streak_start = step
         if step - self._streak_start + 1 == self.patience:
-            return Collapse(step, self._streak_start - self.window + 1,
-                            f"reward/mean over {self.window} steps at {smoothed:.3f}, below {self.drop:g} x its "
-                            f"peak {self._peak:.3f} for {self.patience} steps")
+            return Collapse(
+                step,
+                self._streak_start - self.window + 1,
+                f"reward/mean over {self.window} steps at {smoothed:.3f}, below {self.drop:g} x its "
+                f"peak {self._peak:.3f} for {self.patience} steps",
+            )
         return None
 
     def reset(self, hold: int = 0) -> None:

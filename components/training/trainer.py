@@ -95,9 +95,18 @@ def lr_scale(tc: TrainConfig, step: int) -> float:
     return warmup_cosine(step, tc.max_steps, 1.0, tc.min_lr_ratio, tc.warmup_steps)
 
 
-def train(cfg: Config, setup: EnvSetup, sft_dir: Path, home: Path, tracker: Tracker, resume: bool = False,
-          log: Callable[[str], None] = print, detector: CollapseDetector | None = None,
-          on_checkpoint: OnCheckpoint | None = None, on_step: list[Observer] | None = None) -> TrainResult:
+def train(
+    cfg: Config,
+    setup: EnvSetup,
+    sft_dir: Path,
+    home: Path,
+    tracker: Tracker,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+    detector: CollapseDetector | None = None,
+    on_checkpoint: OnCheckpoint | None = None,
+    on_step: list[Observer] | None = None,
+) -> TrainResult:
     """Train from `sft_dir` on `setup`'s environment and task stream; the policy lands in
     `models/<name>-<algo>-policy` under `home`. Under torchrun every rank calls this; rank 0 runs the loop and
     returns the result, the other ranks serve rank 0's steps and return an empty result. `detector` is the
@@ -111,8 +120,9 @@ def train(cfg: Config, setup: EnvSetup, sft_dir: Path, home: Path, tracker: Trac
         return TrainResult(0, 0, None, [])
 
     async def run() -> TrainResult:
-        parts = build_parts(cfg, setup, learner, sft_dir, home, tracker, engine_threads, resume, log, detector,
-                            on_checkpoint)
+        parts = build_parts(
+            cfg, setup, learner, sft_dir, home, tracker, engine_threads, resume, log, detector, on_checkpoint
+        )
         out = Path(home) / "models" / f"{cfg.name}-{cfg.train.algo}-policy"
         return await Trainer(cfg.train, parts, out, log, on_step).run()
 
@@ -126,8 +136,14 @@ def train(cfg: Config, setup: EnvSetup, sft_dir: Path, home: Path, tracker: Trac
 class Trainer:
     """One run of the loop on `parts`, from `parts.start` to `tc.max_steps` (or the guard's end)."""
 
-    def __init__(self, tc: TrainConfig, parts: TrainerParts, out_dir: Path, log: Callable[[str], None] = print,
-                 on_step: list[Observer] | None = None) -> None:
+    def __init__(
+        self,
+        tc: TrainConfig,
+        parts: TrainerParts,
+        out_dir: Path,
+        log: Callable[[str], None] = print,
+        on_step: list[Observer] | None = None,
+    ) -> None:
         self.tc, self.parts, self.out_dir, self.log = tc, parts, out_dir, log
         self.on_step = list(on_step or [])
         self.step, self.cursor = parts.start.step, parts.start.cursor
@@ -171,9 +187,17 @@ class Trainer:
                 self._learner_thread.shutdown()
         with atomic_dir(self.out_dir) as tmp:
             save_model_dir(p.learner.policy.module, p.tokenizer, tmp)
-        return TrainResult(self.updates, self.step, self.out_dir, list(self.history), seconds=self.loop_s,
-                           idle_seconds=self.idle, trajectories=self.trajectories, rollbacks=p.guard.rollbacks,
-                           trained_ids=list(self.trained_ids))
+        return TrainResult(
+            self.updates,
+            self.step,
+            self.out_dir,
+            list(self.history),
+            seconds=self.loop_s,
+            idle_seconds=self.idle,
+            trajectories=self.trajectories,
+            rollbacks=p.guard.rollbacks,
+            trained_ids=list(self.trained_ids),
+        )
 
     # ---- the loop's parts, in the order the loop calls them --------------------------------------------------
 
@@ -234,16 +258,31 @@ class Trainer:
         await p.buffer.set_version(self.step)
         return time.perf_counter() - began
 
-    def _record(self, batch: list[Trajectory], metrics: dict, waited: float, step_s: float, publish_s: float,
-                env_row: dict[str, float]) -> dict:
+    def _record(
+        self,
+        batch: list[Trajectory],
+        metrics: dict,
+        waited: float,
+        step_s: float,
+        publish_s: float,
+        env_row: dict[str, float],
+    ) -> dict:
         """The step's row: logged, kept in the history, shown to the observers and as a progress line."""
         p, now = self.parts, time.perf_counter()
         row = step_row(metrics, batch, self.step, waited, step_s, self.idle, now - self.started, now - self.last_row)
         self.last_row = now
-        row.update({"trainer/publish_s": publish_s, "trainer/lr_scale": self.scale,
-                    "trainer/rollbacks": float(p.guard.rollbacks), **env_row, **_skipped_steps(p.learner),
-                    "trainer/checkpoint_failures": float(p.checkpoints.failed), **p.rollouts.metrics(),
-                    "rollout/episodes_dropped": float(p.buffer.discarded)})
+        row.update(
+            {
+                "trainer/publish_s": publish_s,
+                "trainer/lr_scale": self.scale,
+                "trainer/rollbacks": float(p.guard.rollbacks),
+                **env_row,
+                **_skipped_steps(p.learner),
+                "trainer/checkpoint_failures": float(p.checkpoints.failed),
+                **p.rollouts.metrics(),
+                "rollout/episodes_dropped": float(p.buffer.discarded),
+            }
+        )
         self.history.append(row)
         self.updates += 1
         self.trajectories += len(batch)
@@ -272,10 +311,13 @@ class Trainer:
         self.lagged.clear()
         await p.rollouts.publish(_weights(p.learner.policy), self.step)
         await p.buffer.set_version(self.step)
-        p.tracker.log_metrics({"trainer/rollbacks": float(p.guard.rollbacks), "trainer/rollback_to": restored},
-                              self.step)
-        self.log(f"train: rolled back to the checkpoint of step {restored} as version {self.step} "
-                 f"(rollback {p.guard.rollbacks})")
+        p.tracker.log_metrics(
+            {"trainer/rollbacks": float(p.guard.rollbacks), "trainer/rollback_to": restored}, self.step
+        )
+        self.log(
+            f"train: rolled back to the checkpoint of step {restored} as version {self.step} "
+            f"(rollback {p.guard.rollbacks})"
+        )
         self.save_checkpoint()
         return not p.guard.ends
 
@@ -283,12 +325,22 @@ class Trainer:
         """Checkpoint the learner, the loop's position, the guard's record and the RNG states at `step`."""
         p = self.parts
         try:
-            p.checkpoints.save(self.step, {
-                **p.learner.state_dicts(),
-                "state": {"step": self.step, "cursor": self.cursor, "world_size": p.learner.comm.world,
-                          "origin": p.start.origin, "guard": p.guard.state(), "torch_rng": torch.get_rng_state(),
-                          "py_rng": random.getstate()},
-            }, final=self.step >= self.tc.max_steps)
+            p.checkpoints.save(
+                self.step,
+                {
+                    **p.learner.state_dicts(),
+                    "state": {
+                        "step": self.step,
+                        "cursor": self.cursor,
+                        "world_size": p.learner.comm.world,
+                        "origin": p.start.origin,
+                        "guard": p.guard.state(),
+                        "torch_rng": torch.get_rng_state(),
+                        "py_rng": random.getstate(),
+                    },
+                },
+                final=self.step >= self.tc.max_steps,
+            )
         finally:  # what the steps and the checkpoint's I/O freed since the last one goes back to the OS
             memory.trim()
 
@@ -316,27 +368,37 @@ async def _take(buffer: TrajectoryBuffer, n: int, producer: asyncio.Task | None)
     raise RuntimeError("the agent runner stopped before the trainer had its batch")
 
 
-def step_row(metrics: dict, batch: list[Trajectory], version: int, waited: float, step_s: float, idle: float,
-             elapsed: float, interval: float) -> dict:
+def step_row(
+    metrics: dict,
+    batch: list[Trajectory],
+    version: int,
+    waited: float,
+    step_s: float,
+    idle: float,
+    elapsed: float,
+    interval: float,
+) -> dict:
     """The step's metrics row. Rates are over `interval`, the wall-clock time since the previous step's row
     (consecutive intervals tile the run): a batch's own time span would overstate them in async mode, where
     the episodes of consecutive batches run at the same time."""
     row = {k: float(v) for k, v in metrics.items()}
     stale = [version - 1 - v for t in batch for v, m in zip(t.versions, t.action_mask) if m]
     tokens = sum(t.num_actions for t in batch)
-    row.update({
-        "reward/mean": sum(t.reward for t in batch) / len(batch),
-        "rollout/staleness_mean": sum(stale) / max(len(stale), 1),
-        "rollout/staleness_max": float(max(stale, default=0)),
-        "rollout/turns_mean": sum(t.turns for t in batch) / len(batch),
-        "rollout/length_mean": sum(len(t.token_ids) for t in batch) / len(batch),
-        "rollout/action_tokens": float(tokens),
-        "rollout/trajectories_per_s": len(batch) / max(interval, 1e-9),
-        "rollout/tokens_per_s": tokens / max(interval, 1e-9),
-        "trainer/step_s": step_s,
-        "trainer/idle_frac": idle / max(elapsed, 1e-9),
-        "trainer/wait_s": waited,
-    })
+    row.update(
+        {
+            "reward/mean": sum(t.reward for t in batch) / len(batch),
+            "rollout/staleness_mean": sum(stale) / max(len(stale), 1),
+            "rollout/staleness_max": float(max(stale, default=0)),
+            "rollout/turns_mean": sum(t.turns for t in batch) / len(batch),
+            "rollout/length_mean": sum(len(t.token_ids) for t in batch) / len(batch),
+            "rollout/action_tokens": float(tokens),
+            "rollout/trajectories_per_s": len(batch) / max(interval, 1e-9),
+            "rollout/tokens_per_s": tokens / max(interval, 1e-9),
+            "trainer/step_s": step_s,
+            "trainer/idle_frac": idle / max(elapsed, 1e-9),
+            "trainer/wait_s": waited,
+        }
+    )
     return row
 
 
@@ -351,8 +413,10 @@ def _skipped_steps(learner: Learner) -> dict[str, float]:
 
 
 def progress_line(step: int, max_steps: int, row: dict) -> str:
-    return (f"step {step:>4}/{max_steps}  reward {row['reward/mean']:.3f}  "
-            f"stale {row['rollout/staleness_mean']:.2f}/{row['rollout/staleness_max']:.0f}  "
-            f"masked {row.get('dis/masked_frac_low', 0):.3f}/{row.get('dis/masked_frac_high', 0):.3f}  "
-            f"EV {row.get('critic/explained_variance', float('nan')):.2f}  "
-            f"{row['rollout/trajectories_per_s']:.1f} traj/s  idle {row['trainer/idle_frac']:.0%}")
+    return (
+        f"step {step:>4}/{max_steps}  reward {row['reward/mean']:.3f}  "
+        f"stale {row['rollout/staleness_mean']:.2f}/{row['rollout/staleness_max']:.0f}  "
+        f"masked {row.get('dis/masked_frac_low', 0):.3f}/{row.get('dis/masked_frac_high', 0):.3f}  "
+        f"EV {row.get('critic/explained_variance', float('nan')):.2f}  "
+        f"{row['rollout/trajectories_per_s']:.1f} traj/s  idle {row['trainer/idle_frac']:.0%}"
+    )

@@ -48,8 +48,9 @@ class FitSettings:
     seed: int
 
 
-def split_by_prompt(trajectories: list[Trajectory], held_out: int, seed: int
-                    ) -> tuple[list[Trajectory], list[Trajectory]]:
+def split_by_prompt(
+    trajectories: list[Trajectory], held_out: int, seed: int
+) -> tuple[list[Trajectory], list[Trajectory]]:
     """(training part, held-out part): `held_out` prompts drawn by `seed`, every trajectory of a prompt on the
     same side. Both parts are sorted by prompt id, so the split does not depend on finish order."""
     prompts = sorted({t.prompt_id for t in trajectories})
@@ -74,8 +75,14 @@ def value_targets(batch: TrainBatch, values: Tensor, gamma: float, lam: float) -
     return gae(batch["rewards"], values, batch["action_mask"], gamma, lam)[1]
 
 
-def fit_critic(engine: TorchEngine, train: list[Trajectory], held_out: list[Trajectory], pad_id: int,
-               s: FitSettings, log: Log = print) -> tuple[list[float], int]:
+def fit_critic(
+    engine: TorchEngine,
+    train: list[Trajectory],
+    held_out: list[Trajectory],
+    pad_id: int,
+    s: FitSettings,
+    log: Log = print,
+) -> tuple[list[float], int]:
     """Epochs of minibatch updates until the held-out explained variance has not improved for `s.patience`
     epochs (or `s.max_epochs`); the critic (`engine.module`) ends with the best epoch's weights.
 
@@ -93,8 +100,10 @@ def fit_critic(engine: TorchEngine, train: list[Trajectory], held_out: list[Traj
         history.append(held_out_ev(critic, held_batches, s.gamma, s.lam))
         if history[epoch] > history[best_epoch]:
             best_epoch, best = epoch, _trainable_snapshot(critic)
-        log(f"value-pretrain: epoch {epoch}/{s.max_epochs} loss {loss:.4f} held-out EV {history[epoch]:.3f} "
-            f"(best {history[best_epoch]:.3f} at epoch {best_epoch})")
+        log(
+            f"value-pretrain: epoch {epoch}/{s.max_epochs} loss {loss:.4f} held-out EV {history[epoch]:.3f} "
+            f"(best {history[best_epoch]:.3f} at epoch {best_epoch})"
+        )
         if epoch - best_epoch >= s.patience:
             break
     _restore(critic, best)
@@ -132,7 +141,7 @@ def _epoch(engine: TorchEngine, batches: list[TrainBatch], s: FitSettings) -> fl
 
 
 def _batches(trajectories: list[Trajectory], size: int, pad_id: int) -> list[TrainBatch]:
-    return [to_tensors(trajectories[i:i + size], pad_id) for i in range(0, len(trajectories), size)]
+    return [to_tensors(trajectories[i : i + size], pad_id) for i in range(0, len(trajectories), size)]
 
 
 def _trainable_snapshot(model: torch.nn.Module) -> dict[str, Tensor]:

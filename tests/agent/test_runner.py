@@ -35,8 +35,14 @@ def _segments(trajectory):
 def test_trajectory_invariants_on_real_runs(engine, sft_policy, tmp_path):
     model, tokenizer = sft_policy
     tasks = tasks_from_problems(generate_problems(("affine",), 16, 0, 99, "eval"))
-    runner = AgentRunner(engine, tokenizer, TIRMathEnvironment(), EpisodeLimits(temperature=1.0), concurrency=8,
-                         stop_token_ids=tuple(stop_token_ids(tokenizer)))
+    runner = AgentRunner(
+        engine,
+        tokenizer,
+        TIRMathEnvironment(),
+        EpisodeLimits(temperature=1.0),
+        concurrency=8,
+        stop_token_ids=tuple(stop_token_ids(tokenizer)),
+    )
     trajectories = asyncio.run(runner.run(tasks))
     assert sorted(t.prompt_id for t in trajectories) == sorted(t.task_id for t in tasks)
     by_id = {t.task_id: t for t in tasks}
@@ -79,8 +85,14 @@ def test_heavy_tailed_tools_hand_over_out_of_order_without_waiting(engine, sft_p
     model, tokenizer = sft_policy
     problems = [make_problem("affine", (91 - i, 87 - i, 5 + i), f"p{i}") for i in range(12)]
     latency = ToolLatency("lognormal", mean_s=0.4, sigma=1.5, seed=3)
-    runner = AgentRunner(engine, tokenizer, TIRMathEnvironment(latency=latency), EpisodeLimits(temperature=0),
-                         concurrency=4, stop_token_ids=tuple(stop_token_ids(tokenizer)))
+    runner = AgentRunner(
+        engine,
+        tokenizer,
+        TIRMathEnvironment(latency=latency),
+        EpisodeLimits(temperature=0),
+        concurrency=4,
+        stop_token_ids=tuple(stop_token_ids(tokenizer)),
+    )
     delivered, trajectories = [], []
 
     def sink(trajectory):
@@ -112,8 +124,9 @@ def test_engine_errors_and_timeouts_are_recorded_not_dropped(engine, sft_policy)
         assert traj.finish_reason == "engine_error" and "ConnectError" in traj.metadata["error"]
         assert traj.num_actions == 0 and traj.reward == 0.0
     slow_tools = TIRMathEnvironment(latency=ToolLatency("fixed", mean_s=30.0))
-    runner = AgentRunner(engine, tokenizer, slow_tools, EpisodeLimits(temperature=0, max_wall_s=1.0),
-                         stop_token_ids=stops)
+    runner = AgentRunner(
+        engine, tokenizer, slow_tools, EpisodeLimits(temperature=0, max_wall_s=1.0), stop_token_ids=stops
+    )
     start = time.monotonic()
     trajectories = asyncio.run(runner.run(tasks))
     assert time.monotonic() - start < 10
@@ -127,10 +140,12 @@ def test_runner_over_http_and_turn_limits(sft_policy):
     tasks = tasks_from_problems([make_problem("affine", (91, 87, 5), "a")])
     try:
         with ServerThread(create_app(engine, "tiny")) as url:
+
             async def go(limits):
                 async with EngineClient(url) as client:
-                    runner = AgentRunner(client, tokenizer, TIRMathEnvironment(), limits,
-                                         stop_token_ids=tuple(stop_token_ids(tokenizer)))
+                    runner = AgentRunner(
+                        client, tokenizer, TIRMathEnvironment(), limits, stop_token_ids=tuple(stop_token_ids(tokenizer))
+                    )
                     return (await runner.run(tasks))[0]
 
             full = asyncio.run(go(EpisodeLimits(temperature=0)))

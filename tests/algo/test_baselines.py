@@ -18,8 +18,7 @@ from components.algo import (
 def test_grpo_group_normalised():
     # Group [1, 0, 0, 1]: mean 0.5, unbiased std sqrt((4 * 0.25) / 3) = 0.57735 -> +-0.866025
     adv = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
-    torch.testing.assert_close(adv[0], torch.tensor([1.0, -1.0, -1.0, 1.0]) * 0.5 / math.sqrt(1 / 3), atol=1e-5,
-                               rtol=0)
+    torch.testing.assert_close(adv[0], torch.tensor([1.0, -1.0, -1.0, 1.0]) * 0.5 / math.sqrt(1 / 3), atol=1e-5, rtol=0)
     assert torch.equal(adv[1], torch.zeros(4))  # equal rewards: no signal, and no NaN
     centred = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), scale_by_std=False)
     assert torch.equal(centred, torch.tensor([[0.5, -0.5, -0.5, 0.5]]))

@@ -41,9 +41,11 @@ def test_teacher_trace_and_rendering():
     assert trace.turns[3].tool_code == "print(312*64)" and trace.turns[5].content == "\\boxed{19968}"
     ids, mask = render_tokens(trace, tokenizer)
     text = tokenizer.decode(ids)
-    assert text == ("<|user|>Compute (7*35+67)*64.<|assistant|><|python|>print(7*35+67)<|/python|>"
-                    "<|output|>312\n<|/output|><|python|>print(312*64)<|/python|><|output|>19968\n<|/output|>"
-                    "\\boxed{19968}<|end|>")
+    assert text == (
+        "<|user|>Compute (7*35+67)*64.<|assistant|><|python|>print(7*35+67)<|/python|>"
+        "<|output|>312\n<|/output|><|python|>print(312*64)<|/python|><|output|>19968\n<|/output|>"
+        "\\boxed{19968}<|end|>"
+    )
     # Action tokens are exactly the assistant's: decode the masked-in ids.
     actions = tokenizer.decode([i for i, m in zip(ids, mask) if m])
     assert actions == "<|python|>print(7*35+67)<|/python|><|python|>print(312*64)<|/python|>\\boxed{19968}<|end|>"
@@ -53,8 +55,16 @@ def test_openai_messages_parse_to_the_same_trace():
     messages = [
         {"role": "system", "content": "You can run Python."},
         {"role": "user", "content": "Compute 7*35+67."},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "python", "arguments": json.dumps({"code": "print(7*35+67)"})}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "python", "arguments": json.dumps({"code": "print(7*35+67)"})},
+                }
+            ],
+        },
         {"role": "tool", "content": "312\n"},
         {"role": "assistant", "content": "\\boxed{312}"},
     ]
@@ -83,15 +93,18 @@ def test_parquet_round_trip_and_malformed_rows(tmp_path):
         read_traces(tmp_path / "bad.parquet")
 
 
-@pytest.mark.parametrize("text, answer, ok", [
-    ("\\boxed{449}", 449, True),
-    ("so \\boxed{ 449 }<|end|>", 449, True),
-    ("\\boxed{12} then \\boxed{449}", 449, True),  # the last box counts
-    ("\\boxed{449.0}", 449, False),  # exact integer answers only
-    ("\\boxed{448}", 449, False),
-    ("449", 449, False),
-    ("\\boxed{-3}", -3, True),
-])
+@pytest.mark.parametrize(
+    "text, answer, ok",
+    [
+        ("\\boxed{449}", 449, True),
+        ("so \\boxed{ 449 }<|end|>", 449, True),
+        ("\\boxed{12} then \\boxed{449}", 449, True),  # the last box counts
+        ("\\boxed{449.0}", 449, False),  # exact integer answers only
+        ("\\boxed{448}", 449, False),
+        ("449", 449, False),
+        ("\\boxed{-3}", -3, True),
+    ],
+)
 def test_grading(text, answer, ok):
     assert grade_answer(text, answer) is ok
 

@@ -51,15 +51,25 @@ def solver():
         yield url
 
 
-@pytest.mark.parametrize("mental_max, tool_turns", [
-    (0, 3 * 1 + 3 * 2),  # every problem uses the tool: one call per affine, two per two_step problem
-    (LARGE, 0),          # every problem is answered directly
-])
+@pytest.mark.parametrize(
+    "mental_max, tool_turns",
+    [
+        (0, 3 * 1 + 3 * 2),  # every problem uses the tool: one call per affine, two per two_step problem
+        (LARGE, 0),  # every problem is answered directly
+    ],
+)
 def test_distilled_traces_are_byte_identical_to_teacher_traces(problems, mental_max, tool_turns, tmp_path):
     seen = []
     with running_solver(mental_max) as url:
-        result = distill(TeacherEndpoint(url, SOLVER_MODEL), tasks_from_problems(problems), TOOL, max_turns=4,
-                         concurrency=4, progress=lambda done, total: seen.append((done, total)), grade=grade_answer)
+        result = distill(
+            TeacherEndpoint(url, SOLVER_MODEL),
+            tasks_from_problems(problems),
+            TOOL,
+            max_turns=4,
+            concurrency=4,
+            progress=lambda done, total: seen.append((done, total)),
+            grade=grade_answer,
+        )
     expected = [teacher_trace(p, mental_max) for p in problems]
     assert result.traces == expected
     assert sum(t.role == "tool" for trace in result.traces for t in trace.turns) == tool_turns
@@ -96,13 +106,21 @@ def test_a_teacher_still_calling_the_tool_at_the_turn_limit_is_rejected(solver):
 
 # ---- scripted teachers ---------------------------------------------------------------------------------------
 
+
 def call(*codes, content=None, name="python", arguments=None):
     """An assistant reply with one tool call per code, as vLLM serves GPT-OSS: null content plus reasoning."""
-    calls = [{"id": f"call_{k}", "type": "function",
-              "function": {"name": name, "arguments": arguments or json.dumps({"code": code})}}
-             for k, code in enumerate(codes)]
-    return {"message": {"role": "assistant", "content": content, "tool_calls": calls,
-                        "reasoning_content": "use the tool"}, "finish_reason": "tool_calls"}
+    calls = [
+        {
+            "id": f"call_{k}",
+            "type": "function",
+            "function": {"name": name, "arguments": arguments or json.dumps({"code": code})},
+        }
+        for k, code in enumerate(codes)
+    ]
+    return {
+        "message": {"role": "assistant", "content": content, "tool_calls": calls, "reasoning_content": "use the tool"},
+        "finish_reason": "tool_calls",
+    }
 
 
 def answer(text, finish_reason="stop"):
@@ -137,8 +155,7 @@ class Scripted:
         self.in_flight -= 1
         self.finished.append(question)
         reply = self.script[question][sum(m["role"] == "assistant" for m in body["messages"])]
-        return {"id": "x", "object": "chat.completion", "model": body["model"],
-                "choices": [{"index": 0, **reply}]}
+        return {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [{"index": 0, **reply}]}
 
 
 def _endpoint(url, **kwargs):
@@ -146,21 +163,32 @@ def _endpoint(url, **kwargs):
 
 
 def test_parallel_calls_are_split_into_consecutive_turns_and_reasoning_stays_out():
-    server = Scripted({"Compute 6*7+1.": [call("print(6*7)", "print(6*7+1)", content="Both at once."),
-                                          answer("\\boxed{43}")]})
+    server = Scripted(
+        {"Compute 6*7+1.": [call("print(6*7)", "print(6*7+1)", content="Both at once."), answer("\\boxed{43}")]}
+    )
     task = Task("p", "Compute 6*7+1.", 43)
     with ServerThread(server.app) as url:
-        outcome = distill_task(_endpoint(url, api_key="secret", temperature=0.7, max_tokens=99), task, TOOL,
-                               grade=grade_answer)
+        outcome = distill_task(
+            _endpoint(url, api_key="secret", temperature=0.7, max_tokens=99), task, TOOL, grade=grade_answer
+        )
     # One call per assistant turn, each followed by its own sandbox output; the content stays on the first.
-    assert outcome.trace == Trace("p", (
-        Turn("user", "Compute 6*7+1."),
-        Turn("assistant", "Both at once.", "print(6*7)"), Turn("tool", "42\n"),
-        Turn("assistant", "", "print(6*7+1)"), Turn("tool", "43\n"),
-        Turn("assistant", "\\boxed{43}")), 43)
+    assert outcome.trace == Trace(
+        "p",
+        (
+            Turn("user", "Compute 6*7+1."),
+            Turn("assistant", "Both at once.", "print(6*7)"),
+            Turn("tool", "42\n"),
+            Turn("assistant", "", "print(6*7+1)"),
+            Turn("tool", "43\n"),
+            Turn("assistant", "\\boxed{43}"),
+        ),
+        43,
+    )
     first, second = server.requests
-    assert first["messages"][0]["role"] == "system" and first["messages"][1] == {"role": "user",
-                                                                                 "content": "Compute 6*7+1."}
+    assert first["messages"][0]["role"] == "system" and first["messages"][1] == {
+        "role": "user",
+        "content": "Compute 6*7+1.",
+    }
     assert first["tools"][0]["function"]["name"] == "python" and first["tool_choice"] == "auto"
     assert (first["model"], first["temperature"], first["max_tokens"]) == ("teacher", 0.7, 99)
     sent = second["messages"][2:]  # the assistant message goes back with its reasoning, then both results
@@ -170,12 +198,14 @@ def test_parallel_calls_are_split_into_consecutive_turns_and_reasoning_stays_out
 
 
 def test_unusable_conversations_are_rejected_by_reason():
-    server = Scripted({
-        "bad name": [call("print(4)", name="bash")],
-        "bad arguments": [call("", arguments="{not json")],
-        "cut off": [answer("\\boxed{4", finish_reason="length")],
-        "no box": [answer("4")],
-    })
+    server = Scripted(
+        {
+            "bad name": [call("print(4)", name="bash")],
+            "bad arguments": [call("", arguments="{not json")],
+            "cut off": [answer("\\boxed{4", finish_reason="length")],
+            "no box": [answer("4")],
+        }
+    )
     tasks = [Task(q, q, 4) for q in server.script]
     with ServerThread(server.app) as url:
         result = distill(_endpoint(url), tasks, TOOL, grade=grade_answer)
@@ -187,11 +217,14 @@ def test_unusable_conversations_are_rejected_by_reason():
 def test_conversations_run_concurrently_and_results_keep_input_order():
     # Earlier tasks are slower (0.24 s down to 0.04 s), so they finish out of input order.
     questions = [f"q{i}" for i in range(6)]
-    server = Scripted({q: [answer(f"\\boxed{{{i}}}")] for i, q in enumerate(questions)},
-                      delays={q: 0.04 * (6 - i) for i, q in enumerate(questions)})
+    server = Scripted(
+        {q: [answer(f"\\boxed{{{i}}}")] for i, q in enumerate(questions)},
+        delays={q: 0.04 * (6 - i) for i, q in enumerate(questions)},
+    )
     with ServerThread(server.app) as url:
-        result = distill(_endpoint(url), [Task(q, q, i) for i, q in enumerate(questions)], TOOL, grade=grade_answer,
-                         concurrency=3)
+        result = distill(
+            _endpoint(url), [Task(q, q, i) for i, q in enumerate(questions)], TOOL, grade=grade_answer, concurrency=3
+        )
     assert [t.problem_id for t in result.traces] == questions
     assert server.finished != questions
     assert server.peak == 3  # the semaphore's bound, and it was reached
@@ -226,8 +259,11 @@ def test_connection_errors_are_retried_then_raised():
     with socket.socket() as sock:  # a port nobody listens on once the socket is closed
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with pytest.raises(TeacherError, match=rf"teacher http://127.0.0.1:{port}/v1/chat/completions failed on "
-                                           r"problem 'p': ConnectError.*\(after 2 attempts\)"):
+    with pytest.raises(
+        TeacherError,
+        match=rf"teacher http://127.0.0.1:{port}/v1/chat/completions failed on "
+        r"problem 'p': ConnectError.*\(after 2 attempts\)",
+    ):
         distill_task(_endpoint(f"http://127.0.0.1:{port}", retries=1), Task("p", "q", 1), TOOL, grade=grade_answer)
 
 
@@ -240,9 +276,14 @@ def test_a_slow_endpoint_times_out():
 
 # ---- the solver's answer schema and its checks ----------------------------------------------------------------
 
+
 def _ask(url, messages, **extra):
-    body = {"model": SOLVER_MODEL, "messages": messages, "tools": [{"type": "function",
-                                                                   "function": {"name": "python"}}], **extra}
+    body = {
+        "model": SOLVER_MODEL,
+        "messages": messages,
+        "tools": [{"type": "function", "function": {"name": "python"}}],
+        **extra,
+    }
     return httpx.post(f"{url}/chat/completions", json=body)
 
 
@@ -284,18 +325,25 @@ def test_solver_replies_in_the_openai_schema(solver):
     assert done["param"] == "messages[6]" and "already answered" in done["message"]
 
 
-@pytest.mark.parametrize("change, param", [
-    ({"messages": None}, "messages"),                                               # missing
-    ({"model": "gpt-4"}, "model"),                                                  # not served here
-    ({"tools": []}, "tools"),                                                       # no python tool
-    ({"messages": [{"role": "user", "content": "What is 2+2?"}]}, "messages[0].content"),
-    ({"messages": [{"role": "robot", "content": "Compute 2*3+4."}]}, "messages[0].role"),
-    ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages"),           # no question first
-    ({"temperature": -1}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "change, param",
+    [
+        ({"messages": None}, "messages"),  # missing
+        ({"model": "gpt-4"}, "model"),  # not served here
+        ({"tools": []}, "tools"),  # no python tool
+        ({"messages": [{"role": "user", "content": "What is 2+2?"}]}, "messages[0].content"),
+        ({"messages": [{"role": "robot", "content": "Compute 2*3+4."}]}, "messages[0].role"),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages"),  # no question first
+        ({"temperature": -1}, "temperature"),
+    ],
+)
 def test_malformed_requests_get_400_naming_the_field(solver, change, param):
-    body = {"model": SOLVER_MODEL, "messages": [{"role": "user", "content": "Compute 2*3+4."}],
-            "tools": [{"type": "function", "function": {"name": "python"}}], **change}
+    body = {
+        "model": SOLVER_MODEL,
+        "messages": [{"role": "user", "content": "Compute 2*3+4."}],
+        "tools": [{"type": "function", "function": {"name": "python"}}],
+        **change,
+    }
     body = {k: v for k, v in body.items() if v is not None}
     response = httpx.post(f"{solver}/chat/completions", json=body)
     assert response.status_code == 400, response.text
@@ -305,9 +353,16 @@ def test_malformed_requests_get_400_naming_the_field(solver, change, param):
 
 # ---- configuration and input checks ---------------------------------------------------------------------------
 
+
 def test_endpoint_from_config_and_bad_input():
-    cfg = DistillConfig(teacher="http://teacher:8000/v1", model="openai/gpt-oss-120b", temperature=0.6,
-                        max_tokens=2048, timeout_s=60.0, retries=5)
+    cfg = DistillConfig(
+        teacher="http://teacher:8000/v1",
+        model="openai/gpt-oss-120b",
+        temperature=0.6,
+        max_tokens=2048,
+        timeout_s=60.0,
+        retries=5,
+    )
     endpoint = TeacherEndpoint.from_config(cfg, api_key="k")
     assert endpoint == TeacherEndpoint("http://teacher:8000/v1", "openai/gpt-oss-120b", "k", 0.6, 2048, 60.0, 5)
     assert endpoint.url == "http://teacher:8000/v1/chat/completions"

@@ -59,11 +59,18 @@ def trajectory(prompt_id: str, **changes) -> Trajectory:
     """A valid 9-token episode: prompt (3), action (2), observation (2), action (2); the weights moved from
     version 0 to 1 between the two turns."""
     t = Trajectory(
-        prompt_id=prompt_id, env="tir_math", token_ids=[9, 10, 11, 12, 13, 14, 15, 16, 17],
+        prompt_id=prompt_id,
+        env="tir_math",
+        token_ids=[9, 10, 11, 12, 13, 14, 15, 16, 17],
         action_mask=[0, 0, 0, 1, 1, 0, 0, 1, 1],
         rollout_logprobs=[None, None, None, -0.1, -0.2, None, None, -0.3, -0.4],
         versions=[None, None, None, 0, 0, None, None, 1, 1],
-        reward=1.0, turns=2, finish_reason="stop", prompt_len=3, timings=Timings(queued=0.0))
+        reward=1.0,
+        turns=2,
+        finish_reason="stop",
+        prompt_len=3,
+        timings=Timings(queued=0.0),
+    )
     return dataclasses.replace(t, **changes)
 
 
@@ -88,22 +95,29 @@ def _call(content: str, code: str, answer: str = "\\boxed{7}") -> Trace:
     return Trace("c", (USER, Turn("assistant", content, code), Turn("tool", "7\n"), Turn("assistant", answer)), 7)
 
 
-@pytest.mark.parametrize("trace, balanced", [
-    (_call("", "print(3+4)"), True),  # <|python|> ... <|/python|>, then the tool turn
-    (Trace("c", (USER, Turn("assistant", "\\boxed{7}")), 7), True),  # no call at all
-    (_call("", "print('<|/python|>')"), False),  # opener, closer, closer: a closer without an opener
-    (_call("use <|python|>", "print(3+4)"), False),  # opener, opener, closer: nested
-    (_call("<|python|>x<|/python|>", "print(3+4)"), False),  # two calls in one turn: the first gets no output
-    (_call("", "print(3+4)", answer="\\boxed{7}<|python|>"), False),  # an opener never closed
-    (_call("", "print(3+4)", answer="<|python|>print(1)<|/python|>\\boxed{7}"), False),  # a call without a tool turn
-])
+@pytest.mark.parametrize(
+    "trace, balanced",
+    [
+        (_call("", "print(3+4)"), True),  # <|python|> ... <|/python|>, then the tool turn
+        (Trace("c", (USER, Turn("assistant", "\\boxed{7}")), 7), True),  # no call at all
+        (_call("", "print('<|/python|>')"), False),  # opener, closer, closer: a closer without an opener
+        (_call("use <|python|>", "print(3+4)"), False),  # opener, opener, closer: nested
+        (_call("<|python|>x<|/python|>", "print(3+4)"), False),  # two calls in one turn: the first gets no output
+        (_call("", "print(3+4)", answer="\\boxed{7}<|python|>"), False),  # an opener never closed
+        (
+            _call("", "print(3+4)", answer="<|python|>print(1)<|/python|>\\boxed{7}"),
+            False,
+        ),  # a call without a tool turn
+    ],
+)
 def test_calls_balanced(trace, balanced):
     assert calls_balanced(trace) is balanced
 
 
 def test_token_counts_by_hand_and_as_render_tokens(tokenizer, good_traces):
-    trace = Trace("t", (Turn("user", "Hi"), Turn("assistant", "", "1"), Turn("tool", "1\n"),
-                        Turn("assistant", "\\boxed{1}")), 1)
+    trace = Trace(
+        "t", (Turn("user", "Hi"), Turn("assistant", "", "1"), Turn("tool", "1\n"), Turn("assistant", "\\boxed{1}")), 1
+    )
     # One token per character, one per marker: <|user|>Hi<|assistant|> = 4, <|python|>1<|/python|> = 3,
     # <|output|>1\n<|/output|> = 4, \boxed{1}<|end|> = 9 + 1 = 10; 4 + 3 + 4 + 10 = 21.
     assert token_counts([trace], tokenizer) == [21]
@@ -127,8 +141,12 @@ def test_trace_frame_columns_and_values(tokenizer):
 
 def test_rollout_columns_by_hand():
     good = trajectory("p")
-    assert (action_mask_valid(good), logprobs_complete(good), versions_complete(good), versions_monotone(good)) \
-        == (True, True, True, True)
+    assert (action_mask_valid(good), logprobs_complete(good), versions_complete(good), versions_monotone(good)) == (
+        True,
+        True,
+        True,
+        True,
+    )
     lps = good.rollout_logprobs
     assert not logprobs_complete(trajectory("p", rollout_logprobs=lps[:4] + [None] + lps[5:]))  # action 4 has none
     assert not logprobs_complete(trajectory("p", rollout_logprobs=lps[:5] + [-0.5] + lps[6:]))  # observation 5 has one
@@ -154,8 +172,14 @@ def test_frames_know_the_parquet_schemas(tmp_path, good_traces):
     assert set(traces) - set(TRACE_COLUMNS) == {"roles", "contents", "tool_codes"}
     assert set(TRACE_COLUMNS) <= set(traces)
     rollouts = pq.read_schema(write_trajectories(tmp_path / "r.parquet", [trajectory("p")])).names
-    assert set(rollouts) - set(ROLLOUT_COLUMNS) == {"token_ids", "action_mask", "rollout_logprobs", "versions",
-                                                   "timings", "metadata"}
+    assert set(rollouts) - set(ROLLOUT_COLUMNS) == {
+        "token_ids",
+        "action_mask",
+        "rollout_logprobs",
+        "versions",
+        "timings",
+        "metadata",
+    }
     assert set(ROLLOUT_COLUMNS) <= set(rollouts)
 
 
@@ -201,18 +225,24 @@ def test_bad_traces_fail_naming_expectation_and_rows(tokenizer, good_traces):
     assert "| ❌ | expect_column_values_to_be_in_set | calls_balanced | 2 | closer, opener |" in markdown
     assert f"| ❌ | expect_column_values_to_be_unique | problem_id | 2 | {first}, {first} |" in markdown
     assert "| ✅ | expect_table_row_count_to_be_between |  | 0 |  |" in markdown
-    assert "**expect_column_values_to_be_between(n_tokens)**: 1 row (8.33%)\n\n| row | id | value |\n" \
-           "|---|---|---|\n| 10 | long | 224 |" in markdown
+    assert (
+        "**expect_column_values_to_be_between(n_tokens)**: 1 row (8.33%)\n\n| row | id | value |\n"
+        "|---|---|---|\n| 10 | long | 224 |" in markdown
+    )
     with pytest.raises(GateFailed) as failed:
         report.raise_if_failed()
     message = str(failed.value)
     assert isinstance(failed.value, ValueError) and failed.value.report is report
     assert message.startswith("data gate traces failed 5 of 10 expectations on 12 rows:")
-    assert ("- expect_column_values_to_be_in_set(calls_balanced): 2 rows (16.7%); first: row 8 id='closer' "
-            "value=False, row 9 id='opener' value=False") in message
+    assert (
+        "- expect_column_values_to_be_in_set(calls_balanced): 2 rows (16.7%); first: row 8 id='closer' "
+        "value=False, row 9 id='opener' value=False"
+    ) in message
     assert "- expect_column_values_to_not_be_null(final_answer): 1 row (8.33%); first: row 6 id='empty'" in message
-    assert report.summary().startswith("data gate traces: FAILED 5 of 10 expectations on 12 rows: "
-                                       "expect_column_values_to_be_unique(problem_id): 2 rows (16.7%); ")
+    assert report.summary().startswith(
+        "data gate traces: FAILED 5 of 10 expectations on 12 rows: "
+        "expect_column_values_to_be_unique(problem_id): 2 rows (16.7%); "
+    )
 
 
 def test_empty_traces_fail_on_the_row_count(tokenizer):
@@ -250,9 +280,13 @@ def test_bad_rollouts_fail_naming_expectation_and_rows():
         trajectory("positive", rollout_logprobs=lps[:3] + [0.5] + lps[4:]),
         trajectory("no-version", versions=versions[:7] + [None] + versions[8:]),
         trajectory("in-prompt", action_mask=[1] + [0] * 2 + [1, 1, 0, 0, 1, 1]),
-        trajectory("long", token_ids=list(range(13)), action_mask=[0] * 3 + [1, 1] + [0] * 6 + [1, 1],
-                   rollout_logprobs=[None] * 3 + [-0.1, -0.2] + [None] * 6 + [-0.3, -0.4],
-                   versions=[None] * 3 + [0, 0] + [None] * 6 + [1, 1]),  # 13 tokens > 12
+        trajectory(
+            "long",
+            token_ids=list(range(13)),
+            action_mask=[0] * 3 + [1, 1] + [0] * 6 + [1, 1],
+            rollout_logprobs=[None] * 3 + [-0.1, -0.2] + [None] * 6 + [-0.3, -0.4],
+            versions=[None] * 3 + [0, 0] + [None] * 6 + [1, 1],
+        ),  # 13 tokens > 12
     ]
     report = check_rollouts(trajectories, max_tokens=12)
     assert failures(report) == {
@@ -273,8 +307,10 @@ def test_bad_rollouts_fail_naming_expectation_and_rows():
     stored = json.loads(json.dumps(report.to_dict(), allow_nan=False))
     assert stored["gate"] == "rollouts" and stored["success"] is False and stored["row_count"] == 10
     assert [row["id"] for r in stored["results"] if r["column"] == "versions_monotone" for row in r["rows"]] == ["back"]
-    assert "| ❌ | expect_column_values_to_be_in_set | logprobs_complete | 3 | no-lp, positive, in-prompt |" \
+    assert (
+        "| ❌ | expect_column_values_to_be_in_set | logprobs_complete | 3 | no-lp, positive, in-prompt |"
         in report.markdown()
+    )
     with pytest.raises(GateFailed, match=r"versions_monotone\): 1 row \(10%\); first: row 4 id='back' value=False"):
         report.raise_if_failed()
 
@@ -312,10 +348,14 @@ def test_great_expectations_is_imported_only_inside_functions():
         top = [a.name for node in tree.body if isinstance(node, ast.Import) for a in node.names]
         top += [node.module for node in tree.body if isinstance(node, ast.ImportFrom)]
         assert not [name for name in top if name.split(".")[0] == "great_expectations"], module.__name__
-    (validate,) = [node for node in ast.parse(Path(gates.__file__).read_text()).body
-                   if isinstance(node, ast.FunctionDef) and node.name == "validate_frame"]
-    assert any(isinstance(node, ast.Import) and node.names[0].name == "great_expectations"
-               for node in ast.walk(validate))  # the one lazy import
+    (validate,) = [
+        node
+        for node in ast.parse(Path(gates.__file__).read_text()).body
+        if isinstance(node, ast.FunctionDef) and node.name == "validate_frame"
+    ]
+    assert any(
+        isinstance(node, ast.Import) and node.names[0].name == "great_expectations" for node in ast.walk(validate)
+    )  # the one lazy import
 
 
 def test_markdown_cells_escape_pipes_and_newlines():

@@ -35,10 +35,13 @@ def test_jsonl_defaults(tmp_path):
 
 def test_jsonl_fields_id_and_limit(tmp_path):
     rows = [{"q": f"question {i}", "a": {"x": i}, "uid": f"u{i}", "src": "s"} for i in range(5)]
-    tasks = load_tasks(write_jsonl(tmp_path / "set.jsonl", rows), prompt_field="q", answer_field="a",
-                       id_field="uid", limit=2)
+    tasks = load_tasks(
+        write_jsonl(tmp_path / "set.jsonl", rows), prompt_field="q", answer_field="a", id_field="uid", limit=2
+    )
     assert [(t.task_id, t.prompt, t.answer, t.metadata) for t in tasks] == [
-        ("u0", "question 0", {"x": 0}, {"src": "s"}), ("u1", "question 1", {"x": 1}, {"src": "s"})]
+        ("u0", "question 0", {"x": 0}, {"src": "s"}),
+        ("u1", "question 1", {"x": 1}, {"src": "s"}),
+    ]
 
 
 def test_parquet(tmp_path):
@@ -46,7 +49,8 @@ def test_parquet(tmp_path):
     pq.write_table(pa.Table.from_pylist(ROWS), path)
     tasks = load_tasks(path)
     assert [(t.task_id, t.prompt, t.answer, t.metadata) for t in tasks] == [
-        (f"train-{i}", r["problem"], r["answer"], {"level": r["level"]}) for i, r in enumerate(ROWS)]
+        (f"train-{i}", r["problem"], r["answer"], {"level": r["level"]}) for i, r in enumerate(ROWS)
+    ]
 
 
 def test_parquet_struct_answers_and_nulls(tmp_path):
@@ -59,14 +63,17 @@ def test_parquet_struct_answers_and_nulls(tmp_path):
         load_tasks(path)
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"answer": 3}, r"row 2: field 'problem' is missing or empty"),
-    ({"problem": "   ", "answer": 3}, r"row 2: field 'problem' is missing or empty"),
-    ({"problem": "ok"}, r"row 2: field 'answer' is missing or empty"),
-    ({"problem": "ok", "answer": ""}, r"row 2: field 'answer' is missing or empty"),
-    ({"problem": "ok", "answer": []}, r"row 2: field 'answer' is missing or empty"),
-    ({"problem": 42, "answer": 3}, r"row 2: field 'problem' must be a string"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"answer": 3}, r"row 2: field 'problem' is missing or empty"),
+        ({"problem": "   ", "answer": 3}, r"row 2: field 'problem' is missing or empty"),
+        ({"problem": "ok"}, r"row 2: field 'answer' is missing or empty"),
+        ({"problem": "ok", "answer": ""}, r"row 2: field 'answer' is missing or empty"),
+        ({"problem": "ok", "answer": []}, r"row 2: field 'answer' is missing or empty"),
+        ({"problem": 42, "answer": 3}, r"row 2: field 'problem' must be a string"),
+    ],
+)
 def test_bad_rows_are_named(tmp_path, bad, message):
     path = write_jsonl(tmp_path / "bad.jsonl", ROWS[:2] + [bad])
     with pytest.raises(ValueError, match=message):
@@ -104,8 +111,12 @@ def s3_endpoint(monkeypatch):
     server.start()
     host, port = server.get_host_and_port()
     url = f"http://{host}:{port}"
-    for name, value in {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for name, value in {
+        "AWS_ENDPOINT_URL": url,
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
@@ -128,6 +139,7 @@ def test_s3_jsonl_and_parquet(s3_endpoint, tmp_path):
     assert [(t.task_id, t.answer) for t in jsonl] == [("train-0", 4), ("train-1", 9)]
     parquet = load_tasks("s3://sets/math/eval.parquet")
     assert [(t.task_id, t.prompt, t.metadata) for t in parquet] == [
-        (f"eval-{i}", r["problem"], {"level": r["level"]}) for i, r in enumerate(ROWS)]
+        (f"eval-{i}", r["problem"], {"level": r["level"]}) for i, r in enumerate(ROWS)
+    ]
     with pytest.raises(FileNotFoundError, match="s3://sets/math/nope.jsonl"):
         load_tasks("s3://sets/math/nope.jsonl")

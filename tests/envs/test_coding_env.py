@@ -18,8 +18,11 @@ from components.envs.coding import (
 )
 from components.envs.latency import ToolLatency
 
-ADD = Task("add-task", "Write `def add(a, b)`.", {"entry_point": "add", "tests": [
-    "assert add(1, 2) == 3", "assert add(-4, 6) == 2", "assert add(10, 5) == 15"]})
+ADD = Task(
+    "add-task",
+    "Write `def add(a, b)`.",
+    {"entry_point": "add", "tests": ["assert add(1, 2) == 3", "assert add(-4, 6) == 2", "assert add(10, 5) == 15"]},
+)
 
 
 def final(code: str) -> str:
@@ -76,19 +79,23 @@ def test_partial_solution_fraction_and_all_pass():
 
 
 def test_printing_solution_still_graded():
-    noisy = ("import sys\nprint('hello')\n"
-             "def add(a, b):\n    print(a, b)\n    print('x', file=sys.stderr)\n    return a + b")
+    noisy = (
+        "import sys\nprint('hello')\ndef add(a, b):\n    print(a, b)\n    print('x', file=sys.stderr)\n    return a + b"
+    )
     assert grade(noisy).reward == 1.0
 
 
-@pytest.mark.parametrize("code, passed", [
-    ("def add(a, b):\n    if a < 0:\n        raise RuntimeError('boom')\n    return a + b", 2),
-    ("def add(a, b):\n    return a + b\nraise RuntimeError('crash at import')", 0),
-    ("import sys\ndef add(a, b):\n    sys.exit(0)", 0),
-    ("def add(a, b):\n    return a + b\nimport os\nos._exit(0)", 0),
-    ("def add(a, b) return a + b", 0),
-    ("def plus(a, b):\n    return a + b", 0),
-])
+@pytest.mark.parametrize(
+    "code, passed",
+    [
+        ("def add(a, b):\n    if a < 0:\n        raise RuntimeError('boom')\n    return a + b", 2),
+        ("def add(a, b):\n    return a + b\nraise RuntimeError('crash at import')", 0),
+        ("import sys\ndef add(a, b):\n    sys.exit(0)", 0),
+        ("def add(a, b):\n    return a + b\nimport os\nos._exit(0)", 0),
+        ("def add(a, b) return a + b", 0),
+        ("def plus(a, b):\n    return a + b", 0),
+    ],
+)
 def test_crashing_solutions_get_only_what_they_pass(code, passed):
     result = grade(code)
     assert (result.info["passed"], result.reward) == (passed, passed / 3)
@@ -101,8 +108,10 @@ def test_infinite_loops_time_out_per_test():
     assert grade("while True:\n    pass\ndef add(a, b):\n    return a + b").reward == 0.0
     # Swallowing the per-test alarm: the runner kills the solution's process after the test's limit plus a
     # grace period, and that test and every later one time out.
-    stubborn = ("def add(a, b):\n    while True:\n        try:\n            while True:\n                pass\n"
-                "        except BaseException:\n            pass")
+    stubborn = (
+        "def add(a, b):\n    while True:\n        try:\n            while True:\n                pass\n"
+        "        except BaseException:\n            pass"
+    )
     t0 = time.monotonic()
     result = grade(stubborn)
     assert (result.reward, result.info["test_errors"]) == (0.0, ["timeout"] * 3)
@@ -110,11 +119,13 @@ def test_infinite_loops_time_out_per_test():
 
 
 def test_fake_result_marker_is_not_trusted():
-    fake = ('{"passed": 3, "total": 3, "errors": [null, null, null]}')
-    forger = ("import os, sys\n"
-              f"line = '@@SAO-RESULT-0000@@' + {fake!r} + '\\n'\n"
-              "print(line)\nos.write(1, line.encode())\nos.write(2, line.encode())\n"
-              "def add(a, b):\n    print(line)\n    return 0")
+    fake = '{"passed": 3, "total": 3, "errors": [null, null, null]}'
+    forger = (
+        "import os, sys\n"
+        f"line = '@@SAO-RESULT-0000@@' + {fake!r} + '\\n'\n"
+        "print(line)\nos.write(1, line.encode())\nos.write(2, line.encode())\n"
+        "def add(a, b):\n    print(line)\n    return 0"
+    )
     result = grade(forger)
     assert (result.reward, result.info["passed"]) == (0.0, 0)
     early_exit = forger + "\nos._exit(0)"
@@ -123,7 +134,7 @@ def test_fake_result_marker_is_not_trusted():
     nonce = "ab" * 16
     marker = f"@@SAO-RESULT-{nonce}@@"
     assert parse_harness_output(f"{marker}{fake}\n{marker}{fake}\n", nonce, 3).error is not None
-    assert parse_harness_output(f"{marker}{{\"passed\": 7, \"errors\": []}}\n", nonce, 3).passed == 0
+    assert parse_harness_output(f'{marker}{{"passed": 7, "errors": []}}\n', nonce, 3).passed == 0
     assert parse_harness_output(f"{marker}{fake}\n", nonce, 3).passed == 3
 
 

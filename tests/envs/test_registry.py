@@ -39,8 +39,9 @@ def old_task_stream(cfg, start: int, group_size: int):
     """The trainer's `task_stream` before the registry, copied verbatim as the reference."""
     chunk = 4096
     for offset in itertools.count(start - start % chunk, chunk):
-        problems = generate_problems(cfg.task.kinds, offset + chunk, cfg.train.task_seed, cfg.task.operand_max,
-                                     "train")[offset:]
+        problems = generate_problems(
+            cfg.task.kinds, offset + chunk, cfg.train.task_seed, cfg.task.operand_max, "train"
+        )[offset:]
         for index, p in enumerate(problems, start=offset):
             if index < start:
                 continue
@@ -81,7 +82,7 @@ def test_streams_resume_from_the_cursor(overrides, group):
     setup = build_env(config(*overrides))
     whole = take(setup, 0, group, 40 * group)
     for start in (1, 11, 12, 25):  # 12: exactly one epoch of the 12-task coding set
-        assert take(setup, start, group, (40 - start) * group) == whole[start * group:]
+        assert take(setup, start, group, (40 - start) * group) == whole[start * group :]
         assert whole[start * group].metadata["cursor"] == start
 
 
@@ -91,7 +92,7 @@ def test_file_set_cycles_each_task_once_per_epoch_reshuffled(tmp_path):
     tasks = take(setup, 0, 1, 20)
     assert [t.task_id.split("@")[1] for t in tasks] == [str(i) for i in range(20)]  # `{task_id}@{index}`
     assert [t.metadata["cursor"] for t in tasks] == list(range(20))
-    epochs = [[t.task_id.split("@")[0] for t in tasks[e * 5:(e + 1) * 5]] for e in range(4)]
+    epochs = [[t.task_id.split("@")[0] for t in tasks[e * 5 : (e + 1) * 5]] for e in range(4)]
     assert all(sorted(e) == [f"five-{i}" for i in range(5)] for e in epochs)  # each task once per epoch
     assert len({tuple(e) for e in epochs}) > 1  # reshuffled per epoch
     for t in tasks:  # prompt and answer travel with the id
@@ -106,13 +107,17 @@ def test_eval_tasks(tmp_path):
     cfg = config("task.eval_size=24")
     held_out = build_env(cfg).eval_tasks()
     expected = generate_problems(("affine",), 24, 0, 99, "eval")  # task.seed = 0: today's evaluation set
-    assert [(t.task_id, t.prompt, t.answer) for t in held_out] == [(p.problem_id, p.question, p.answer)
-                                                                   for p in expected]
+    assert [(t.task_id, t.prompt, t.answer) for t in held_out] == [
+        (p.problem_id, p.question, p.answer) for p in expected
+    ]
     train_questions = {t.prompt for t in take(build_env(cfg), 0, 1, 2000)}
     assert not train_questions & {t.prompt for t in held_out}
     uri = write_set(tmp_path / "held.jsonl", 3)
     assert [t.task_id for t in build_env(config(f'env.eval_tasks="{uri}"')).eval_tasks()] == [
-        "held-0", "held-1", "held-2"]
+        "held-0",
+        "held-1",
+        "held-2",
+    ]
     coding = build_env(config('env.name="coding"'))
     assert [t.task_id for t in coding.eval_tasks()] == [t.task_id for t in coding.env.tasks]  # built-in: overlap
     assert len(build_env(config('env.name="style"')).eval_tasks()) == 20
@@ -130,10 +135,12 @@ def test_style_schedule_hand_worked():
         assert setup.env.start(Task("p", "Hi.")).preferred == style
         if message:
             messages[step] = message
-    assert messages == {3: "env: preference cute -> classical at step 3",
-                        5: "env: preference classical -> cute at step 5",
-                        8: "env: preference cute -> classical at step 8",
-                        10: "env: preference classical -> cute at step 10"}
+    assert messages == {
+        3: "env: preference cute -> classical at step 3",
+        5: "env: preference classical -> cute at step 5",
+        8: "env: preference cute -> classical at step 8",
+        10: "env: preference classical -> cute at step 10",
+    }
     # Stateless: a run resumed at a flip step still reports the flip; one resumed mid-phase does not.
     assert build_env(cfg).on_step(8)[1] == "env: preference cute -> classical at step 8"
     assert build_env(cfg).on_step(9) == ({"env/preference": 2.0}, None)
@@ -159,12 +166,23 @@ def test_judge_selection():
 
 
 def test_tool_timeout_and_latency_from_config():
-    cfg = config('env.name="coding"', "rollout.tool_timeout_s=2.5", 'rollout.latency="fixed"',
-                 "rollout.latency_mean_s=0.25", "task.seed=7")
+    cfg = config(
+        'env.name="coding"',
+        "rollout.tool_timeout_s=2.5",
+        'rollout.latency="fixed"',
+        "rollout.latency_mean_s=0.25",
+        "task.seed=7",
+    )
     env = build_env(cfg).env
     assert env.timeout_s == 2.5 and env.latency == ToolLatency("fixed", 0.25, cfg.rollout.latency_sigma, 7)
-    tir = build_env(config("rollout.tool_timeout_s=2.5", 'rollout.latency="lognormal"', "rollout.latency_mean_s=1.0",
-                           "rollout.latency_sigma=0.5")).env
+    tir = build_env(
+        config(
+            "rollout.tool_timeout_s=2.5",
+            'rollout.latency="lognormal"',
+            "rollout.latency_mean_s=1.0",
+            "rollout.latency_sigma=0.5",
+        )
+    ).env
     assert tir.tool.timeout_s == 2.5 and tir.latency == ToolLatency("lognormal", 1.0, 0.5, 0)
 
 

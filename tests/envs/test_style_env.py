@@ -102,8 +102,9 @@ def judge_server():
         yield url, state
 
 
-@pytest.mark.parametrize("reply, score", [("Score: 7", 0.7), ("8/10, very cute", 0.8), ("12", 1.0),
-                                          ("-3", 0.0), ("I'd say 6.5.", 0.65)])
+@pytest.mark.parametrize(
+    "reply, score", [("Score: 7", 0.7), ("8/10, very cute", 0.8), ("12", 1.0), ("-3", 0.0), ("I'd say 6.5.", 0.65)]
+)
 def test_llm_judge_parses_the_first_number(judge_server, reply, score):
     url, state = judge_server
     state.update(reply=reply, status=200)

@@ -15,8 +15,12 @@ from components.eval import BENCHMARKS, detect_benchmark, load_benchmark
 
 # MathArena schema (aime_2025, hmmt_feb_2025): problem_idx, problem, answer, problem_type. Made-up problems.
 AIME_ROWS = [
-    {"problem_idx": 1, "problem": "How many positive divisors does 36 have?", "answer": 9,
-     "problem_type": ["Number Theory"]},
+    {
+        "problem_idx": 1,
+        "problem": "How many positive divisors does 36 have?",
+        "answer": 9,
+        "problem_type": ["Number Theory"],
+    },
     {"problem_idx": 2, "problem": "Compute 12 times 13.", "answer": 156, "problem_type": ["Algebra"]},
     {"problem_idx": 3, "problem": "Compute 7 minus 7.", "answer": 0, "problem_type": ["Algebra", "Combinatorics"]},
 ]
@@ -30,12 +34,33 @@ BEYOND_ROWS = [{"problem": f"Compute {a} plus {b}.", "answer": str(a + b)} for a
 # google-deepmind IMO-AnswerBench answerbench.csv header.
 IMO_HEADER = ["Problem ID", "Problem", "Short Answer", "Category", "Level", "Subcategory", "Source"]
 IMO_ROWS = [
-    ["imo-bench-algebra-001", "Find all $n$ with $n^2 = 9$ and $n > 0$.\n", "3", "Algebra", "IMO-Easy",
-     "Equation", "Made up"],
-    ["imo-bench-number_theory-002", "Find $u$ such that\n\n\\[2^{u} = 4.\\]\n", "$2$ ", "Number theory",
-     "pre-IMO", "Exponent", "Made up"],
-    ["imo-bench-combinatorics-003", "Give all values of $k$ in $\\{1, 2\\}$.", "1, 2", "Combinatorics",
-     "IMO-Medium", "Counting", "Made up"],
+    [
+        "imo-bench-algebra-001",
+        "Find all $n$ with $n^2 = 9$ and $n > 0$.\n",
+        "3",
+        "Algebra",
+        "IMO-Easy",
+        "Equation",
+        "Made up",
+    ],
+    [
+        "imo-bench-number_theory-002",
+        "Find $u$ such that\n\n\\[2^{u} = 4.\\]\n",
+        "$2$ ",
+        "Number theory",
+        "pre-IMO",
+        "Exponent",
+        "Made up",
+    ],
+    [
+        "imo-bench-combinatorics-003",
+        "Give all values of $k$ in $\\{1, 2\\}$.",
+        "1, 2",
+        "Combinatorics",
+        "IMO-Medium",
+        "Counting",
+        "Made up",
+    ],
 ]
 
 
@@ -61,10 +86,15 @@ def test_aime2025_parquet(tmp_path):
     tasks = load_benchmark("aime2025", write_parquet(tmp_path / "aime_2025.parquet", AIME_ROWS))
     # problem_idx 1..3 -> aime2025-1..3; int answers stay ints (0 is a real answer, not a missing one)
     assert [(t.task_id, t.prompt, t.answer) for t in tasks] == [
-        ("aime2025-1", AIME_ROWS[0]["problem"], 9), ("aime2025-2", AIME_ROWS[1]["problem"], 156),
-        ("aime2025-3", AIME_ROWS[2]["problem"], 0)]
-    assert tasks[2].metadata == {"problem_idx": 3, "problem_type": ["Algebra", "Combinatorics"],
-                                 "benchmark": "aime2025"}
+        ("aime2025-1", AIME_ROWS[0]["problem"], 9),
+        ("aime2025-2", AIME_ROWS[1]["problem"], 156),
+        ("aime2025-3", AIME_ROWS[2]["problem"], 0),
+    ]
+    assert tasks[2].metadata == {
+        "problem_idx": 3,
+        "problem_type": ["Algebra", "Combinatorics"],
+        "benchmark": "aime2025",
+    }
 
 
 def test_hmmt_jsonl_and_parquet_agree(tmp_path):
@@ -73,7 +103,10 @@ def test_hmmt_jsonl_and_parquet_agree(tmp_path):
     assert from_jsonl == from_parquet
     # LaTeX answers kept as written; " 12 " loses its surrounding spaces only
     assert [(t.task_id, t.answer) for t in from_jsonl] == [
-        ("hmmt-1", "\\frac{3}{4}"), ("hmmt-2", "(1, 2)"), ("hmmt-3", "12")]
+        ("hmmt-1", "\\frac{3}{4}"),
+        ("hmmt-2", "(1, 2)"),
+        ("hmmt-3", "12"),
+    ]
     assert from_jsonl[1].metadata == {"problem_idx": 2, "problem_type": ["Geometry"], "benchmark": "hmmt"}
 
 
@@ -81,8 +114,10 @@ def test_beyondaime_jsonl_without_ids_and_the_nemo_skills_answer_name(tmp_path):
     tasks = load_benchmark("beyondaime", write_jsonl(tmp_path / "test.jsonl", BEYOND_ROWS))
     # no id column: <benchmark>-<row>, rows counted from 0; 100+23 = 123, 400+56 = 456, 7+8 = 15
     assert [(t.task_id, t.answer, t.metadata) for t in tasks] == [
-        ("beyondaime-0", "123", {"benchmark": "beyondaime"}), ("beyondaime-1", "456", {"benchmark": "beyondaime"}),
-        ("beyondaime-2", "15", {"benchmark": "beyondaime"})]
+        ("beyondaime-0", "123", {"benchmark": "beyondaime"}),
+        ("beyondaime-1", "456", {"benchmark": "beyondaime"}),
+        ("beyondaime-2", "15", {"benchmark": "beyondaime"}),
+    ]
     renamed = [{"problem": r["problem"], "expected_answer": r["answer"]} for r in BEYOND_ROWS]
     assert load_benchmark("beyondaime", write_jsonl(tmp_path / "nemo.jsonl", renamed)) == tasks
 
@@ -91,11 +126,19 @@ def test_imoanswerbench_csv_and_parquet(tmp_path):
     tasks = load_benchmark("imoanswerbench", write_imo_csv(tmp_path / "answerbench.csv"))
     # ids are the release's own; the multi-line quoted problem survives; "$2$ " loses its trailing space
     assert [(t.task_id, t.answer) for t in tasks] == [
-        ("imo-bench-algebra-001", "3"), ("imo-bench-number_theory-002", "$2$"),
-        ("imo-bench-combinatorics-003", "1, 2")]
+        ("imo-bench-algebra-001", "3"),
+        ("imo-bench-number_theory-002", "$2$"),
+        ("imo-bench-combinatorics-003", "1, 2"),
+    ]
     assert tasks[1].prompt == "Find $u$ such that\n\n\\[2^{u} = 4.\\]\n"
-    assert tasks[0].metadata == {"Problem ID": "imo-bench-algebra-001", "Category": "Algebra", "Level": "IMO-Easy",
-                                 "Subcategory": "Equation", "Source": "Made up", "benchmark": "imoanswerbench"}
+    assert tasks[0].metadata == {
+        "Problem ID": "imo-bench-algebra-001",
+        "Category": "Algebra",
+        "Level": "IMO-Easy",
+        "Subcategory": "Equation",
+        "Source": "Made up",
+        "benchmark": "imoanswerbench",
+    }
     as_dicts = [dict(zip(IMO_HEADER, row)) for row in IMO_ROWS]
     assert load_benchmark("imoanswerbench", write_parquet(tmp_path / "answerbench.parquet", as_dicts)) == tasks
 
@@ -142,12 +185,17 @@ def test_load_through_s3(s3_env, tmp_path):
 
     client = boto3.client("s3", endpoint_url=s3_env)
     client.create_bucket(Bucket="benchmarks")
-    client.put_object(Bucket="benchmarks", Key="imo/answerbench.csv",
-                      Body=write_imo_csv(tmp_path / "answerbench.csv").read_bytes())
-    client.put_object(Bucket="benchmarks", Key="matharena/aime_2025.parquet",
-                      Body=write_parquet(tmp_path / "aime_2025.parquet", AIME_ROWS).read_bytes())
+    client.put_object(
+        Bucket="benchmarks", Key="imo/answerbench.csv", Body=write_imo_csv(tmp_path / "answerbench.csv").read_bytes()
+    )
+    client.put_object(
+        Bucket="benchmarks",
+        Key="matharena/aime_2025.parquet",
+        Body=write_parquet(tmp_path / "aime_2025.parquet", AIME_ROWS).read_bytes(),
+    )
     assert load_benchmark("imoanswerbench", "s3://benchmarks/imo/answerbench.csv") == load_benchmark(
-        "imoanswerbench", tmp_path / "answerbench.csv")
+        "imoanswerbench", tmp_path / "answerbench.csv"
+    )
     from_s3 = load_benchmark("auto", "s3://benchmarks/matharena/aime_2025.parquet")
     assert [(t.task_id, t.answer) for t in from_s3] == [("aime2025-1", 9), ("aime2025-2", 156), ("aime2025-3", 0)]
 
@@ -159,9 +207,11 @@ def test_end_to_end_grading_of_boxed_outputs(tmp_path):
         "hmmt-2": ("\\boxed{\\left( 1,2 \\right)}", "\\boxed{(2, 1)}"),  # the tuple (1, 2); order matters
         "hmmt-3": ("\\boxed{12}", "\\boxed{12.5}"),  # "12" is a plain integer: exact, 12.5 is not 12
     }
-    graded = {t.task_id: [grade_answer(text, reference_answer(t.answer)) for text in outputs[t.task_id]]
-              for t in tasks}
+    graded = {t.task_id: [grade_answer(text, reference_answer(t.answer)) for text in outputs[t.task_id]] for t in tasks}
     assert graded == {"hmmt-1": [True, False], "hmmt-2": [True, False], "hmmt-3": [True, False]}
     # the same verdicts straight from math_equal on the boxed text
-    assert all(math_equal(extract_boxed(right), t.answer) and not math_equal(extract_boxed(wrong), t.answer)
-               for t in tasks for right, wrong in [outputs[t.task_id]])
+    assert all(
+        math_equal(extract_boxed(right), t.answer) and not math_equal(extract_boxed(wrong), t.answer)
+        for t in tasks
+        for right, wrong in [outputs[t.task_id]]
+    )

@@ -15,8 +15,7 @@ from components.sandbox.run import run_python
 
 
 def _trajectory(task_id: str, reward: float) -> Trajectory:
-    return Trajectory(task_id, "tir_math", [5, 6], [0, 1], [None, -0.5], [None, 0], reward, 1, "stop", 1,
-                      Timings(0.0))
+    return Trajectory(task_id, "tir_math", [5, 6], [0, 1], [None, -0.5], [None, 0], reward, 1, "stop", 1, Timings(0.0))
 
 
 def test_scores_by_hand():
@@ -24,13 +23,16 @@ def test_scores_by_hand():
     #   greedy:  [0, 1, 0]             -> accuracy 1/3
     #   samples: [[1, 1], [0, 1], [0, 0]] -> avg@2 = (2/2 + 1/2 + 0/2) / 3 = 1/2; pass@2 = (1 + 1 + 0) / 3 = 2/3
     greedy = [_trajectory(f"t{i}", r) for i, r in enumerate([0.0, 1.0, 0.0])]
-    sampled = [[_trajectory(f"t{i}#s{k}", r) for k, r in enumerate(rs)]
-               for i, rs in enumerate([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])]
+    sampled = [
+        [_trajectory(f"t{i}#s{k}", r) for k, r in enumerate(rs)]
+        for i, rs in enumerate([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])
+    ]
     assert score(greedy, sampled, 1.0) == pytest.approx((1 / 3, 1 / 2, 2 / 3))
     # The threshold decides success: with 0.5, a reward of 0.6 counts, 0.4 does not.
     # greedy [0.6, 0.4] -> 1/2; samples [[0.4], [0.6]] -> avg@1 = pass@1 = 1/2
-    assert score([_trajectory("a", 0.6), _trajectory("b", 0.4)],
-                 [[_trajectory("a", 0.4)], [_trajectory("b", 0.6)]], 0.5) == (0.5, 0.5, 0.5)
+    assert score(
+        [_trajectory("a", 0.6), _trajectory("b", 0.4)], [[_trajectory("a", 0.4)], [_trajectory("b", 0.6)]], 0.5
+    ) == (0.5, 0.5, 0.5)
     with pytest.raises(ValueError, match="same number K"):
         score(greedy, [[greedy[0]], [], [greedy[2]]], 1.0)
 
@@ -40,12 +42,21 @@ def test_evaluate_counts_what_the_trajectories_show(engine, sft_policy):
     tasks = tasks_from_problems(generate_problems(("affine",), 12, 0, 99, "eval"))
     limits = EpisodeLimits(max_turns=3, max_new_tokens=40, max_total_tokens=400, temperature=1.0)
     env = TIRMathEnvironment()
-    report = evaluate(engine, tokenizer, env, tasks, limits, samples=3, concurrency=16,
-                      stop_token_ids=tuple(stop_token_ids(tokenizer)))
+    report = evaluate(
+        engine,
+        tokenizer,
+        env,
+        tasks,
+        limits,
+        samples=3,
+        concurrency=16,
+        stop_token_ids=tuple(stop_token_ids(tokenizer)),
+    )
     assert report.n == 12 and report.samples == 3
     assert [t.prompt_id for t in report.greedy] == [t.task_id for t in tasks]
-    assert [[t.prompt_id for t in s] for s in report.sampled] == [[f"{t.task_id}#s{k}" for k in range(3)]
-                                                                   for t in tasks]
+    assert [[t.prompt_id for t in s] for s in report.sampled] == [
+        [f"{t.task_id}#s{k}" for k in range(3)] for t in tasks
+    ]
     # The hand count over the returned trajectories: a solved episode is one the grader marked correct.
     solved = [[bool(t.metadata.get("correct")) for t in s] for s in report.sampled]
     assert report.accuracy == sum(bool(t.metadata.get("correct")) for t in report.greedy) / 12
@@ -57,12 +68,20 @@ def test_evaluate_counts_what_the_trajectories_show(engine, sft_policy):
     for t in report.greedy:
         text = tokenizer.decode(t.token_ids)
         for before, after in zip(text.split(OUTPUT), text.split(OUTPUT)[1:]):
-            code = before[before.rfind(CALL) + len(CALL): before.rfind(CALL_END)]
+            code = before[before.rfind(CALL) + len(CALL) : before.rfind(CALL_END)]
             assert after.split(OUTPUT_END)[0] == run_python(code).stdout or "Error" in after
         assert all(math.isfinite(lp) for lp in t.rollout_logprobs if lp is not None)
     # Greedy is deterministic: the same tasks again give the same tokens.
-    again = evaluate(engine, tokenizer, env, tasks[:4], limits, samples=1, concurrency=4,
-                     stop_token_ids=tuple(stop_token_ids(tokenizer)))
+    again = evaluate(
+        engine,
+        tokenizer,
+        env,
+        tasks[:4],
+        limits,
+        samples=1,
+        concurrency=4,
+        stop_token_ids=tuple(stop_token_ids(tokenizer)),
+    )
     assert [t.token_ids for t in again.greedy] == [t.token_ids for t in report.greedy[:4]]
     assert again.avg_at_k == again.pass_at_k == again.accuracy
 

@@ -107,15 +107,18 @@ def test_math_equal_pairs(pred, ref, expected):
     assert math_equal(ref, pred) is expected  # every rule applies to both sides alike
 
 
-@pytest.mark.parametrize("pred, ref, expected", [
-    ("1,000", 1000, True),  # int reference: 1000
-    ("999", 1000, False),  # 999 != 1000
-    ("1000.0", 1000, True),  # math_equal compares values (grade_answer keeps ints exact)
-    ("3/4", 0.75, True),  # 0.75 is exactly 3/4 in binary
-    ("0.1", 0.1, True),  # repr(0.1) is "0.1": read as 1/10, not the binary float's 0.1000000000000000055...
-    ("0.3", 0.1 + 0.2, False),  # the float sum is 0.30000000000000004, not 3/10
-    ("1", float("nan"), False),  # no value equals NaN
-])
+@pytest.mark.parametrize(
+    "pred, ref, expected",
+    [
+        ("1,000", 1000, True),  # int reference: 1000
+        ("999", 1000, False),  # 999 != 1000
+        ("1000.0", 1000, True),  # math_equal compares values (grade_answer keeps ints exact)
+        ("3/4", 0.75, True),  # 0.75 is exactly 3/4 in binary
+        ("0.1", 0.1, True),  # repr(0.1) is "0.1": read as 1/10, not the binary float's 0.1000000000000000055...
+        ("0.3", 0.1 + 0.2, False),  # the float sum is 0.30000000000000004, not 3/10
+        ("1", float("nan"), False),  # no value equals NaN
+    ],
+)
 def test_math_equal_numeric_references(pred, ref, expected):
     assert math_equal(pred, ref) is expected
 
@@ -137,8 +140,15 @@ def test_math_equal_never_executes_code(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("math_equal evaluated its input")
 
-    texts = (payload, f"${payload}$", f"\\boxed{{{payload}}}", f"x = {payload}", f"({payload}, 1)",
-             "eval('1+1')", "lambda: 0")
+    texts = (
+        payload,
+        f"${payload}$",
+        f"\\boxed{{{payload}}}",
+        f"x = {payload}",
+        f"({payload}, 1)",
+        "eval('1+1')",
+        "lambda: 0",
+    )
     with monkeypatch.context() as patch:  # eval, exec and compile are gone while math_equal runs
         for name in ("eval", "exec", "compile"):
             patch.setattr(builtins, name, refuse)
@@ -160,16 +170,19 @@ def test_extract_boxed():
     assert extract_boxed("\\boxed{}") == ""  # an empty box is an empty answer
 
 
-@pytest.mark.parametrize("text, answer, ok", [
-    ("\\boxed{449}", 449, True),  # int answer: exact
-    ("\\boxed{449.0}", 449, False),  # int answers stay exact integers
-    ("\\boxed{1,000}", 1000, False),  # ... with no separators either
-    ("\\boxed{0.75}", "\\frac{3}{4}", True),  # str answer: math_equal
-    ("\\boxed{3/4}", 0.75, True),  # float answer: math_equal
-    ("\\boxed{1,000}", "1000", True),  # str answer: math_equal accepts the separator
-    ("\\boxed{0.7}", "\\frac{3}{4}", False),  # 7/10 != 3/4
-    ("0.75", "\\frac{3}{4}", False),  # no box
-])
+@pytest.mark.parametrize(
+    "text, answer, ok",
+    [
+        ("\\boxed{449}", 449, True),  # int answer: exact
+        ("\\boxed{449.0}", 449, False),  # int answers stay exact integers
+        ("\\boxed{1,000}", 1000, False),  # ... with no separators either
+        ("\\boxed{0.75}", "\\frac{3}{4}", True),  # str answer: math_equal
+        ("\\boxed{3/4}", 0.75, True),  # float answer: math_equal
+        ("\\boxed{1,000}", "1000", True),  # str answer: math_equal accepts the separator
+        ("\\boxed{0.7}", "\\frac{3}{4}", False),  # 7/10 != 3/4
+        ("0.75", "\\frac{3}{4}", False),  # no box
+    ],
+)
 def test_grade_answer(text, answer, ok):
     assert grade_answer(text, answer) is ok
 
@@ -188,8 +201,10 @@ def _episode(answer, final: str) -> list:
     episode = TIRMathEnvironment(tool_timeout_s=10.0).start(Task("bench-1", "What is 3 divided by 4?", answer))
 
     async def run():
-        return [await episode.step(f"Divide.{CALL}print(3/4){CALL_END}", truncated=False),
-                await episode.step(final, truncated=False)]
+        return [
+            await episode.step(f"Divide.{CALL}print(3/4){CALL_END}", truncated=False),
+            await episode.step(final, truncated=False),
+        ]
 
     return asyncio.run(run())
 

@@ -16,7 +16,10 @@ def test_phase_table_on_two_flips():
     rewards = [0.2, 0.8, 0.8] + [0.0, 0.4, 0.8] + [0.9, 0.9]  # phases of 3 steps, the third cut short
     rows = phase_table(rewards, [("cute", 3), ("classical", 3)], window=2, fraction=1.0)
     assert [(r["style"], r["first_step"], r["last_step"]) for r in rows] == [
-        ("cute", 1, 3), ("classical", 4, 6), ("cute", 7, 8)]  # the schedule repeats
+        ("cute", 1, 3),
+        ("classical", 4, 6),
+        ("cute", 7, 8),
+    ]  # the schedule repeats
     assert rows[0]["reward_mean"] == pytest.approx(0.6) and rows[0]["reward_end"] == pytest.approx(0.8)
     assert rows[0]["steps_to_recover"] is None
     # phase 2 must reach 1.0 * 0.8: k=1 0.0, k=2 0.2, k=3 mean(0.4, 0.8)=0.6 -> never

@@ -11,8 +11,18 @@ from components.cli import main
 from components.eval.report import PLOTS, ema, write_report
 
 
-def log_run(client, experiment: str, name: str, *, steps: int = 40, offset: float = 0.0, critic: bool = True,
-            idle: bool = False, start_ms: int = 1_700_000_000_000, seconds: int = 245) -> str:
+def log_run(
+    client,
+    experiment: str,
+    name: str,
+    *,
+    steps: int = 40,
+    offset: float = 0.0,
+    critic: bool = True,
+    idle: bool = False,
+    start_ms: int = 1_700_000_000_000,
+    seconds: int = 245,
+) -> str:
     """A finished training run with the DESIGN section 6 metrics a trainer logs at each step: reward rising to about
     `0.8 + offset`, masked fractions near 0, staleness within 2, held-out accuracy at steps 0 and `steps`.
     `critic=False` leaves out the critic's metrics, as a GRPO run does; `trainer/idle_frac` only with `idle`.
@@ -21,23 +31,35 @@ def log_run(client, experiment: str, name: str, *, steps: int = 40, offset: floa
 
     run = client.create_run(experiment, run_name=name, start_time=start_ms)
     run_id = run.info.run_id
-    client.log_batch(run_id, params=[Param("config.name", "tiny-cpu"), Param("config.env.name", "tir_math"),
-                                     Param("config.train.algo", "sao" if critic else "grpo")])
-    points = [Metric("eval/tir_math/accuracy", 0.7, start_ms, 0),
-              Metric("eval/tir_math/accuracy", 0.9 + offset / 10, start_ms + 1000 * seconds, steps)]
+    client.log_batch(
+        run_id,
+        params=[
+            Param("config.name", "tiny-cpu"),
+            Param("config.env.name", "tir_math"),
+            Param("config.train.algo", "sao" if critic else "grpo"),
+        ],
+    )
+    points = [
+        Metric("eval/tir_math/accuracy", 0.7, start_ms, 0),
+        Metric("eval/tir_math/accuracy", 0.9 + offset / 10, start_ms + 1000 * seconds, steps),
+    ]
     noise = random.Random(name).gauss  # seeded by the name: the same history every time
     for s in range(1, steps + 1):
         rise = 1 - math.exp(-s / 12)
-        row = {"reward/mean": offset + 0.3 + 0.5 * rise + noise(0, 0.04),
-               "dis/masked_frac_low": max(0.0, 0.003 + offset / 50 + noise(0, 0.001)),
-               "dis/masked_frac_high": max(0.0, 0.01 * (1 - rise) + 0.002 + noise(0, 0.001)),
-               "rollout/staleness_mean": 0.5 + 0.3 * rise - 2 * offset + abs(noise(0, 0.08)),
-               "rollout/staleness_max": float(1 + (s > 20 or noise(0, 1) > 1 - 10 * offset)),
-               "rollout/trajectories_per_s": 6 - 10 * offset + noise(0, 0.3),
-               "rollout/tokens_per_s": 350 + 300 * offset + noise(0, 20)}
+        row = {
+            "reward/mean": offset + 0.3 + 0.5 * rise + noise(0, 0.04),
+            "dis/masked_frac_low": max(0.0, 0.003 + offset / 50 + noise(0, 0.001)),
+            "dis/masked_frac_high": max(0.0, 0.01 * (1 - rise) + 0.002 + noise(0, 0.001)),
+            "rollout/staleness_mean": 0.5 + 0.3 * rise - 2 * offset + abs(noise(0, 0.08)),
+            "rollout/staleness_max": float(1 + (s > 20 or noise(0, 1) > 1 - 10 * offset)),
+            "rollout/trajectories_per_s": 6 - 10 * offset + noise(0, 0.3),
+            "rollout/tokens_per_s": 350 + 300 * offset + noise(0, 20),
+        }
         if critic:
-            row |= {"critic/explained_variance": 1 - 1.1 * math.exp(-s / 6) + noise(0, 0.03),
-                    "critic/grad_norm": 2 * math.exp(-s / 15) + abs(noise(0, 0.1))}
+            row |= {
+                "critic/explained_variance": 1 - 1.1 * math.exp(-s / 6) + noise(0, 0.03),
+                "critic/grad_norm": 2 * math.exp(-s / 15) + abs(noise(0, 0.1)),
+            }
         if idle:
             row["trainer/idle_frac"] = 0.35 - 0.25 * rise + offset + abs(noise(0, 0.03))
         points += [Metric(k, v, start_ms + 1000 * s, s) for k, v in row.items()]
@@ -82,8 +104,10 @@ def mlflow_home(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("mlflow")
     client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
     experiment = client.create_experiment("sao", artifact_location=(tmp_path / "art").as_uri())
-    ids = [log_run(client, experiment, "with-critic", offset=0.1),
-           log_run(client, experiment, "cold", critic=False, start_ms=1_700_000_600_000, seconds=12)]
+    ids = [
+        log_run(client, experiment, "with-critic", offset=0.1),
+        log_run(client, experiment, "cold", critic=False, start_ms=1_700_000_600_000, seconds=12),
+    ]
     return tmp_path, client, ids
 
 
@@ -94,9 +118,15 @@ def test_one_figure_per_plot_with_every_run_and_no_network_reference(mlflow_home
     assert len(figures) == len(PLOTS) == 8
     by_metric = {f["data-metric"]: f for f in figures}
     assert set(by_metric) == {
-        "reward/mean", "eval/tir_math/accuracy", "dis/masked_frac_low dis/masked_frac_high",
-        "critic/explained_variance", "critic/grad_norm", "rollout/staleness_mean rollout/staleness_max",
-        "trainer/idle_frac", "rollout/trajectories_per_s rollout/tokens_per_s"}
+        "reward/mean",
+        "eval/tir_math/accuracy",
+        "dis/masked_frac_low dis/masked_frac_high",
+        "critic/explained_variance",
+        "critic/grad_norm",
+        "rollout/staleness_mean rollout/staleness_max",
+        "trainer/idle_frac",
+        "rollout/trajectories_per_s rollout/tokens_per_s",
+    }
     for metric, figure in by_metric.items():
         if metric != "trainer/idle_frac":
             assert "svg" in figure["tags"] and "path" in figure["tags"], metric
@@ -165,8 +195,10 @@ def test_cli_reports_named_runs_or_the_newest_finished_training_runs(mlflow_home
 
 def test_cli_names_an_unknown_run_or_experiment(mlflow_home, capsys):
     home, _, _ = mlflow_home
-    for argv, message in ((["report", "no-such-run"], "sao: RUN: no MLflow run with id or name 'no-such-run'"),
-                          (["report", "--experiment", "nope"], "sao: --experiment: no MLflow experiment named 'nope'")):
+    for argv, message in (
+        (["report", "no-such-run"], "sao: RUN: no MLflow run with id or name 'no-such-run'"),
+        (["report", "--experiment", "nope"], "sao: --experiment: no MLflow experiment named 'nope'"),
+    ):
         with pytest.raises(SystemExit) as exc:
             main([*argv, "--home", str(home)])
         assert exc.value.code == 2 and message in capsys.readouterr().err

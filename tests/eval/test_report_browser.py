@@ -33,8 +33,10 @@ units (getBBox: zero when nothing was laid out) and its size on the page in CSS 
 
 def find_chromium() -> str | None:
     """The first Chromium on PATH (Debian's `chromium` or `chromium-headless-shell`, or another distribution's)."""
-    return next(filter(None, map(shutil.which, ("chromium", "chromium-headless-shell", "chromium-browser",
-                                                "google-chrome"))), None)
+    return next(
+        filter(None, map(shutil.which, ("chromium", "chromium-headless-shell", "chromium-browser", "google-chrome"))),
+        None,
+    )
 
 
 class DevTools:
@@ -42,10 +44,24 @@ class DevTools:
 
     def __init__(self, binary: str, profile: Path) -> None:
         self.process = subprocess.Popen(
-            [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-             "--no-default-browser-check", "--disable-extensions", "--hide-scrollbars", "--remote-debugging-port=0",
-             f"--user-data-dir={profile}", f"--window-size={WIDTH},900", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                binary,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--no-first-run",
+                "--no-default-browser-check",
+                "--disable-extensions",
+                "--hide-scrollbars",
+                "--remote-debugging-port=0",
+                f"--user-data-dir={profile}",
+                f"--window-size={WIDTH},900",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             self._connect(binary, profile)
         except BaseException:
@@ -65,8 +81,7 @@ class DevTools:
         self.browser = connect(f"ws://127.0.0.1:{port}{path}", proxy=None, max_size=None, open_timeout=30)
         self.ids, self.events = 0, []
         target = self.call("Target.createTarget", url="about:blank", socket=self.browser)["targetId"]
-        self.page = connect(f"ws://127.0.0.1:{port}/devtools/page/{target}", proxy=None, max_size=None,
-                            open_timeout=30)
+        self.page = connect(f"ws://127.0.0.1:{port}/devtools/page/{target}", proxy=None, max_size=None, open_timeout=30)
 
     def call(self, method: str, socket=None, timeout: float = 30, **params) -> dict:
         socket = socket or self.page
@@ -112,9 +127,19 @@ def report(tmp_path):
 
     client = MlflowClient(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
     experiment = client.create_experiment("sao", artifact_location=(tmp_path / "art").as_uri())
-    runs = [log_run(client, experiment, "tiny-cpu/sao", steps=60, offset=0.1, idle=True),
-            log_run(client, experiment, "tiny-cpu/grpo", steps=60, critic=False, idle=True,
-                    start_ms=1_700_000_900_000, seconds=313)]
+    runs = [
+        log_run(client, experiment, "tiny-cpu/sao", steps=60, offset=0.1, idle=True),
+        log_run(
+            client,
+            experiment,
+            "tiny-cpu/grpo",
+            steps=60,
+            critic=False,
+            idle=True,
+            start_ms=1_700_000_900_000,
+            seconds=313,
+        ),
+    ]
     return write_report(client, runs, tmp_path / "report.html")
 
 
@@ -131,10 +156,12 @@ def test_every_plot_draws_in_chromium_offline_and_without_console_errors(report,
         browser.wait_for("Page.loadEventFired")
         plots = json.loads(browser.evaluate(CHECK_PLOTS))
         height = browser.evaluate("document.documentElement.scrollHeight")
-        browser.call("Emulation.setDeviceMetricsOverride", width=WIDTH, height=height, deviceScaleFactor=1,
-                     mobile=False)
-        png = base64.b64decode(browser.call("Page.captureScreenshot", format="png", captureBeyondViewport=True,
-                                            timeout=60)["data"])
+        browser.call(
+            "Emulation.setDeviceMetricsOverride", width=WIDTH, height=height, deviceScaleFactor=1, mobile=False
+        )
+        png = base64.b64decode(
+            browser.call("Page.captureScreenshot", format="png", captureBeyondViewport=True, timeout=60)["data"]
+        )
     finally:
         browser.close()
 
@@ -145,10 +172,13 @@ def test_every_plot_draws_in_chromium_offline_and_without_console_errors(report,
         assert min(plot["bbox"]) > 100 and min(plot["shown"]) > 150, plot
     fetched = [e["params"]["request"]["url"] for e in browser.events if e.get("method") == "Network.requestWillBeSent"]
     assert fetched == [report.resolve().as_uri()], "the report must load nothing but itself"
-    errors = [e["params"] for e in browser.events
-              if e.get("method") == "Runtime.exceptionThrown"
-              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))
-              or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")]
+    errors = [
+        e["params"]
+        for e in browser.events
+        if e.get("method") == "Runtime.exceptionThrown"
+        or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))
+        or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")
+    ]
     assert errors == []
 
     import numpy as np

@@ -11,11 +11,34 @@ import pytest
 
 from components.cli import main
 
-SMALL = ["--set", "sft.steps=20", "--set", "sft.batch_size=16", "--set", "sft.warmup_steps=2",
-         "--set", "task.train_size=200", "--set", "task.eval_size=8", "--set", "train.max_steps=4",
-         "--set", "train.batch_size=4", "--set", "rollout.concurrency=4", "--set", "train.checkpoint_every=2",
-         "--set", "value_pretrain.episodes=16", "--set", "value_pretrain.max_epochs=2",
-         "--set", 'train.backend="torch"', "--set", "value_pretrain.warm_start=true"]
+SMALL = [
+    "--set",
+    "sft.steps=20",
+    "--set",
+    "sft.batch_size=16",
+    "--set",
+    "sft.warmup_steps=2",
+    "--set",
+    "task.train_size=200",
+    "--set",
+    "task.eval_size=8",
+    "--set",
+    "train.max_steps=4",
+    "--set",
+    "train.batch_size=4",
+    "--set",
+    "rollout.concurrency=4",
+    "--set",
+    "train.checkpoint_every=2",
+    "--set",
+    "value_pretrain.episodes=16",
+    "--set",
+    "value_pretrain.max_epochs=2",
+    "--set",
+    'train.backend="torch"',
+    "--set",
+    "value_pretrain.warm_start=true",
+]
 BUCKET = "pipeline"
 
 
@@ -27,9 +50,13 @@ def pipeline_home(tmp_path_factory, moto_endpoint, prefect_api):
 
     home = tmp_path_factory.mktemp("pipeline")
     with pytest.MonkeyPatch.context() as mp:
-        for name, value in {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                            "SAO_STORE_URI": f"s3://{BUCKET}/sao"}.items():
+        for name, value in {
+            "AWS_ENDPOINT_URL": moto_endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "SAO_STORE_URI": f"s3://{BUCKET}/sao",
+        }.items():
             mp.setenv(name, value)
         mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
         s3 = boto3.client("s3", endpoint_url=moto_endpoint)
@@ -73,8 +100,9 @@ def test_mlflow_holds_a_parent_run_with_a_run_per_stage(pipeline_home):
     home, _, _ = pipeline_home
     client = MlflowClient(f"sqlite:///{home.resolve()}/mlflow.db")
     experiment = client.get_experiment_by_name("sao").experiment_id
-    parents = client.search_runs([experiment], filter_string="tags.`sao.pipeline` != ''",
-                                 order_by=["attributes.start_time ASC"])
+    parents = client.search_runs(
+        [experiment], filter_string="tags.`sao.pipeline` != ''", order_by=["attributes.start_time ASC"]
+    )
     assert len(parents) == 2 and all(p.info.status == "FINISHED" for p in parents)
     first = parents[0].info.run_id
     children = client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{first}'")
@@ -93,7 +121,9 @@ def test_mlflow_holds_a_parent_run_with_a_run_per_stage(pipeline_home):
     held_out = client.get_metric_history(train_run.info.run_id, "eval/tir_math/accuracy")
     sft, evaluate = (next(c for c in children if c.data.tags.get("sao.stage") == s) for s in ("sft", "evaluate"))
     assert [(m.step, m.value) for m in sorted(held_out, key=lambda m: m.step)] == [
-        (0, sft.data.metrics["eval/tir_math/accuracy"]), (4, evaluate.data.metrics["eval/tir_math/accuracy"])]
+        (0, sft.data.metrics["eval/tir_math/accuracy"]),
+        (4, evaluate.data.metrics["eval/tir_math/accuracy"]),
+    ]
     from components.eval.report import latest_runs
 
     assert train_run.info.run_id in latest_runs(client, "sao")
@@ -124,12 +154,20 @@ def test_the_evaluate_flow_scores_a_benchmark_file(pipeline_home, tmp_path):
     from flows.evaluate import evaluate
 
     home, _, _ = pipeline_home
-    rows = [{"problem_idx": i + 1, "problem": f"Compute {a}*{b}+{c}.", "answer": a * b + c}
-            for i, (a, b, c) in enumerate([(3, 4, 5), (12, 11, 7), (9, 9, 9)])]
+    rows = [
+        {"problem_idx": i + 1, "problem": f"Compute {a}*{b}+{c}.", "answer": a * b + c}
+        for i, (a, b, c) in enumerate([(3, 4, 5), (12, 11, 7), (9, 9, 9)])
+    ]
     bench = tmp_path / "aime_2025.jsonl"
     bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = evaluate(overrides=SMALL[1::2], home=str(home), model=str(home / "models" / "sft-tir_math"),
-                      benchmark="aime2025", tasks=str(bench), samples=2)
+    result = evaluate(
+        overrides=SMALL[1::2],
+        home=str(home),
+        model=str(home / "models" / "sft-tir_math"),
+        benchmark="aime2025",
+        tasks=str(bench),
+        samples=2,
+    )
     assert result["n"] == 3 and result["samples"] == 2 and "registered" not in result  # a directory is not registered
     saved = json.loads((home / "reports" / "eval-sft-tir_math-aime2025.json").read_text())
     assert saved["n"] == 3 and saved["accuracy"] == result["accuracy"]

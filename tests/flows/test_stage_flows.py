@@ -8,8 +8,16 @@ from components.data.tasks import generate_problems
 from components.data.teacher import teacher_trace
 from components.data.traces import read_traces, write_traces
 
-FAST = ["sft.steps=20", "sft.batch_size=16", "sft.warmup_steps=2", "task.eval_size=4", "train.batch_size=4",
-        "rollout.concurrency=4", 'train.backend="torch"', 'tracking.backend="disk"']
+FAST = [
+    "sft.steps=20",
+    "sft.batch_size=16",
+    "sft.warmup_steps=2",
+    "task.eval_size=4",
+    "train.batch_size=4",
+    "rollout.concurrency=4",
+    'train.backend="torch"',
+    'tracking.backend="disk"',
+]
 
 
 def _traces(n: int) -> list[Trace]:
@@ -24,18 +32,23 @@ def test_the_gate_flow_passes_good_traces_and_fails_bad_ones_with_a_readable_rep
     assert gate(str(good), "traces", home=str(tmp_path))["row_count"] == 6
     traces = _traces(6)
     wrong = traces[2]  # its boxed answer is off by one: the answer expectation names it
-    traces[2] = Trace(wrong.problem_id, wrong.turns[:-1] + (Turn("assistant", f"\\boxed{{{wrong.answer + 1}}}"),),
-                      wrong.answer)
+    traces[2] = Trace(
+        wrong.problem_id, wrong.turns[:-1] + (Turn("assistant", f"\\boxed{{{wrong.answer + 1}}}"),), wrong.answer
+    )
     traces[4] = Trace(traces[1].problem_id, traces[4].turns, traces[4].answer)  # a duplicate id
     bad = write_traces(tmp_path / "bad.parquet", traces)
     with pytest.raises(GateFailed) as failed:
         gate(str(bad), "traces", home=str(tmp_path))
     message = str(failed.value)
     # Each failing expectation with its column, then the offending rows by index and id.
-    assert (f"expect_column_values_to_be_unique(problem_id): 2 rows (33.3%); first: row 1 id='{traces[1].problem_id}'"
-            in message)
-    assert f"expect_column_values_to_be_in_set(answer_correct): 1 row (16.7%); first: row 2 id='{wrong.problem_id}'" \
+    assert (
+        f"expect_column_values_to_be_unique(problem_id): 2 rows (33.3%); first: row 1 id='{traces[1].problem_id}'"
         in message
+    )
+    assert (
+        f"expect_column_values_to_be_in_set(answer_correct): 1 row (16.7%); first: row 2 id='{wrong.problem_id}'"
+        in message
+    )
 
 
 def test_the_distill_flow_with_an_endpoint_teacher_writes_the_programmatic_teachers_traces(tmp_path, prefect_api):
@@ -65,23 +78,39 @@ def test_the_style_shift_flow_reports_reward_per_phase_for_each_algorithm(tmp_pa
     result = style_shift(overrides=FAST + ["task.train_size=64"], home=str(tmp_path), steps_per_phase=2)
     rows = result["phases"]
     assert [(r["algo"], r["style"], r["first_step"], r["last_step"]) for r in rows] == [
-        (algo, style, 2 * i + 1, 2 * i + 2) for algo in ("sao", "sao-running-mean")
-        for i, style in enumerate(("cute", "chuunibyou", "classical"))]
+        (algo, style, 2 * i + 1, 2 * i + 2)
+        for algo in ("sao", "sao-running-mean")
+        for i, style in enumerate(("cute", "chuunibyou", "classical"))
+    ]
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
-    assert {p.name for p in (tmp_path / "reports").iterdir()} >= {"style-shift.md", "style-shift.json",
-                                                                  "style-shift.png"}
+    assert {p.name for p in (tmp_path / "reports").iterdir()} >= {
+        "style-shift.md",
+        "style-shift.json",
+        "style-shift.png",
+    }
 
 
 def test_the_checkpoint_event_names_the_checkpoint_and_its_training_run():
     from flows.train import CHECKPOINT_EVENT, checkpoint_event
 
-    event = checkpoint_event(load_config("tiny-cpu", ["train.max_steps=80"]), 40,
-                             "s3://b/sao/checkpoints/tiny-cpu/step-00000040", ["train.max_steps=80"], "/runs/a")
+    event = checkpoint_event(
+        load_config("tiny-cpu", ["train.max_steps=80"]),
+        40,
+        "s3://b/sao/checkpoints/tiny-cpu/step-00000040",
+        ["train.max_steps=80"],
+        "/runs/a",
+    )
     assert event["event"] == CHECKPOINT_EVENT == "sao.checkpoint.saved"
     assert event["resource"]["prefect.resource.id"] == "sao.checkpoint.tiny-cpu.tir_math.40"
-    assert event["payload"] == {"step": 40, "uri": "s3://b/sao/checkpoints/tiny-cpu/step-00000040",
-                                "preset": "tiny-cpu", "env": "tir_math", "algo": "sao",
-                                "overrides": ["train.max_steps=80"], "home": "/runs/a"}
+    assert event["payload"] == {
+        "step": 40,
+        "uri": "s3://b/sao/checkpoints/tiny-cpu/step-00000040",
+        "preset": "tiny-cpu",
+        "env": "tir_math",
+        "algo": "sao",
+        "overrides": ["train.max_steps=80"],
+        "home": "/runs/a",
+    }
 
 
 def test_distill_progress_logs_each_tenth_once():

@@ -79,8 +79,9 @@ def test_token_logprobs_equal_unchunked(policy, temperature):
     greedy = token_logprobs(policy, greedy_ids, temperature, chunk_size=7, return_stats=True)[1].is_argmax
     assert greedy[:, 1].all()
     # Gradients through the checkpointed chunks equal the unchunked ones.
-    g_chunked = torch.autograd.grad(token_logprobs(policy, ids, temperature, chunk_size=7).sum(),
-                                    policy.model.embed_tokens.weight)[0]
+    g_chunked = torch.autograd.grad(
+        token_logprobs(policy, ids, temperature, chunk_size=7).sum(), policy.model.embed_tokens.weight
+    )[0]
     g_full = torch.autograd.grad(expected.sum(), policy.model.embed_tokens.weight)[0]
     torch.testing.assert_close(g_chunked, g_full, atol=1e-5, rtol=1e-4)
 
@@ -124,8 +125,15 @@ def test_value_model_reads_previous_position_and_round_trips(tmp_path, policy):
 
 
 def _tiny(family):
-    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=16)
+    common = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     if family == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(**common))
     return LlamaForCausalLM(LlamaConfig(**common))
@@ -165,6 +173,11 @@ def test_frozen_critic_after_two_steps(policy):
     for name in frozen:
         assert torch.equal(params[name], before[name]), f"frozen {name} changed"
     moved = [n for n in params if n not in frozen and not torch.equal(params[n], before[n])]
-    for expected in ("backbone.layers.0.mlp.experts.gate_up_proj", "backbone.layers.0.mlp.experts.down_proj",
-                     "backbone.layers.0.mlp.gate.weight", "value_head.weight", "value_head.bias"):
+    for expected in (
+        "backbone.layers.0.mlp.experts.gate_up_proj",
+        "backbone.layers.0.mlp.experts.down_proj",
+        "backbone.layers.0.mlp.gate.weight",
+        "value_head.weight",
+        "value_head.bias",
+    ):
         assert expected in moved, f"{expected} did not move"

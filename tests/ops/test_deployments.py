@@ -20,16 +20,25 @@ from tests.conftest import child_env, free_port
 pytestmark = pytest.mark.server
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["sft.steps=20", "sft.batch_size=16", "sft.warmup_steps=2", "task.train_size=200", "task.eval_size=4",
-        "train.max_steps=2", "train.batch_size=4", "rollout.concurrency=4", "train.checkpoint_every=2",
-        'tracking.backend="disk"']
+TINY = [
+    "sft.steps=20",
+    "sft.batch_size=16",
+    "sft.warmup_steps=2",
+    "task.train_size=200",
+    "task.eval_size=4",
+    "train.max_steps=2",
+    "train.batch_size=4",
+    "rollout.concurrency=4",
+    "train.checkpoint_every=2",
+    'tracking.backend="disk"',
+]
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
-
 def _start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -44,8 +53,9 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _make(target: str, env: dict) -> subprocess.CompletedProcess:
     # -o: the test runs inside the installed venv; never reinstall it from here
-    return subprocess.run(["make", "-s", "-o", ".venv/.installed", target], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        ["make", "-s", "-o", ".venv/.installed", target], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +64,17 @@ def deployed(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = child_env(PREFECT_HOME=str(tmp_path_factory.mktemp("prefect-home")), PREFECT_API_URL=api,
-                    PREFECT_SERVER_PORT=str(port), SAO_HOME=str(tmp_path_factory.mktemp("sao-home")))
-    server = _start([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1",
-                     "--port", str(port)], env, logs / "server.log")
+    env = child_env(
+        PREFECT_HOME=str(tmp_path_factory.mktemp("prefect-home")),
+        PREFECT_API_URL=api,
+        PREFECT_SERVER_PORT=str(port),
+        SAO_HOME=str(tmp_path_factory.mktemp("sao-home")),
+    )
+    server = _start(
+        [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env,
+        logs / "server.log",
+    )
     worker = None
     try:
         deadline = time.monotonic() + 180
@@ -100,16 +117,19 @@ def _wait(client, flow_run_id, timeout_s: float, logs: Path):
         run = client.read_flow_run(flow_run_id)
         if run.state and run.state.type.value in FINAL:
             return run
-        assert time.monotonic() < deadline, (f"flow run {run.name} still {run.state.type.value} after "
-                                             f"{timeout_s} s\n" + (logs / "worker.log").read_text()[-4000:])
+        assert time.monotonic() < deadline, (
+            f"flow run {run.name} still {run.state.type.value} after "
+            f"{timeout_s} s\n" + (logs / "worker.log").read_text()[-4000:]
+        )
         time.sleep(2)
 
 
 def _artifact_keys(client, flow_run_id) -> set[str]:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
-        any_=[flow_run_id])))
+    found = client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+    )
     return {a.key for a in found}
 
 
@@ -121,16 +141,23 @@ def test_make_deploy_registers_every_flow_with_pools_schedules_limits_and_the_tr
         automations = client.read_automations()
     flows = {"distill", "gate", "sft", "value_pretrain", "train", "evaluate", "style_shift", "pipeline"}
     assert {f for f, name in deployments if name == "local"} == flows
-    assert {p: pools[p].type for p in pools} == {"sao-process": "process", "sao-gpu-docker": "docker",
-                                                 "sao-gpu-k8s": "kubernetes"}
+    assert {p: pools[p].type for p in pools} == {
+        "sao-process": "process",
+        "sao-gpu-docker": "docker",
+        "sao-gpu-k8s": "kubernetes",
+    }
     # GPU pools: concurrency-limited, with the GPU job variables placed in the job
     assert pools["sao-gpu-docker"].concurrency_limit == 2 and pools["sao-gpu-k8s"].concurrency_limit == 4
     docker_job = pools["sao-gpu-docker"].base_job_template["job_configuration"]
     assert docker_job["container_create_kwargs"]["device_requests"][0]["count"] == "{{ gpus }}"
-    k8s_container = pools["sao-gpu-k8s"].base_job_template["job_configuration"]["job_manifest"]["spec"][
-        "template"]["spec"]["containers"][0]
-    assert k8s_container["resources"]["limits"] == {"cpu": "{{ cpu_limit }}", "memory": "{{ memory_limit }}",
-                                                    "nvidia.com/gpu": "{{ gpus }}"}
+    k8s_container = pools["sao-gpu-k8s"].base_job_template["job_configuration"]["job_manifest"]["spec"]["template"][
+        "spec"
+    ]["containers"][0]
+    assert k8s_container["resources"]["limits"] == {
+        "cpu": "{{ cpu_limit }}",
+        "memory": "{{ memory_limit }}",
+        "nvidia.com/gpu": "{{ gpus }}",
+    }
     train_gpu = deployments[("train", "gpu-k8s")]
     assert train_gpu.job_variables["command"].startswith("torchrun") and train_gpu.job_variables["gpus"] == 8
     assert train_gpu.global_concurrency_limit.limit == 1
@@ -151,8 +178,11 @@ def test_a_train_deployment_runs_on_the_worker_and_its_checkpoint_triggers_an_ev
     api, home, logs = deployed
     with _client(api) as client:
         with _api(api):
-            run = run_deployment("train/local", parameters={"overrides": TINY + ['train.backend="torch"'],
-                                                            "home": str(home / "one")}, timeout=0)
+            run = run_deployment(
+                "train/local",
+                parameters={"overrides": TINY + ['train.backend="torch"'], "home": str(home / "one")},
+                timeout=0,
+            )
         run = _wait(client, run.id, 600, logs)
         assert run.state.type.value == "COMPLETED", (logs / "worker.log").read_text()[-4000:]
         assert "train" in _artifact_keys(client, run.id)
@@ -161,8 +191,14 @@ def test_a_train_deployment_runs_on_the_worker_and_its_checkpoint_triggers_an_ev
         # on-checkpoint-local, on the same worker
         trigger = client.read_deployment_by_name("evaluate/on-checkpoint-local")
         deadline = time.monotonic() + 180
-        while len(evals := client.read_flow_runs(deployment_filter=DeploymentFilter(
-                id=DeploymentFilterId(any_=[trigger.id])))) < 2:
+        while (
+            len(
+                evals := client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[trigger.id]))
+                )
+            )
+            < 2
+        ):
             assert time.monotonic() < deadline, f"{len(evals)} evaluate run(s) triggered by sao.checkpoint.saved"
             time.sleep(2)
         evaluated = [_wait(client, r.id, 300, logs) for r in evals]
@@ -182,9 +218,16 @@ def test_the_gpu_pools_command_runs_the_flow_on_rank_0_and_trains_deepspeed_on_t
     command = f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node=2 -m flows.ranks"
     with _client(api) as client:
         with _api(api):
-            run = run_deployment("train/local", parameters={
-                "overrides": TINY + ['train.backend="deepspeed"', "train.zero_stage=1"],
-                "home": str(home / "two"), "evaluate": False}, job_variables={"command": command}, timeout=0)
+            run = run_deployment(
+                "train/local",
+                parameters={
+                    "overrides": TINY + ['train.backend="deepspeed"', "train.zero_stage=1"],
+                    "home": str(home / "two"),
+                    "evaluate": False,
+                },
+                job_variables={"command": command},
+                timeout=0,
+            )
         run = _wait(client, run.id, 600, logs)
         assert run.state.type.value == "COMPLETED", (logs / "worker.log").read_text()[-4000:]
         result_keys = _artifact_keys(client, run.id)

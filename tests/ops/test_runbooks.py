@@ -14,8 +14,16 @@ from components.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNBOOKS = sorted((ROOT / "docs" / "runbooks").glob("*.md"))
-EXPECTED = {"README.md", "training-collapse.md", "stuck-buffer-dead-engine.md", "staleness-growth.md",
-            "storage-or-mlflow-outage.md", "failed-data-gate.md", "disk-full.md", "crashed-flow-run.md"}
+EXPECTED = {
+    "README.md",
+    "training-collapse.md",
+    "stuck-buffer-dead-engine.md",
+    "staleness-growth.md",
+    "storage-or-mlflow-outage.md",
+    "failed-data-gate.md",
+    "disk-full.md",
+    "crashed-flow-run.md",
+}
 
 
 def _code(text: str) -> list[str]:

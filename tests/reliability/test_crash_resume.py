@@ -20,23 +20,46 @@ pytestmark = pytest.mark.reliability
 
 TARGET = 12
 BUCKET = "crash"
-TRAIN = [sys.executable, "-m", "components.cli", "train", "--max-steps", str(TARGET),
-         "--set", 'train.backend="torch"', "--set", "train.batch_size=4", "--set", "train.checkpoint_every=2",
-         "--set", "rollout.concurrency=4", "--set", "task.eval_size=8"]
+TRAIN = [
+    sys.executable,
+    "-m",
+    "components.cli",
+    "train",
+    "--max-steps",
+    str(TARGET),
+    "--set",
+    'train.backend="torch"',
+    "--set",
+    "train.batch_size=4",
+    "--set",
+    "train.checkpoint_every=2",
+    "--set",
+    "rollout.concurrency=4",
+    "--set",
+    "task.eval_size=8",
+]
 RESUMED = re.compile(r"train: resumed from \S+/step-(\d{8}) \(version (\d+)\)")
 
 
 def _s3(endpoint: str):
     import boto3
 
-    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                        region_name="us-east-1")
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
 
 
 def _checkpoints(s3, prefix: str) -> tuple[list[int], list[int]]:
     """(complete steps, steps with objects but no completion marker) under `prefix` in the bucket."""
-    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-            for o in page.get("Contents", [])]
+    keys = [
+        o["Key"]
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+        for o in page.get("Contents", [])
+    ]
     steps: dict[int, bool] = {}
     for key in keys:
         match = re.search(r"/step-(\d{8})/(.+)$", key)
@@ -75,9 +98,14 @@ def _five_kills(seeded_home, prefect_env, moto_endpoint, stack) -> None:
 
     s3 = _s3(moto_endpoint)
     s3.create_bucket(Bucket=BUCKET)
-    env = child_env(**prefect_env, AWS_ENDPOINT_URL=moto_endpoint, AWS_ACCESS_KEY_ID="testing",
-                    AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-                    SAO_STORE_URI=f"s3://{BUCKET}/sao")
+    env = child_env(
+        **prefect_env,
+        AWS_ENDPOINT_URL=moto_endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        SAO_STORE_URI=f"s3://{BUCKET}/sao",
+    )
     home = seeded_home
     engine = stack.enter_context(serve_subprocess(home / "models" / "sft-tir_math", threads=1))
     # The engine outlives every trainer it serves: a resumed trainer finds it ahead of its checkpoint (it loaded
@@ -117,19 +145,44 @@ def _five_kills(seeded_home, prefect_env, moto_endpoint, stack) -> None:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{home.resolve()}/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("sao").experiment_id],
-                              order_by=["attributes.start_time ASC"])
+    runs = client.search_runs(
+        [client.get_experiment_by_name("sao").experiment_id], order_by=["attributes.start_time ASC"]
+    )
     assert [r.info.status for r in runs] == ["KILLED"] * len(faults) + ["FINISHED"]
     history = [m.step for m in client.get_metric_history(runs[-1].info.run_id, "policy/loss")]
     assert history == list(range(1, TARGET + 1))
 
 
-PIPELINE = [sys.executable, "-m", "components.cli", "pipeline",
-            "--set", "sft.steps=20", "--set", "sft.batch_size=16", "--set", "sft.warmup_steps=2",
-            "--set", "task.train_size=200", "--set", "task.eval_size=8", "--set", "train.max_steps=4",
-            "--set", "train.batch_size=4", "--set", "rollout.concurrency=4", "--set", "train.checkpoint_every=2",
-            "--set", "value_pretrain.episodes=16", "--set", "value_pretrain.max_epochs=2",
-            "--set", 'train.backend="torch"']
+PIPELINE = [
+    sys.executable,
+    "-m",
+    "components.cli",
+    "pipeline",
+    "--set",
+    "sft.steps=20",
+    "--set",
+    "sft.batch_size=16",
+    "--set",
+    "sft.warmup_steps=2",
+    "--set",
+    "task.train_size=200",
+    "--set",
+    "task.eval_size=8",
+    "--set",
+    "train.max_steps=4",
+    "--set",
+    "train.batch_size=4",
+    "--set",
+    "rollout.concurrency=4",
+    "--set",
+    "train.checkpoint_every=2",
+    "--set",
+    "value_pretrain.episodes=16",
+    "--set",
+    "value_pretrain.max_epochs=2",
+    "--set",
+    'train.backend="torch"',
+]
 
 
 def test_a_pipeline_killed_in_training_reruns_without_redoing_its_stages(tmp_path, prefect_env, moto_endpoint):
@@ -137,9 +190,14 @@ def test_a_pipeline_killed_in_training_reruns_without_redoing_its_stages(tmp_pat
     SFT policy and the critic as they are in the store (not one object rewritten) and resumes training."""
     s3 = _s3(moto_endpoint)
     s3.create_bucket(Bucket="pipeline-kill")
-    env = child_env(**prefect_env, AWS_ENDPOINT_URL=moto_endpoint, AWS_ACCESS_KEY_ID="testing",
-                    AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-                    SAO_STORE_URI="s3://pipeline-kill/sao")
+    env = child_env(
+        **prefect_env,
+        AWS_ENDPOINT_URL=moto_endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        SAO_STORE_URI="s3://pipeline-kill/sao",
+    )
     args = PIPELINE + ["--home", str(tmp_path / "home")]
 
     def stored() -> dict[str, object]:

@@ -46,7 +46,7 @@ def _request(tokenizer, i: int, max_tokens: int = 8) -> SamplingRequest:
 
 def _teacher_forced(model, result):
     ids = torch.tensor([result.prompt_ids + result.token_ids])
-    return token_logprobs(model, ids, 1.0)[0, len(result.prompt_ids):]
+    return token_logprobs(model, ids, 1.0)[0, len(result.prompt_ids) :]
 
 
 def _scripted(status: int) -> tuple[FastAPI, list[int]]:
@@ -139,8 +139,9 @@ def test_publish_reaches_every_server_and_keeps_the_last_two_dirs(tiny, serve, t
         assert reported == [v, v]  # the servers' own answer
         assert all(r.versions == [v] * len(r.token_ids) for r in results)
     for result in seen[3][1]:  # the tokens really come from v3's weights
-        torch.testing.assert_close(torch.tensor(result.logprobs), _teacher_forced(versions[3], result),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(result.logprobs), _teacher_forced(versions[3], result), atol=1e-4, rtol=0
+        )
     published = sorted(p.name for p in (tmp_path / "published").iterdir())
     assert published == ["v00000002", "v00000003"]
     assert all(is_complete(tmp_path / "published" / name) for name in published)
@@ -154,8 +155,7 @@ def test_server_killed_mid_run_fails_over_without_losing_or_duplicating_requests
     requests = [_request(tokenizer, i, max_tokens=200) for i in range(12)]
 
     async def run(proc, remote_url):
-        rollouts = HttpRollouts([remote_url, local.url], model, tokenizer, tmp_path / "published",
-                                revive_after_s=60)
+        rollouts = HttpRollouts([remote_url, local.url], model, tokenizer, tmp_path / "published", revive_after_s=60)
         jobs = [asyncio.create_task(rollouts.engine.generate(r)) for r in requests]
         async with httpx.AsyncClient() as probe:  # wait until the remote engine holds its 6 requests
             deadline = time.monotonic() + 30
@@ -239,7 +239,8 @@ def test_a_short_outage_of_every_server_costs_time_not_episodes(tiny, serve, tmp
         rollouts = HttpRollouts([a.url], model, tokenizer, tmp_path, retries=0, revive_after_s=0.2, max_wait_s=20)
         a.stop()
         restart = asyncio.get_running_loop().run_in_executor(
-            None, lambda: (time.sleep(1.0), serve(model, tokenizer, port=a.port))[1])
+            None, lambda: (time.sleep(1.0), serve(model, tokenizer, port=a.port))[1]
+        )
         result = await rollouts.engine.generate(_request(tokenizer, 0))  # fails on a, then waits for it
         await restart
         metrics = rollouts.metrics()

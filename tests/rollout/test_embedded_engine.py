@@ -19,7 +19,7 @@ def _prompts(tokenizer, n, seed=0):
 
 def _teacher_forced(model, result, temperature):
     ids = torch.tensor([result.prompt_ids + result.token_ids])
-    return token_logprobs(model, ids, temperature)[0, len(result.prompt_ids):]
+    return token_logprobs(model, ids, temperature)[0, len(result.prompt_ids) :]
 
 
 def _drive(engine, futures):
@@ -33,8 +33,10 @@ def test_logprobs_equal_teacher_forced_logprobs(fresh_model, temperature):
     model, tokenizer = fresh_model
     engine = EmbeddedEngine(model, tokenizer, max_batch=8)  # 12 requests > 8 slots: requests queue and join
     stops = (tokenizer.convert_tokens_to_ids(CALL_END), tokenizer.convert_tokens_to_ids(END))
-    futures = [engine.submit(SamplingRequest(p, max_tokens=24 + i, temperature=temperature, stop_token_ids=stops,
-                                             seed=i)) for i, p in enumerate(_prompts(tokenizer, 12))]
+    futures = [
+        engine.submit(SamplingRequest(p, max_tokens=24 + i, temperature=temperature, stop_token_ids=stops, seed=i))
+        for i, p in enumerate(_prompts(tokenizer, 12))
+    ]
     results = _drive(engine, futures)
     for result in results:
         expected = _teacher_forced(model, result, temperature)
@@ -84,10 +86,12 @@ def test_weight_update_mid_generation_switches_versions_and_logprobs(two_version
     assert update.done() and engine.version == 1
     assert result.versions == [0] * 10 + [1] * 20
     # Each token's log-prob is what the weights that produced it give it, teacher-forced on the whole sequence.
-    torch.testing.assert_close(torch.tensor(result.logprobs[:10]), _teacher_forced(v0, result, 1.0)[:10],
-                               atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.tensor(result.logprobs[10:]), _teacher_forced(v1, result, 1.0)[10:],
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(result.logprobs[:10]), _teacher_forced(v0, result, 1.0)[:10], atol=1e-4, rtol=0
+    )
+    torch.testing.assert_close(
+        torch.tensor(result.logprobs[10:]), _teacher_forced(v1, result, 1.0)[10:], atol=1e-4, rtol=0
+    )
     assert (torch.tensor(result.logprobs[10:]) - _teacher_forced(v0, result, 1.0)[10:]).abs().max() > 1e-2
 
 
@@ -98,8 +102,9 @@ def test_no_request_lost_or_duplicated_across_an_update(two_versions):
     engine = EmbeddedEngine(copy.deepcopy(v0), tokenizer, max_batch=6).start()
     try:
         prompts = _prompts(tokenizer, 20, seed=2)
-        futures = [engine.submit(SamplingRequest(p, max_tokens=25, temperature=1.0, seed=i))
-                   for i, p in enumerate(prompts)]
+        futures = [
+            engine.submit(SamplingRequest(p, max_tokens=25, temperature=1.0, seed=i)) for i, p in enumerate(prompts)
+        ]
         engine.load_weights(v1_path, version=1).result(timeout=60)
         results = [f.result(timeout=120) for f in futures]
     finally:

@@ -23,8 +23,16 @@ REQUEST = SamplingRequest([1, 2, 3], max_tokens=8, seed=0)
 
 def _completion(token_ids: list[int], versions: list[int], finish_reason: str) -> dict:
     """A completion in the shape `sao engine serve` answers (one log-prob of -0.5 per token)."""
-    return {"choices": [{"token_ids": token_ids, "versions": versions, "finish_reason": finish_reason,
-                         "logprobs": {"token_logprobs": [-0.5] * len(token_ids)}}]}
+    return {
+        "choices": [
+            {
+                "token_ids": token_ids,
+                "versions": versions,
+                "finish_reason": finish_reason,
+                "logprobs": {"token_logprobs": [-0.5] * len(token_ids)},
+            }
+        ]
+    }
 
 
 def _scripted(answer: dict, calls: list[int]) -> FastAPI:
@@ -90,9 +98,9 @@ def test_a_half_done_request_is_answered_whole_by_the_next_server(kind):
     # mid-request); the answer must carry exactly that record, nothing of the failed server's.
     good = ServerThread(_scripted(_completion([5, 6, 7], [2, 2, 3], "stop"), good_calls))
     with _failing(kind, failing_calls) as bad_url, good as good_url:
+
         async def run():
-            pool = EnginePool([EngineClient(bad_url, retries=0), EngineClient(good_url, retries=0)],
-                              revive_after_s=60)
+            pool = EnginePool([EngineClient(bad_url, retries=0), EngineClient(good_url, retries=0)], revive_after_s=60)
             try:
                 result = await pool.generate(REQUEST)
                 return result, pool.errors, [(s.up, s.served) for s in pool.servers]

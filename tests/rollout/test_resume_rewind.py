@@ -38,8 +38,11 @@ def test_server_ahead_from_this_publish_dir_is_rewound_before_traffic(tiny, serv
         await _crashed_run([remote_url], model, tokenizer, published, (1, 2, 3))
         ahead = httpx.get(f"{remote_url}/health").json()
         rollouts = HttpRollouts([remote_url, local.url], resumed, tokenizer, published, version=2)
-        at_start = (rollouts.metrics()["rollout/engines_live"], sorted(p.name for p in published.iterdir()),
-                    [s.last_error for s in rollouts.engine.servers])
+        at_start = (
+            rollouts.metrics()["rollout/engines_live"],
+            sorted(p.name for p in published.iterdir()),
+            [s.last_error for s in rollouts.engine.servers],
+        )
         first = await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(4)))
         rewound = httpx.get(f"{remote_url}/health").json()
         await rollouts.publish(_weights(next_v3), 3)
@@ -53,8 +56,7 @@ def test_server_ahead_from_this_publish_dir_is_rewound_before_traffic(tiny, serv
     assert (ahead["version"], ahead["path"]) == (3, str(published.resolve() / "v00000003"))
     # Held until each serves v2: the remote one rewound (7 -> 6 in production), the local one brought forward.
     # The crashed run kept v2 and v3 (the last two); its v3 is gone and v2 now holds the resumed weights.
-    assert at_start == (0.0, ["v00000002"],
-                        ["rewinding from v3 to weights v2", "waiting for weights v2"])
+    assert at_start == (0.0, ["v00000002"], ["rewinding from v3 to weights v2", "waiting for weights v2"])
     assert (rewound["version"], rewound["path"]) == (2, str(published.resolve() / "v00000002"))
     assert all(r.versions == [2] * 8 for r in first)  # max_tokens=8, no stop token
     for result in first:
@@ -89,27 +91,33 @@ def test_server_ahead_not_from_this_publish_dir_is_refused(tiny, serve, tmp_path
     where = "its starting weights" if loaded_from == "its starting weights" else str(other.resolve() / "v00000003")
     assert str(refused.value) == (
         f"urls: {server.url} serves version 3, above the trainer's version 2, from {where}, not from this run's "
-        f"publish_dir {published.resolve()}: it may serve another run; restart it from the trainer's starting weights")
+        f"publish_dir {published.resolve()}: it may serve another run; restart it from the trainer's starting weights"
+    )
     assert not published.exists()  # refused before writing anything
 
 
 def test_weights_going_back_need_the_rewind_flag_and_health_reports_the_path(tiny, serve, tmp_path):
     model, tokenizer = tiny
     server = serve(model, tokenizer)
-    v0_dir, v1_dir = (save_model_dir(m, tokenizer, tmp_path / name) for m, name in ((model, "v0"),
-                                                                                    (_version(model, 1), "v1")))
+    v0_dir, v1_dir = (
+        save_model_dir(m, tokenizer, tmp_path / name) for m, name in ((model, "v0"), (_version(model, 1), "v1"))
+    )
     health = [httpx.get(f"{server.url}/health").json()]
-    answers = [httpx.post(f"{server.url}/v1/weights", json=body, timeout=60) for body in (
-        {"path": str(v1_dir), "version": 1},
-        {"path": str(v0_dir), "version": 1},                  # not above 1: refused
-        {"path": str(v0_dir), "version": 0, "rewind": False},  # below 1: refused
-        {"path": str(v0_dir), "version": 0, "rewind": True},   # the flag lets it go back
-    )]
+    answers = [
+        httpx.post(f"{server.url}/v1/weights", json=body, timeout=60)
+        for body in (
+            {"path": str(v1_dir), "version": 1},
+            {"path": str(v0_dir), "version": 1},  # not above 1: refused
+            {"path": str(v0_dir), "version": 0, "rewind": False},  # below 1: refused
+            {"path": str(v0_dir), "version": 0, "rewind": True},  # the flag lets it go back
+        )
+    ]
     health.append(httpx.get(f"{server.url}/health").json())
     assert [a.status_code for a in answers] == [200, 400, 400, 200]
     assert [a.json()["error"]["param"] for a in answers[1:3]] == ["version", "version"]
-    assert answers[1].json()["error"]["message"] == ("version: 1 must be greater than the current version 1 "
-                                                     "(unless the request is a rewind)")
+    assert answers[1].json()["error"]["message"] == (
+        "version: 1 must be greater than the current version 1 (unless the request is a rewind)"
+    )
     assert answers[2].json()["error"]["message"].startswith("version: 0 must be greater than the current version 1")
     assert [(h["version"], h["path"]) for h in health] == [(0, None), (0, str(v0_dir))]
     assert server.engine.stats.weight_updates == 2  # v1, then the rewind to v0; the refusals loaded nothing

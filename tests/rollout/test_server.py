@@ -33,16 +33,29 @@ def test_completions_over_http_have_vllm_shape_and_exact_logprobs(server, two_ve
 
     async def run():
         async with EngineClient(url, model="tiny") as client:
-            return await asyncio.gather(*[client.generate(SamplingRequest(_prompt(tokenizer, f"Compute {i}*7+1."),
-                                                                          max_tokens=20, temperature=0.7, seed=i))
-                                          for i in range(8)])
+            return await asyncio.gather(
+                *[
+                    client.generate(
+                        SamplingRequest(_prompt(tokenizer, f"Compute {i}*7+1."), max_tokens=20, temperature=0.7, seed=i)
+                    )
+                    for i in range(8)
+                ]
+            )
 
     for result in asyncio.run(run()):
         ids = torch.tensor([result.prompt_ids + result.token_ids])
-        expected = token_logprobs(v0, ids, 0.7)[0, len(result.prompt_ids):]
+        expected = token_logprobs(v0, ids, 0.7)[0, len(result.prompt_ids) :]
         torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-4, rtol=0)
-    raw = httpx.post(f"{url}/v1/completions", json={"prompt": _prompt(tokenizer), "max_tokens": 3, "logprobs": 1,
-                                                    "return_token_ids": True, "stop": ["<|/python|>"]}).json()
+    raw = httpx.post(
+        f"{url}/v1/completions",
+        json={
+            "prompt": _prompt(tokenizer),
+            "max_tokens": 3,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "stop": ["<|/python|>"],
+        },
+    ).json()
     choice = raw["choices"][0]
     assert raw["object"] == "text_completion" and raw["usage"]["completion_tokens"] == len(choice["token_ids"])
     assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"]) == len(choice["versions"])
@@ -51,18 +64,21 @@ def test_completions_over_http_have_vllm_shape_and_exact_logprobs(server, two_ve
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"max_tokens": 4}, "prompt"),                                    # missing prompt
-    ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
-    ({"prompt": [1, 2], "temperature": -1}, "temperature"),
-    ({"prompt": [1, 2], "top_p": 0.9}, "top_p"),                      # truncated sampling breaks the IS ratio
-    ({"prompt": [1, 2], "n": 2}, "n"),
-    ({"prompt": [1, 2], "model": "other"}, "model"),
-    ({"prompt": [1, 10_000]}, "prompt"),                              # outside the vocabulary
-    ({"prompt": [1] * 250, "max_tokens": 10}, "prompt"),              # longer than the context
-    ({"prompt": ["a", 2]}, "prompt"),
-    ({"prompt": [1, 2], "max_tokens": "many"}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"max_tokens": 4}, "prompt"),  # missing prompt
+        ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
+        ({"prompt": [1, 2], "temperature": -1}, "temperature"),
+        ({"prompt": [1, 2], "top_p": 0.9}, "top_p"),  # truncated sampling breaks the IS ratio
+        ({"prompt": [1, 2], "n": 2}, "n"),
+        ({"prompt": [1, 2], "model": "other"}, "model"),
+        ({"prompt": [1, 10_000]}, "prompt"),  # outside the vocabulary
+        ({"prompt": [1] * 250, "max_tokens": 10}, "prompt"),  # longer than the context
+        ({"prompt": ["a", 2]}, "prompt"),
+        ({"prompt": [1, 2], "max_tokens": "many"}, "max_tokens"),
+    ],
+)
 def test_malformed_requests_get_400_naming_the_field(server, body, param):
     url, _ = server
     response = httpx.post(f"{url}/v1/completions", json=body)
@@ -95,8 +111,9 @@ def test_publish_weights_over_http(server, two_versions):
     result = asyncio.run(run())
     assert engine.version == 1 and result.versions == [1] * len(result.token_ids)
     ids = torch.tensor([result.prompt_ids + result.token_ids])
-    torch.testing.assert_close(torch.tensor(result.logprobs), token_logprobs(v1, ids, 1.0)[0, len(result.prompt_ids):],
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(result.logprobs), token_logprobs(v1, ids, 1.0)[0, len(result.prompt_ids) :], atol=1e-4, rtol=0
+    )
 
 
 def test_client_retries_then_raises_on_connection_errors():
@@ -116,7 +133,12 @@ def test_sao_engine_serve_cli(two_versions):
     _, _, _, v1_path = two_versions
     with serve_subprocess(v1_path, threads=1) as url:
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "policy"
-        body = {"prompt": "<|user|>Compute 2*3+4.<|assistant|>", "max_tokens": 8, "temperature": 0,
-                "logprobs": 1, "return_token_ids": True}
+        body = {
+            "prompt": "<|user|>Compute 2*3+4.<|assistant|>",
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_token_ids": True,
+        }
         choice = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
         assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) > 0

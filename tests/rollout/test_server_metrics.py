@@ -39,8 +39,7 @@ def test_metrics_count_requests_tokens_and_the_served_version(tmp_path):
             before = time.monotonic()
             served = scrape(url)
             after = time.monotonic()
-            published = httpx.post(f"{url}/v1/weights", json={"path": str(weights), "version": 1},
-                                   timeout=60)
+            published = httpx.post(f"{url}/v1/weights", json={"path": str(weights), "version": 1}, timeout=60)
             assert published.status_code == 200
             version = scrape(url)["sao_engine_weight_version"]
     finally:

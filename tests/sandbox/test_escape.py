@@ -32,8 +32,9 @@ from components.sandbox.run import run_python
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NS_AVAILABLE = sandbox._namespace_support()[0]
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not NS_AVAILABLE,
-                                reason="the sealed sandbox needs root and unshare")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not NS_AVAILABLE, reason="the sealed sandbox needs root and unshare"
+)
 
 _PRELUDE = """
 import ctypes, os, sys
@@ -60,60 +61,81 @@ ESCAPES = {
     "read-hidden-tests": "attempt('tests', lambda: open('{repo}/data/coding/problems.jsonl').read(50))",
     "list-repo": "attempt('listdir', lambda: os.listdir('{repo}'))",
     "read-this-test-file": "attempt('source', lambda: open('{repo}/tests/sandbox/test_escape.py').read(50))",
-    "read-etc-passwd-of-host": "attempt('passwd', lambda: [l for l in open('/etc/passwd') if ':/root:' in l] "
-                               "or 1/0)",
+    "read-etc-passwd-of-host": "attempt('passwd', lambda: [l for l in open('/etc/passwd') if ':/root:' in l] or 1/0)",
     "read-etc-shadow": "attempt('shadow', lambda: open('/etc/shadow').read())",
     "read-root-home": "attempt('root', lambda: os.listdir('/root'))",
     "read-aws-credentials": "attempt('aws', lambda: open(os.path.expanduser('~root/.aws/credentials')).read())",
     "read-sys": "attempt('sys', lambda: os.listdir('/sys/class/net'))",
-    "find-setuid-binaries": ("import stat\nfound = [os.path.join(d, f) for d in ('/bin', '/usr/bin', '/sbin', "
-                             "'/usr/sbin') if os.path.isdir(d) for f in os.listdir(d) if os.stat(os.path.join"
-                             "(d, f)).st_mode & stat.S_ISUID]\noutcome(bool(found), 'setuid %r' % found[:3])"),
+    "find-setuid-binaries": (
+        "import stat\nfound = [os.path.join(d, f) for d in ('/bin', '/usr/bin', '/sbin', "
+        "'/usr/sbin') if os.path.isdir(d) for f in os.listdir(d) if os.stat(os.path.join"
+        "(d, f)).st_mode & stat.S_ISUID]\noutcome(bool(found), 'setuid %r' % found[:3])"
+    ),
     "site-packages-of-host": "attempt('site', lambda: os.listdir('/usr/lib/python3/dist-packages')[:3] + "
-                             "os.listdir('/usr/local/lib')[:3])",
+    "os.listdir('/usr/local/lib')[:3])",
     # --- environment and descriptors
-    "environment-secret": ("leak = repr(dict(os.environ))\nfor p in [p for p in os.listdir('/proc') if p.isdigit()]:"
-                           "\n    try:\n        leak += repr(open('/proc/%s/environ' % p, 'rb').read())\n"
-                           "    except OSError:\n        pass\noutcome('{secret}' in leak, 'environment')"),
-    "inherited-descriptors": ("fds = [int(f) for f in os.listdir('/proc/self/fd')]\nextra = [os.readlink("
-                              "'/proc/self/fd/%d' % f) for f in fds if f > 2 and os.path.exists('/proc/self/fd/%d'"
-                              " % f)]\noutcome(any(not p.startswith('/proc') for p in extra), 'fds %r' % extra)"),
+    "environment-secret": (
+        "leak = repr(dict(os.environ))\nfor p in [p for p in os.listdir('/proc') if p.isdigit()]:"
+        "\n    try:\n        leak += repr(open('/proc/%s/environ' % p, 'rb').read())\n"
+        "    except OSError:\n        pass\noutcome('{secret}' in leak, 'environment')"
+    ),
+    "inherited-descriptors": (
+        "fds = [int(f) for f in os.listdir('/proc/self/fd')]\nextra = [os.readlink("
+        "'/proc/self/fd/%d' % f) for f in fds if f > 2 and os.path.exists('/proc/self/fd/%d'"
+        " % f)]\noutcome(any(not p.startswith('/proc') for p in extra), 'fds %r' % extra)"
+    ),
     # --- writing to the host (files named with the token are looked for afterwards)
     # the sandbox's own /tmp, /var/tmp and /dev/shm are private tmpfs: writable, and the fixture checks that
     # nothing reached the host's
-    "write-host-paths": ("for d in ('/tmp', '/var/tmp', '/dev/shm'):\n    open(d + '/{token}', 'w').write('x')\n"
-                         "for d in ('{repo}', '/run', '/usr/lib', '/etc', '/'):\n"
-                         "    attempt('write ' + d, lambda: open(d + '/{token}', 'w').write('x'))"),
-    "fill-tmpfs": ("try:\n    with open('/tmp/{token}', 'wb') as f:\n        while True:\n"
-                   "            f.write(b'0' * 2**20)\nexcept OSError as e:\n    outcome(False, 'disk %s' % e.errno)"),
+    "write-host-paths": (
+        "for d in ('/tmp', '/var/tmp', '/dev/shm'):\n    open(d + '/{token}', 'w').write('x')\n"
+        "for d in ('{repo}', '/run', '/usr/lib', '/etc', '/'):\n"
+        "    attempt('write ' + d, lambda: open(d + '/{token}', 'w').write('x'))"
+    ),
+    "fill-tmpfs": (
+        "try:\n    with open('/tmp/{token}', 'wb') as f:\n        while True:\n"
+        "            f.write(b'0' * 2**20)\nexcept OSError as e:\n    outcome(False, 'disk %s' % e.errno)"
+    ),
     # --- processes that outlive the call, and exhaustion
-    "double-fork-setsid": ("import time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-                           "        time.sleep(30)\n    os._exit(0)\noutcome(False, 'parent returns')"),
+    "double-fork-setsid": (
+        "import time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        time.sleep(30)\n    os._exit(0)\noutcome(False, 'parent returns')"
+    ),
     "fork-bomb": "import time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)",
-    "descriptors": ("fds = []\ntry:\n    while True:\n        fds.append(os.open('/dev/null', os.O_RDONLY))\n"
-                    "except OSError as e:\n    outcome(len(fds) > 100, 'fds %d' % len(fds))"),
-    "threads": ("import threading, time\nn = 0\ntry:\n    while True:\n        threading.Thread(target=time.sleep,"
-                " args=(5,), daemon=True).start()\n        n += 1\nexcept RuntimeError:\n"
-                "    outcome(n > 1000, 'threads %d' % n)\nsys.stdout.flush()\nos._exit(0)"),
+    "descriptors": (
+        "fds = []\ntry:\n    while True:\n        fds.append(os.open('/dev/null', os.O_RDONLY))\n"
+        "except OSError as e:\n    outcome(len(fds) > 100, 'fds %d' % len(fds))"
+    ),
+    "threads": (
+        "import threading, time\nn = 0\ntry:\n    while True:\n        threading.Thread(target=time.sleep,"
+        " args=(5,), daemon=True).start()\n        n += 1\nexcept RuntimeError:\n"
+        "    outcome(n > 1000, 'threads %d' % n)\nsys.stdout.flush()\nos._exit(0)"
+    ),
     "memory": "try:\n    x = bytearray(2**33)\n    outcome(True, 'memory')\nexcept MemoryError:\n    outcome(False, 'memory')",
     # --- network by any route (ctypes: the audit hook is no help here)
-    "tcp-to-host-listener": ("import socket\nattempt('tcp', lambda: socket.create_connection(('127.0.0.1', {port})"
-                             ", timeout=1))\nattempt('raw-socket', lambda: syscall(41, 2, 1, 0) >= 0 or 1/0)"),
+    "tcp-to-host-listener": (
+        "import socket\nattempt('tcp', lambda: socket.create_connection(('127.0.0.1', {port})"
+        ", timeout=1))\nattempt('raw-socket', lambda: syscall(41, 2, 1, 0) >= 0 or 1/0)"
+    ),
     "udp": "attempt('udp', lambda: syscall(41, 2, 2, 0) >= 0 or 1/0)",
     "netlink": "attempt('netlink', lambda: syscall(41, 16, 3, 0) >= 0 or 1/0)",
     "packet": "attempt('packet', lambda: syscall(41, 17, 3, 768) >= 0 or 1/0)",
     "raw-ip": "attempt('raw', lambda: syscall(41, 2, 3, 1) >= 0 or 1/0)",
-    "unix-socket-on-host-path": ("import socket\ns = socket.socket(socket.AF_UNIX)\n"
-                                 "attempt('unix', lambda: s.connect('{unix_path}'))"),
-    "abstract-unix-socket": ("import socket\ns = socket.socket(socket.AF_UNIX)\n"
-                             "attempt('abstract', lambda: s.connect('\\0{token}'))"),
+    "unix-socket-on-host-path": (
+        "import socket\ns = socket.socket(socket.AF_UNIX)\nattempt('unix', lambda: s.connect('{unix_path}'))"
+    ),
+    "abstract-unix-socket": (
+        "import socket\ns = socket.socket(socket.AF_UNIX)\nattempt('abstract', lambda: s.connect('\\0{token}'))"
+    ),
     "proc-net": "outcome(':%04X' % {port} in open('/proc/net/tcp').read(), 'proc-net')",
     # --- escalation
     "user-namespace": "attempt('unshare', lambda: libc.unshare(%d) == 0 or 1/0)" % CLONE_NEWUSER,
     "user-and-net-namespace": "attempt('unshare', lambda: libc.unshare(%d) == 0 or 1/0)"
-                              % (CLONE_NEWUSER | CLONE_NEWNET),
-    "clone-new-user": ("pid = syscall(56, %d, 0, 0, 0, 0)\nif pid == 0:\n    os._exit(0)\n"
-                       "outcome(pid > 0, 'clone %%d' %% pid)") % (CLONE_NEWUSER | SIGCHLD),
+    % (CLONE_NEWUSER | CLONE_NEWNET),
+    "clone-new-user": (
+        "pid = syscall(56, %d, 0, 0, 0, 0)\nif pid == 0:\n    os._exit(0)\noutcome(pid > 0, 'clone %%d' %% pid)"
+    )
+    % (CLONE_NEWUSER | SIGCHLD),
     "mount-tmpfs": "attempt('mount', lambda: libc.mount(b'none', b'/tmp', b'tmpfs', 0, None) == 0 or 1/0)",
     "chroot": "attempt('chroot', lambda: libc.chroot(b'/tmp') == 0 or 1/0)",
     "ptrace-supervisor": "attempt('ptrace', lambda: syscall(101, 16, 1, 0, 0) == 0 or 1/0)",  # PTRACE_ATTACH
@@ -147,8 +169,14 @@ def host(tmp_path):
     unix.setblocking(False)
     sentinel = subprocess.Popen(["sleep", "60"])
     nobody_before = _processes_of(sandbox._NOBODY_UID)
-    fields = {"repo": REPO_ROOT, "token": token, "port": tcp.getsockname()[1], "unix_path": unix_path,
-              "caller": os.getpid(), "secret": token + "-secret"}
+    fields = {
+        "repo": REPO_ROOT,
+        "token": token,
+        "port": tcp.getsockname()[1],
+        "unix_path": unix_path,
+        "caller": os.getpid(),
+        "secret": token + "-secret",
+    }
     try:
         yield fields
         for listener in (tcp, abstract, unix):  # nothing connected
@@ -211,8 +239,11 @@ def test_user_namespaces_are_refused_by_seccomp_with_eperm():
 # The coding grader: the solution can neither read the tests nor forge the verdict
 # --------------------------------------------------------------------------
 
-SECRET_TASK = Task("secret", "Write `def f(x)`.", {"entry_point": "f", "tests": [
-    "assert f(1) == 'sesame-4f1c'", "assert f(2) == 'sesame-77aa'"]})
+SECRET_TASK = Task(
+    "secret",
+    "Write `def f(x)`.",
+    {"entry_point": "f", "tests": ["assert f(1) == 'sesame-4f1c'", "assert f(2) == 'sesame-77aa'"]},
+)
 
 _FIND_MARKER = textwrap.dedent("""
     import gc, os, sys
@@ -237,7 +268,8 @@ GRADER_ATTACKS = {
             return answers[x - 1]
         """),
     # Today: the result marker is in the harness's frames and objects; print a pass and leave early.
-    "forge-result-line": _FIND_MARKER + textwrap.dedent("""
+    "forge-result-line": _FIND_MARKER
+    + textwrap.dedent("""
         line = marker + '{"passed": 2, "total": 2, "errors": [null, null]}\\n'
         for fd in range(1, 10):
             try:
@@ -250,11 +282,15 @@ GRADER_ATTACKS = {
     "always-equal": "class A:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return A()",
     "exit-zero-in-call": "import os\ndef f(x):\n    os._exit(0)",
     "sys-exit-at-load": "import sys\nsys.exit(0)\ndef f(x):\n    return 1",
-    "patch-builtins": ("import builtins\nbuiltins.AssertionError = type('X', (BaseException,), {})\n"
-                       "builtins.isinstance = lambda *a: True\ndef f(x):\n    return None"),
+    "patch-builtins": (
+        "import builtins\nbuiltins.AssertionError = type('X', (BaseException,), {})\n"
+        "builtins.isinstance = lambda *a: True\ndef f(x):\n    return None"
+    ),
     "kill-the-runner": "import os, signal\ndef f(x):\n    os.kill(os.getppid(), signal.SIGKILL)",
-    "read-runner-memory": ("import os\ndef f(x):\n    return open('/proc/%d/environ' % os.getppid(), 'rb').read()"
-                           " + open('/proc/%d/cmdline' % os.getppid(), 'rb').read()"),
+    "read-runner-memory": (
+        "import os\ndef f(x):\n    return open('/proc/%d/environ' % os.getppid(), 'rb').read()"
+        " + open('/proc/%d/cmdline' % os.getppid(), 'rb').read()"
+    ),
 }
 
 
@@ -268,9 +304,12 @@ def test_grader_cannot_be_fooled(name, host):
 
 def test_grader_honest_solution_still_passes():
     # the same task solved honestly, with a custom exception type crossing the channel by name
-    honest = ("class Bad(Exception):\n    pass\ndef f(x):\n    if x == 3:\n        raise Bad('three')\n"
-              "    return {1: 'sesame-4f1c', 2: 'sesame-77aa'}[x]")
+    honest = (
+        "class Bad(Exception):\n    pass\ndef f(x):\n    if x == 3:\n        raise Bad('three')\n"
+        "    return {1: 'sesame-4f1c', 2: 'sesame-77aa'}[x]"
+    )
     task = Task("secret", "p", {"entry_point": "f", "tests": [*SECRET_TASK.answer["tests"], "f(3)"]})
-    result = asyncio.run(CodingEnvironment([task], timeout_s=3.0).start(task).step(
-        f"```python\n{honest}\n```<|end|>", truncated=False))
+    result = asyncio.run(
+        CodingEnvironment([task], timeout_s=3.0).start(task).step(f"```python\n{honest}\n```<|end|>", truncated=False)
+    )
     assert (result.info["passed"], result.info["test_errors"]) == (2, [None, None, "Bad: three"])

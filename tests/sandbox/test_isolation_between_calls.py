@@ -59,8 +59,9 @@ def _pid_with_file(path_in_sandbox: str) -> int | None:
     """The host pid of a sandboxed process whose root holds `path_in_sandbox`."""
     for name in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if os.stat(f"/proc/{name}").st_uid == sandbox._NOBODY_UID and \
-                    os.path.exists(f"/proc/{name}/root{path_in_sandbox}"):
+            if os.stat(f"/proc/{name}").st_uid == sandbox._NOBODY_UID and os.path.exists(
+                f"/proc/{name}/root{path_in_sandbox}"
+            ):
                 return int(name)
         except OSError:
             continue
@@ -85,18 +86,23 @@ class WaitingCall:
 
     def __init__(self, setup: str, after: str, timeout_s: float = 20.0) -> None:
         self.token = "sao-iso-" + secrets.token_hex(6)
-        code = textwrap.dedent(setup) + textwrap.dedent(f"""
+        code = (
+            textwrap.dedent(setup)
+            + textwrap.dedent(f"""
             import os as _os, time as _time
             open('/tmp/ready-{self.token}', 'w').write(_os.getcwd())
             _deadline = _time.monotonic() + {timeout_s - 2}
             while not _os.path.exists('/tmp/go-{self.token}') and _time.monotonic() < _deadline:
                 _time.sleep(0.01)
-            """) + textwrap.dedent(after)
+            """)
+            + textwrap.dedent(after)
+        )
         self.result = None
         self.thread = threading.Thread(target=self._run, args=(code, timeout_s))
         self.thread.start()
-        self.pid = _wait_for(lambda: self._check_alive() and _pid_with_file(f"/tmp/ready-{self.token}"),
-                             what="call A to start")
+        self.pid = _wait_for(
+            lambda: self._check_alive() and _pid_with_file(f"/tmp/ready-{self.token}"), what="call A to start"
+        )
         with open(f"/proc/{self.pid}/root/tmp/ready-{self.token}") as f:
             self.cwd = f.read()
 
@@ -119,10 +125,12 @@ class WaitingCall:
 # Files, processes, sockets, IPC, the zygote's channel
 # --------------------------------------------------------------------------
 
+
 @needs_zygote
 def test_concurrent_call_cannot_see_files_processes_or_sockets():
     a = WaitingCall(
-        setup=_RAW_UNIX + textwrap.dedent("""
+        setup=_RAW_UNIX
+        + textwrap.dedent("""
             secret = 'sesame-files'
             for d in ('/tmp', '/var/tmp', '/dev/shm', '.'):
                 open(d + '/secret.txt', 'w').write(secret)
@@ -145,13 +153,14 @@ def test_concurrent_call_cannot_see_files_processes_or_sockets():
                     accepted.append(False)
             intact = [open(d + '/secret.txt').read() == secret for d in ('/tmp', '/var/tmp', '/dev/shm', '.')]
             print(json.dumps({'accepted': accepted, 'intact': intact}))
-            """)
+            """,
+    )
     probe = _RAW_UNIX + textwrap.dedent(f"""
         import json
         out = {{}}
         out['listing'] = {{d: sorted(os.listdir(d)) for d in ('/tmp', '/var/tmp', '/dev/shm', '.')}}
         out['visible'] = [os.path.exists(p) for p in ('/tmp/secret.txt', '/var/tmp/secret.txt',
-                          '/dev/shm/secret.txt', {a.cwd + '/secret.txt'!r}, {a.cwd!r})]
+                          '/dev/shm/secret.txt', {a.cwd + "/secret.txt"!r}, {a.cwd!r})]
         out['procs'] = sorted(p for p in os.listdir('/proc') if p.isdigit())
         try:
             os.kill({a.pid}, 0)
@@ -264,6 +273,7 @@ def test_concurrent_calls_each_see_only_their_own_files():
 # Lifetime: leftovers, the zygote dying, forks of the host
 # --------------------------------------------------------------------------
 
+
 @needs_zygote
 def test_leftover_background_process_is_dead_before_the_next_call():
     token = "sao-left-" + secrets.token_hex(6)
@@ -330,8 +340,12 @@ def test_forked_host_process_gets_its_own_zygote():
         try:
             inherited = set(sandbox_zygote.zygote_pids())  # the parent's zygotes are not this process's
             r = run_python("print(7)", 5)
-            os.write(write_end, json.dumps({"inherited": sorted(inherited), "stdout": r.stdout,
-                                            "mine": sandbox_zygote.zygote_pids()}).encode())
+            os.write(
+                write_end,
+                json.dumps(
+                    {"inherited": sorted(inherited), "stdout": r.stdout, "mine": sandbox_zygote.zygote_pids()}
+                ).encode(),
+            )
         finally:
             os._exit(0)
     os.close(write_end)
@@ -350,6 +364,7 @@ def test_forked_host_process_gets_its_own_zygote():
 # The per-call path: forced, as a fallback, and as the reference for the zygote's behaviour
 # --------------------------------------------------------------------------
 
+
 @needs_zygote
 def test_forced_per_call_path_still_works(monkeypatch):
     monkeypatch.setattr(sandbox, "ZYGOTE", False)
@@ -361,11 +376,16 @@ def test_forced_per_call_path_still_works(monkeypatch):
 
 @needs_zygote
 def test_environment_variable_forces_the_per_call_path():
-    code = ("from components.sandbox.run import run_python\n"
-            "print(run_python('print(5)').isolation)")
+    code = "from components.sandbox.run import run_python\nprint(run_python('print(5)').isolation)"
     env = dict(os.environ, SAO_SANDBOX_ZYGOTE="0")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("namespaces(net,pid,mount);") and "zygote" not in out.stdout
 
@@ -387,11 +407,15 @@ def test_zygote_that_cannot_start_falls_back_with_one_warning(monkeypatch):
 EXIT_CASES = {
     "sys-exit-message": "import sys\nprint('out')\nsys.exit('bye')",
     "sys-exit-code": "raise SystemExit(300)",
-    "atexit-and-del": ("import atexit\nclass A:\n    def __del__(self):\n        print('del')\n"
-                       "a = A()\natexit.register(lambda: print('atexit'))\nprint('main')"),
+    "atexit-and-del": (
+        "import atexit\nclass A:\n    def __del__(self):\n        print('del')\n"
+        "a = A()\natexit.register(lambda: print('atexit'))\nprint('main')"
+    ),
     "unflushed-file-object": "import os\nf = os.fdopen(os.dup(1), 'w')\nf.write('buffered')",
-    "non-daemon-thread": ("import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), "
-                          "print('thread'))).start()\nprint('main')"),
+    "non-daemon-thread": (
+        "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), "
+        "print('thread'))).start()\nprint('main')"
+    ),
     "exception": "def f():\n    raise KeyError('k')\nf()",
     "stdout-closed": "import sys\nsys.stdout.close()",
 }
@@ -406,14 +430,17 @@ def test_zygote_exit_matches_a_fresh_interpreter(name, monkeypatch):
     monkeypatch.setattr(sandbox, "ZYGOTE", False)
     fresh = run_python(EXIT_CASES[name], 5)
     assert "zygote" in zygote.isolation and "zygote" not in fresh.isolation
+
     def observed(r):  # each call has its own randomly named working directory
         return [re.sub(r"sao-sandbox-\w+", "sao-sandbox-*", text) for text in (r.stdout, r.stderr)], r.exit_code
+
     assert observed(zygote) == observed(fresh)
 
 
 # --------------------------------------------------------------------------
 # The seccomp program against a reference interpreter of classic BPF
 # --------------------------------------------------------------------------
+
 
 def _run_bpf(prog, nr: int, arch: int, arg0: int = 0) -> int:
     """A slow, obviously-correct classic BPF interpreter (only the instructions the filter uses)."""
@@ -443,9 +470,26 @@ def test_seccomp_denies_exactly_its_table_including_every_ipc_call(machine):
     arch, numbers = _SYSCALLS[machine]
     prog = seccomp_program(machine)
     denied = {numbers[name] for name in _DENY}
-    ipc = {"shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl", "semtimedop", "msgget", "msgsnd",
-           "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
-           "mq_getsetattr"}
+    ipc = {
+        "shmget",
+        "shmat",
+        "shmctl",
+        "shmdt",
+        "semget",
+        "semop",
+        "semctl",
+        "semtimedop",
+        "msgget",
+        "msgsnd",
+        "msgrcv",
+        "msgctl",
+        "mq_open",
+        "mq_unlink",
+        "mq_timedsend",
+        "mq_timedreceive",
+        "mq_notify",
+        "mq_getsetattr",
+    }
     assert ipc <= set(_DENY)
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | EPERM, 0x00050000 | 38
     for nr in range(1024):

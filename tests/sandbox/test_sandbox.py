@@ -134,7 +134,12 @@ def test_fresh_workdir_removed_afterwards():
 def test_minimal_environment():
     r = run_python("import os; print(sorted(os.environ))", 5)
     assert set(eval(r.stdout)) <= {
-        "PATH", "LANG", "LC_ALL", "HOME", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING",
+        "PATH",
+        "LANG",
+        "LC_ALL",
+        "HOME",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONIOENCODING",
     }
 
 
@@ -165,8 +170,7 @@ def test_runs_as_nobody_with_limits():
 
 @needs_ns
 def test_namespaces_applied():
-    with tempfile.NamedTemporaryFile(dir="/tmp") as host_tmp, \
-            tempfile.NamedTemporaryFile(dir="/dev/shm") as host_shm:
+    with tempfile.NamedTemporaryFile(dir="/tmp") as host_tmp, tempfile.NamedTemporaryFile(dir="/dev/shm") as host_shm:
         r = run_python(
             "import os\nprint(os.getpid(), os.getppid())\n"
             "print(sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
@@ -273,56 +277,91 @@ HOSTILE = [
     # Fork bomb: RLIMIT_NPROC caps it, the deadline kills the whole group.
     pytest.param(
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
-        1.5, {}, _timed_out, id="fork-bomb",
+        1.5,
+        {},
+        _timed_out,
+        id="fork-bomb",
     ),
     # Daemonised child (fork + setsid escapes the process group); the parent
     # exits at once.  It must not survive the call.
     pytest.param(
         "import os, time\nif os.fork() == 0:\n    try:\n        os.setsid()\n    except Exception:\n"
         "        pass\n    time.sleep(60)\nprint('parent done')",
-        3.0, {}, _finished_quickly_with("parent done"), id="daemonized-child",
+        3.0,
+        {},
+        _finished_quickly_with("parent done"),
+        id="daemonized-child",
     ),
     # One huge allocation: RLIMIT_AS -> MemoryError.
     pytest.param("x = bytearray(10**10)", 5.0, {}, _memory_exceeded, id="memory-bomb-bytearray"),
     # Growing list of 1 MB strings until the address-space limit.
     pytest.param(
-        "l = []\nwhile True:\n    l.append(' ' * 10**6)", 5.0, {}, _memory_exceeded, id="memory-bomb-list",
+        "l = []\nwhile True:\n    l.append(' ' * 10**6)",
+        5.0,
+        {},
+        _memory_exceeded,
+        id="memory-bomb-list",
     ),
     # Endless output: bounded by RLIMIT_FSIZE on the output file, only
     # max_output_bytes come back.
     pytest.param(
-        "while True:\n    print('x' * 10000)", 3.0, {"max_output_bytes": 10_000},
-        _huge_output_bounded, id="huge-output",
+        "while True:\n    print('x' * 10000)",
+        3.0,
+        {"max_output_bytes": 10_000},
+        _huge_output_bounded,
+        id="huge-output",
     ),
     # Filling the disk with a 1 GB file: RLIMIT_FSIZE stops it (EFBIG).
     pytest.param(
         "with open('big.bin', 'wb') as f:\n    for _ in range(1024):\n        f.write(b'0' * 2**20)",
-        5.0, {}, _disk_fill_stopped, id="disk-fill",
+        5.0,
+        {},
+        _disk_fill_stopped,
+        id="disk-fill",
     ),
     # Deep recursion: RecursionError is reported, nothing else happens.
     pytest.param(
-        "def f(n):\n    return f(n + 1)\nf(0)", 5.0, {}, _stderr_has("RecursionError"), id="deep-recursion",
+        "def f(n):\n    return f(n + 1)\nf(0)",
+        5.0,
+        {},
+        _stderr_has("RecursionError"),
+        id="deep-recursion",
     ),
     # Writing outside the working directory (repository, /etc).
     pytest.param(
         f"import os\ntry:\n    open({str(REPO_ROOT / 'PWNED')!r}, 'w').write('x')\nexcept OSError as e:\n"
         "    print(e)\nopen('/etc/pwned', 'w').write('x')",
-        5.0, {}, _outside_write_failed, id="write-outside-workdir",
+        5.0,
+        {},
+        _outside_write_failed,
+        id="write-outside-workdir",
         marks=needs_root,
     ),
     # Reading root-only files.
     pytest.param(
-        "print(open('/etc/shadow').read())", 5.0, {}, _stderr_has("PermissionError", "FileNotFoundError"),
-        id="read-etc-shadow", marks=needs_root,
+        "print(open('/etc/shadow').read())",
+        5.0,
+        {},
+        _stderr_has("PermissionError", "FileNotFoundError"),
+        id="read-etc-shadow",
+        marks=needs_root,
     ),
     pytest.param(
-        "print(open('/root/.bashrc').read())", 5.0, {}, _stderr_has("PermissionError", "FileNotFoundError"),
-        id="read-root-home", marks=needs_root,
+        "print(open('/root/.bashrc').read())",
+        5.0,
+        {},
+        _stderr_has("PermissionError", "FileNotFoundError"),
+        id="read-root-home",
+        marks=needs_root,
     ),
     # Killing the parent and its process group, and everything it can see.
     pytest.param("import os; os.kill(os.getppid(), 9)", 5.0, {}, _survived, id="kill-parent"),
     pytest.param(
-        "import os; os.killpg(os.getpgid(os.getppid()), 9)", 5.0, {}, _survived, id="killpg-parent",
+        "import os; os.killpg(os.getpgid(os.getppid()), 9)",
+        5.0,
+        {},
+        _survived,
+        id="killpg-parent",
     ),
     pytest.param("import os; os.kill(-1, 9); os.kill(0, 9)", 5.0, {}, _survived, id="kill-all"),
 ]
@@ -488,8 +527,11 @@ def test_degraded_mode_hostile_programs(degraded):
     r = run_python("import os, time\nif os.fork() == 0:\n    time.sleep(60)\nprint('done')", 3)
     assert r.stdout == "done\n" and not r.timed_out
     assert _processes_of(NOBODY_UID) - before == set()
-    for code in ("import os; os.kill(os.getppid(), 9)", "import os; os.kill(-1, 9)",
-                 "import os; os.killpg(os.getpgid(os.getppid()), 9)"):
+    for code in (
+        "import os; os.kill(os.getppid(), 9)",
+        "import os; os.kill(-1, 9)",
+        "import os; os.killpg(os.getpgid(os.getppid()), 9)",
+    ):
         r = run_python(code, 5)
         assert r.exit_code == 1 and "PermissionError" in r.stderr, r
     r = run_python("import ctypes", 5)

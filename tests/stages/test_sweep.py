@@ -6,8 +6,18 @@ import pytest
 
 from components.cli import main
 
-SMALL = ["--set", "train.max_steps=2", "--set", "train.batch_size=4", "--set", "rollout.concurrency=4",
-         "--set", "task.eval_size=8", "--set", 'train.backend="torch"']
+SMALL = [
+    "--set",
+    "train.max_steps=2",
+    "--set",
+    "train.batch_size=4",
+    "--set",
+    "rollout.concurrency=4",
+    "--set",
+    "task.eval_size=8",
+    "--set",
+    'train.backend="torch"',
+]
 
 
 def test_sweep_writes_a_table_and_nested_mlflow_runs_and_continues(seeded_home, capsys):

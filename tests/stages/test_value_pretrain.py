@@ -26,8 +26,12 @@ def _pretrain_cfg(tiny_cfg):
     the time: almost no reward variance to explain. Half the prompts are two-step problems, which it never
     learnt and fails: the critic has to learn which prompts the policy solves."""
     vp = replace(tiny_cfg.value_pretrain, episodes=64, batch_size=8, max_epochs=6, patience=2)
-    return replace(tiny_cfg, value_pretrain=vp, task=replace(tiny_cfg.task, kinds=("affine", "two_step")),
-                   train=replace(tiny_cfg.train, backend="torch", threads=1))
+    return replace(
+        tiny_cfg,
+        value_pretrain=vp,
+        task=replace(tiny_cfg.task, kinds=("affine", "two_step")),
+        train=replace(tiny_cfg.train, backend="torch", threads=1),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,21 +70,38 @@ def test_attention_stays_bit_identical_to_the_sft_policy(pretrained, sft_dir):
     attention = freeze_attention(sft)  # the names training freezes
     before, after = sft.state_dict(), ValueModel.load(result.out_dir).state_dict()
     assert attention and all(torch.equal(after[name], before[name]) for name in attention)
-    moved = [n for n in after if n not in attention and n.startswith("backbone.")
-             and not torch.equal(after[n], before[n])]
+    moved = [
+        n for n in after if n not in attention and n.startswith("backbone.") and not torch.equal(after[n], before[n])
+    ]
     assert any(".mlp.experts." in n for n in moved) and any(".mlp.gate." in n for n in moved)
 
 
 def _trajectory(prompt_id: str, token_ids: list[int], mask: list[int], reward: float) -> Trajectory:
-    return Trajectory(prompt_id, "tir_math", token_ids, mask, [-0.5 if m else None for m in mask],
-                      [0 if m else None for m in mask], reward, 1, "stop", mask.index(1), Timings(0.0))
+    return Trajectory(
+        prompt_id,
+        "tir_math",
+        token_ids,
+        mask,
+        [-0.5 if m else None for m in mask],
+        [0 if m else None for m in mask],
+        reward,
+        1,
+        "stop",
+        mask.index(1),
+        Timings(0.0),
+    )
 
 
 def test_targets_are_the_outcome_on_every_action_token_with_lam_1():
     # A: prompt 2, action 2, observation 1, action 1; reward 1.0 on its last action token (position 5).
     # B: prompt 1, action 3; reward 0.5 on position 3; positions 4-5 are padding.
-    batch = to_tensors([_trajectory("a", [5, 6, 7, 8, 9, 10], [0, 0, 1, 1, 0, 1], 1.0),
-                        _trajectory("b", [5, 7, 8, 9], [0, 1, 1, 1], 0.5)], pad_id=0)
+    batch = to_tensors(
+        [
+            _trajectory("a", [5, 6, 7, 8, 9, 10], [0, 0, 1, 1, 0, 1], 1.0),
+            _trajectory("b", [5, 7, 8, 9], [0, 1, 1, 1], 0.5),
+        ],
+        pad_id=0,
+    )
     nan = math.nan  # values off action tokens are never read
     values = torch.tensor([[nan, nan, 0.3, -0.2, nan, 0.7], [nan, 0.1, 0.4, 0.2, nan, nan]])
     # lam = gamma = 1: R_t = sum of the rewards from t on = the outcome reward; the values cancel (up to float32
@@ -90,8 +111,9 @@ def test_targets_are_the_outcome_on_every_action_token_with_lam_1():
     assert torch.equal(targets[batch["action_mask"] == 0], torch.zeros(6))
     # lam = 0 bootstraps one action token ahead, skipping the observation: R_t = r_t + V(next(t)).
     # A: pos 2 -> V3 = -0.2; pos 3 -> V5 = 0.7 (skips position 4); pos 5 -> r = 1.  B: V2 = 0.4, V3 = 0.2, r = 0.5.
-    assert torch.allclose(value_targets(batch, values, 1.0, 0.0),
-                          torch.tensor([[0, 0, -0.2, 0.7, 0, 1.0], [0, 0.4, 0.2, 0.5, 0, 0]]))
+    assert torch.allclose(
+        value_targets(batch, values, 1.0, 0.0), torch.tensor([[0, 0, -0.2, 0.7, 0, 1.0], [0, 0.4, 0.2, 0.5, 0, 0]])
+    )
 
 
 def test_split_keeps_each_prompt_on_one_side_and_ignores_finish_order():
@@ -123,10 +145,11 @@ def test_learner_refuses_a_critic_that_does_not_fit(pretrained, sft_dir, sft_pol
     _, tokenizer = sft_policy
     narrow = build_policy(replace(cfg.model, hidden_size=64), tokenizer)
     ValueModel.from_policy(narrow).save(tmp_path / "narrow")
-    cases = {str(tmp_path / "narrow"): (ValueError,
-                                        r"train\.critic_path: .*hidden_size=64, the policy has hidden_size=128"),
-             str(tmp_path / "missing"): (FileNotFoundError, r"train\.critic_path: .*not a directory"),
-             str(sft_dir): (FileNotFoundError, rf"train\.critic_path: .*no {HEAD_FILE}")}
+    cases = {
+        str(tmp_path / "narrow"): (ValueError, r"train\.critic_path: .*hidden_size=64, the policy has hidden_size=128"),
+        str(tmp_path / "missing"): (FileNotFoundError, r"train\.critic_path: .*not a directory"),
+        str(sft_dir): (FileNotFoundError, rf"train\.critic_path: .*no {HEAD_FILE}"),
+    }
     for path, (error, message) in cases.items():
         bad = replace(cfg, train=replace(cfg.train, critic_path=path))
         with pytest.raises(error, match=message):
@@ -140,17 +163,22 @@ def test_an_algorithm_without_a_critic_is_refused(tiny_cfg, sft_dir, tmp_path):
     assert not (tmp_path / "critic").exists()
 
 
-@pytest.mark.parametrize("override, message", [
-    ("value_pretrain.episodes=0", "value_pretrain.episodes: Input should be greater than 0"),
-    ("value_pretrain.held_out_frac=1.0", "value_pretrain.held_out_frac: Input should be less than 1"),
-    ("value_pretrain.episodes=10,value_pretrain.held_out_frac=0.04",  # round(10 * 0.04) = 0 held out
-     r"value_pretrain.held_out_frac: holds out 0 of episodes=10"),
-    ("value_pretrain.lr=-1e-3", "value_pretrain.lr: Input should be greater than or equal to 0"),
-    ("value_pretrain.patience=0", "value_pretrain.patience: Input should be greater than 0"),
-    ("value_pretrain.batch_size=2.5", "value_pretrain.batch_size: Input should be a valid integer"),
-    ("value_pretrain.epochs=3", "value_pretrain.epochs: unknown field"),
-    ('train.critic_path="s3://bucket/critic"', "train.critic_path: must be a local directory"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("value_pretrain.episodes=0", "value_pretrain.episodes: Input should be greater than 0"),
+        ("value_pretrain.held_out_frac=1.0", "value_pretrain.held_out_frac: Input should be less than 1"),
+        (
+            "value_pretrain.episodes=10,value_pretrain.held_out_frac=0.04",  # round(10 * 0.04) = 0 held out
+            r"value_pretrain.held_out_frac: holds out 0 of episodes=10",
+        ),
+        ("value_pretrain.lr=-1e-3", "value_pretrain.lr: Input should be greater than or equal to 0"),
+        ("value_pretrain.patience=0", "value_pretrain.patience: Input should be greater than 0"),
+        ("value_pretrain.batch_size=2.5", "value_pretrain.batch_size: Input should be a valid integer"),
+        ("value_pretrain.epochs=3", "value_pretrain.epochs: unknown field"),
+        ('train.critic_path="s3://bucket/critic"', "train.critic_path: must be a local directory"),
+    ],
+)
 def test_bad_values_name_their_field(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny-cpu", override.split(","))
@@ -160,5 +188,9 @@ def test_defaults_and_the_held_out_size():
     cfg = load_config("tiny-cpu")
     assert cfg.train.critic_path == "" and cfg.value_pretrain.lr == 0.0  # 0: train.critic_lr
     assert cfg.value_pretrain.held_out_episodes == 128  # round(512 * 0.25)
-    assert load_config("tiny-cpu", ["value_pretrain.episodes=10", "value_pretrain.held_out_frac=0.5"]
-                       ).value_pretrain.held_out_episodes == 5
+    assert (
+        load_config(
+            "tiny-cpu", ["value_pretrain.episodes=10", "value_pretrain.held_out_frac=0.5"]
+        ).value_pretrain.held_out_episodes
+        == 5
+    )

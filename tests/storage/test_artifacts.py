@@ -75,7 +75,7 @@ def _raw_names(store, key: str) -> set[str]:
     if _is_s3(store):
         start = f"{store.prefix}/{key}/"
         listing = store.client.list_objects_v2(Bucket=store.bucket, Prefix=start).get("Contents", [])
-        return {entry["Key"][len(start):] for entry in listing}
+        return {entry["Key"][len(start) :] for entry in listing}
     base = store.root / key
     return {p.relative_to(base).as_posix() for p in base.rglob("*") if p.is_file()} if base.exists() else set()
 
@@ -97,8 +97,10 @@ def test_nested_directory_round_trips_and_republishing_replaces_it(store, tmp_pa
     assert uri == store.uri("models/sft-policy") and store.is_complete("models/sft-policy")
     assert store.list_complete("models") == ["sft-policy"] and store.list_complete("") == []
     manifest = json.loads(_raw_read(store, "models/sft-policy", "manifest.json"))
-    assert manifest["files"]["weights/part-0.bin"] == {"sha256": hashlib.sha256(files["weights/part-0.bin"])
-                                                       .hexdigest(), "bytes": 3000}
+    assert manifest["files"]["weights/part-0.bin"] == {
+        "sha256": hashlib.sha256(files["weights/part-0.bin"]).hexdigest(),
+        "bytes": 3000,
+    }
     assert manifest["files"]["weights/deep/empty.txt"] == {"sha256": hashlib.sha256(b"").hexdigest(), "bytes": 0}
     out = tmp_path / "out"
     assert store.get_dir("models/sft-policy", out) == out and _tree(out) == files  # no manifest, no marker
@@ -127,15 +129,22 @@ def test_marker_comes_last_and_without_it_nothing_is_complete(store, tmp_path):
     src = _write_tree(tmp_path / "src", {"a.pt": b"a", "sub/b.pt": b"b"})
     writes: list[str] = []
     if _is_s3(store):  # botocore's own event hooks record every mutating call in the order it is made
+
         def record(params, model, **_):
             if model.name in ("PutObject", "CreateMultipartUpload", "DeleteObject", "DeleteObjects"):
                 writes.append(f"{model.name} {params.get('Key', '').removeprefix('runs/k/')}".strip())
+
         store.client.meta.events.register("before-parameter-build.s3", record)
     store.put_dir(src, "k")
     store.put_dir(src, "k")  # re-publish
     if _is_s3(store):
-        first = ["DeleteObject _COMPLETE", "PutObject a.pt", "PutObject sub/b.pt", "PutObject manifest.json",
-                 "PutObject _COMPLETE"]
+        first = [
+            "DeleteObject _COMPLETE",
+            "PutObject a.pt",
+            "PutObject sub/b.pt",
+            "PutObject manifest.json",
+            "PutObject _COMPLETE",
+        ]
         # The re-publish takes the old marker away before anything else, then the old files.
         assert writes == first + ["DeleteObject _COMPLETE", "DeleteObjects"] + first[1:]
     # Files and manifest without the marker: an upload that never finished.
@@ -147,8 +156,10 @@ def test_marker_comes_last_and_without_it_nothing_is_complete(store, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-_CHILD = ("import sys; from pathlib import Path; from components.storage import open_store; "
-          "open_store(sys.argv[1]).put_dir(Path(sys.argv[2]), sys.argv[3])")
+_CHILD = (
+    "import sys; from pathlib import Path; from components.storage import open_store; "
+    "open_store(sys.argv[1]).put_dir(Path(sys.argv[2]), sys.argv[3])"
+)
 
 
 def test_killed_upload_is_not_complete_and_checkpoints_fall_back(store, tmp_path):
@@ -224,8 +235,7 @@ def test_checkpoint_round_trip_of_tensors_and_python_objects(store, tmp_path):
     assert ckpt.steps() == [7, 12] and ckpt.latest_step() == 12
     loaded = ckpt.load(7)
     assert set(loaded) == {"policy", "state"}
-    assert all(torch.equal(loaded["policy"][k], v) and loaded["policy"][k].dtype == v.dtype
-               for k, v in policy.items())
+    assert all(torch.equal(loaded["policy"][k], v) and loaded["policy"][k].dtype == v.dtype for k, v in policy.items())
     assert torch.equal(loaded["state"].pop("torch_rng"), state.pop("torch_rng")) and loaded["state"] == state
     assert list((tmp_path / "cache").iterdir()) == []  # scratch is cleaned after every save and load
     with pytest.raises(IncompleteArtifact, match="step-00000008"):
@@ -283,6 +293,8 @@ def test_open_store_settings_and_errors(s3_env, monkeypatch, tmp_path):
 
 
 def test_boto3_is_imported_only_for_s3_uris(tmp_path):
-    code = ("import sys; from components.storage import open_store; open_store(sys.argv[1]).list_complete(); "
-            "assert 'boto3' not in sys.modules, 'boto3 imported for a local store'")
+    code = (
+        "import sys; from components.storage import open_store; open_store(sys.argv[1]).list_complete(); "
+        "assert 'boto3' not in sys.modules, 'boto3 imported for a local store'"
+    )
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, check=True)

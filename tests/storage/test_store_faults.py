@@ -34,8 +34,15 @@ def proxy(s3_env, monkeypatch):
 def _store(**options):
     """A store on a fresh bucket with fast test backoff (`options` override), the bucket made before any fault."""
     bucket = f"faults-{uuid.uuid4().hex[:12]}"
-    settings = {"multipart_threshold": 5 * MIB, "multipart_chunksize": 5 * MIB, "backoff_s": 0.05,
-                "max_backoff_s": 0.4, "connect_timeout_s": 2.0, "read_timeout_s": 2.0, **options}
+    settings = {
+        "multipart_threshold": 5 * MIB,
+        "multipart_chunksize": 5 * MIB,
+        "backoff_s": 0.05,
+        "max_backoff_s": 0.4,
+        "connect_timeout_s": 2.0,
+        "read_timeout_s": 2.0,
+        **options,
+    }
     store = open_store(f"s3://{bucket}/runs", **settings)
     store.client.create_bucket(Bucket=bucket)
     return store
@@ -58,7 +65,7 @@ def _unanswered_then_retried(proxy) -> list[tuple[str, str]]:
     log = [(m, re.sub(r"uploadId=[^&]*&?", "", p), outcome) for m, p, outcome in proxy.log]
     failed = [(i, m, p) for i, (m, p, outcome) in enumerate(log) if outcome != "forwarded"]
     for i, method, path in failed:
-        assert (method, path, "forwarded") in log[i + 1:], f"{method} {path} failed at the proxy, never retried"
+        assert (method, path, "forwarded") in log[i + 1 :], f"{method} {path} failed at the proxy, never retried"
     return [(m, p) for _, m, p in failed]
 
 
@@ -75,8 +82,13 @@ def test_5xx_bursts_during_multipart_publish_and_download_are_retried(proxy, tmp
     assert proxy.stats()["failed"] == 3 and len(_unanswered_then_retried(proxy)) == 3
     # Two of the three ranged GETs of the download answer 500 InternalError.
     proxy.reset_stats()
-    proxy.mode("5xx", count=2, match="GET /" + f"{store.bucket}/runs/ckpt/step-00000001/policy.pt", status=500,
-               body=INTERNAL_ERROR)
+    proxy.mode(
+        "5xx",
+        count=2,
+        match="GET /" + f"{store.bucket}/runs/ckpt/step-00000001/policy.pt",
+        status=500,
+        body=INTERNAL_ERROR,
+    )
     out = store.get_dir("ckpt/step-00000001", tmp_path / "out")
     assert proxy.stats()["failed"] == 2 and len(_unanswered_then_retried(proxy)) == 2
     assert _read(out) == files
@@ -160,4 +172,3 @@ def test_download_outage_on_resume_is_an_error_not_a_damaged_checkpoint(proxy, t
     step, payload = ckpt.load_latest(log.append)
     assert step == 2 and torch.equal(payload["policy"]["w"], torch.full((3,), 2.0)) and log == []
     assert proxy.stats()["failed"] == 3 and len(_unanswered_then_retried(proxy)) == 3
-

@@ -57,6 +57,7 @@ def _edit(relpath: str, old: str, new: str) -> Callable[[Path], None]:
         text = path.read_text()
         assert old in text, f"{old!r} not in {relpath}"
         path.write_text(text.replace(old, new, 1))
+
     return apply
 
 
@@ -64,15 +65,25 @@ def _write(relpath: str, text: str) -> Callable[[Path], None]:
     def apply(root: Path) -> None:
         (root / relpath).parent.mkdir(parents=True, exist_ok=True)
         (root / relpath).write_text(text)
+
     return apply
 
 
 def _dashboard(**changes) -> str:
-    board = {"uid": "test-board", "title": "test",
-             "templating": {"list": [{"type": "datasource", "name": "datasource", "query": "prometheus"}]},
-             "panels": [{"id": 1, "type": "timeseries", "title": "reward",
-                         "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                         "targets": [{"refId": "A", "expr": "sao_reward_mean"}]}]}
+    board = {
+        "uid": "test-board",
+        "title": "test",
+        "templating": {"list": [{"type": "datasource", "name": "datasource", "query": "prometheus"}]},
+        "panels": [
+            {
+                "id": 1,
+                "type": "timeseries",
+                "title": "reward",
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "targets": [{"refId": "A", "expr": "sao_reward_mean"}],
+            }
+        ],
+    }
     board.update(changes)
     return json.dumps(board)
 
@@ -96,6 +107,7 @@ def _alert(expr: str = "sao_reward_mean < 0", runbook: str = "docs/runbooks/trai
     def apply(root: Path) -> None:
         path = root / "infra" / "prometheus" / "alerts.yml"
         path.write_text(path.read_text() + ALERT.format(expr=expr, runbook=runbook))
+
     return apply
 
 
@@ -110,115 +122,158 @@ PROVIDER = "infra/grafana/provisioning/dashboards/sao.yml"
 HARD_CODED = [{"id": 2, "type": "stat", "title": "steps", "datasource": {"type": "prometheus", "uid": "prometheus"}}]
 
 BREAKS = {  # name: (the break, patterns that must each match one problem)
-    "bad YAML": (
-        _write(ALERTS, "groups: [\n"),
-        [r"^infra/prometheus/alerts\.yml: invalid YAML: "]),
-    "bad JSON dashboard": (
-        _write("dashboards/broken.json", '{"uid": '),
-        [r"^dashboards/broken\.json: invalid JSON"]),
+    "bad YAML": (_write(ALERTS, "groups: [\n"), [r"^infra/prometheus/alerts\.yml: invalid YAML: "]),
+    "bad JSON dashboard": (_write("dashboards/broken.json", '{"uid": '), [r"^dashboards/broken\.json: invalid JSON"]),
     "undefined env var": (  # compose's own error, and ours naming the file that lacks it
         _edit(ENV, "GRAFANA_ADMIN_PASSWORD=", "GRAFANA_PASSWORD="),
-        [r"^infra/compose\.yaml: docker-compose config failed: .*GRAFANA_ADMIN_PASSWORD",
-         r"^infra/compose\.yaml: \$\{GRAFANA_ADMIN_PASSWORD\} is not defined in infra/\.env\.example$",
-         r"^infra/\.env\.example: GRAFANA_PASSWORD is not used by infra/compose\.yaml$"]),
+        [
+            r"^infra/compose\.yaml: docker-compose config failed: .*GRAFANA_ADMIN_PASSWORD",
+            r"^infra/compose\.yaml: \$\{GRAFANA_ADMIN_PASSWORD\} is not defined in infra/\.env\.example$",
+            r"^infra/\.env\.example: GRAFANA_PASSWORD is not used by infra/compose\.yaml$",
+        ],
+    ),
     "compose schema": (
         _edit(COMPOSE, "    restart: unless-stopped\n", "    restart: sometimes\n    healthcheck_x: 1\n"),
-        [r"^infra/compose\.yaml: docker-compose config failed: .*healthcheck_x"]),
+        [r"^infra/compose\.yaml: docker-compose config failed: .*healthcheck_x"],
+    ),
     "unpinned image": (
         _edit(COMPOSE, "prom/prometheus:v3.5.0", "prom/prometheus:latest"),
-        [r"^infra/compose\.yaml: service 'prometheus': image 'prom/prometheus:latest' is not pinned"]),
+        [r"^infra/compose\.yaml: service 'prometheus': image 'prom/prometheus:latest' is not pinned"],
+    ),
     "untagged image": (
         _edit(COMPOSE, "grafana/grafana:12.1.1", "grafana/grafana"),
-        [r"^infra/compose\.yaml: service 'grafana': image 'grafana/grafana' is not pinned"]),
+        [r"^infra/compose\.yaml: service 'grafana': image 'grafana/grafana' is not pinned"],
+    ),
     "missing dockerfile": (
         _edit(COMPOSE, "infra/docker/mlflow.Dockerfile", "infra/docker/mlflw.Dockerfile"),
-        [r"^infra/compose\.yaml: service 'mlflow': dockerfile infra/docker/mlflw\.Dockerfile does not exist"]),
+        [r"^infra/compose\.yaml: service 'mlflow': dockerfile infra/docker/mlflw\.Dockerfile does not exist"],
+    ),
     "missing bind source": (
         _edit(COMPOSE, "./prometheus/alerts.yml:", "./prometheus/rules.yml:"),
-        [r"^infra/compose\.yaml: service 'prometheus': bind-mounted host path infra/prometheus/rules\.yml does not "
-         r"exist$"]),
+        [
+            r"^infra/compose\.yaml: service 'prometheus': bind-mounted host path infra/prometheus/rules\.yml does not "
+            r"exist$"
+        ],
+    ),
     "duplicate host port": (
         _edit(COMPOSE, '"127.0.0.1:3000:3000"', '"127.0.0.1:9090:3000"'),
-        [r"^infra/compose\.yaml: service '(grafana|prometheus)': host port 9090 is also published by"]),
+        [r"^infra/compose\.yaml: service '(grafana|prometheus)': host port 9090 is also published by"],
+    ),
     "port on every interface": (
         _edit(COMPOSE, '"127.0.0.1:3000:3000"', '"3000:3000"'),
-        [r"^infra/compose\.yaml: service 'grafana': port 3000 is published on .*not bound to 127\.0\.0\.1$"]),
+        [r"^infra/compose\.yaml: service 'grafana': port 3000 is published on .*not bound to 127\.0\.0\.1$"],
+    ),
     "healthy dependency without healthcheck": (
         _edit(COMPOSE, PROM_HEALTH, "      disable: true\n"),
-        [r"^infra/compose\.yaml: service 'grafana': depends_on 'prometheus' being healthy, but 'prometheus' has no "
-         r"healthcheck$", r"^infra/compose\.yaml: service 'prometheus': no healthcheck$"]),
+        [
+            r"^infra/compose\.yaml: service 'grafana': depends_on 'prometheus' being healthy, but 'prometheus' has no "
+            r"healthcheck$",
+            r"^infra/compose\.yaml: service 'prometheus': no healthcheck$",
+        ],
+    ),
     "scrape target without service": (
         _edit(PROM, '"worker:9400"', '"trainer:9400"'),
-        [r"^infra/prometheus/prometheus\.yml: job 'sao-trainer': 'trainer:9400': no compose service 'trainer'$"]),
+        [r"^infra/prometheus/prometheus\.yml: job 'sao-trainer': 'trainer:9400': no compose service 'trainer'$"],
+    ),
     "scrape target port not exposed": (
         _edit(PROM, '"worker:9400"', '"worker:9500"'),
-        [r"^infra/prometheus/prometheus\.yml: job 'sao-trainer': 'worker:9500': service 'worker' does not expose "
-         r"port 9500"]),
+        [
+            r"^infra/prometheus/prometheus\.yml: job 'sao-trainer': 'worker:9500': service 'worker' does not expose "
+            r"port 9500"
+        ],
+    ),
     "alert on an unexported series": (
         _alert("sao_reward_meen < 0"),
-        [r"^infra/prometheus/alerts\.yml: group 'extra', rule 'SaoExtra': series sao_reward_meen is not exported "
-         r"\(components/tracking/prometheus\.py\)$"]),
+        [
+            r"^infra/prometheus/alerts\.yml: group 'extra', rule 'SaoExtra': series sao_reward_meen is not exported "
+            r"\(components/tracking/prometheus\.py\)$"
+        ],
+    ),
     "alert on a foreign series": (
         _alert("container_memory_usage_bytes > 1e9"),
-        [r"rule 'SaoExtra': series container_memory_usage_bytes is neither sao_\* nor"]),
+        [r"rule 'SaoExtra': series container_memory_usage_bytes is neither sao_\* nor"],
+    ),
     "alert with an unknown runbook": (
         _alert(runbook="docs/runbooks/reward-collapse.md"),
-        [r"rule 'SaoExtra': annotations\.runbook 'docs/runbooks/reward-collapse\.md' is not docs/runbooks/<name>\.md"]),
+        [r"rule 'SaoExtra': annotations\.runbook 'docs/runbooks/reward-collapse\.md' is not docs/runbooks/<name>\.md"],
+    ),
     "alert whose runbook file is missing": (  # once docs/runbooks/ exists, every named file must
         _write("docs/runbooks/disk-full.md", "# Disk full\n"),
-        [r"rule 'SaoRewardCollapse': runbook docs/runbooks/training-collapse\.md does not exist$"]),
+        [r"rule 'SaoRewardCollapse': runbook docs/runbooks/training-collapse\.md does not exist$"],
+    ),
     "COPY of a missing file": (
         _edit(VLLM, "RUN useradd", "COPY components/rollout/vllm_workers.py /opt/sao/\nRUN useradd"),
-        [r"^infra/docker/vllm\.Dockerfile:\d+: COPY source 'components/rollout/vllm_workers\.py' does not exist in "
-         r"the build context"]),
+        [
+            r"^infra/docker/vllm\.Dockerfile:\d+: COPY source 'components/rollout/vllm_workers\.py' does not exist in "
+            r"the build context"
+        ],
+    ),
     "hadolint finding": (
         _edit(MLFLOW, "boto3==1.44.8", "boto3"),
-        [r"^infra/docker/mlflow\.Dockerfile:\d+ DL3013 .*Pin versions in pip.* \(hadolint\)$"]),
+        [r"^infra/docker/mlflow\.Dockerfile:\d+ DL3013 .*Pin versions in pip.* \(hadolint\)$"],
+    ),
     "unpinned base image": (
         _edit(CPU, "FROM python:3.11.11-slim-bookworm", "FROM python"),
-        [r"^infra/docker/train-cpu\.Dockerfile:\d+: FROM python: pin a tag",
-         r"^infra/docker/train-cpu\.Dockerfile:\d+ DL3006 "]),
-    "image running as root": (
-        _edit(VLLM, "USER 10001\n", ""),
-        [r"^infra/docker/vllm\.Dockerfile: runs as root"]),
+        [
+            r"^infra/docker/train-cpu\.Dockerfile:\d+: FROM python: pin a tag",
+            r"^infra/docker/train-cpu\.Dockerfile:\d+ DL3006 ",
+        ],
+    ),
+    "image running as root": (_edit(VLLM, "USER 10001\n", ""), [r"^infra/docker/vllm\.Dockerfile: runs as root"]),
     "DeepSpeed typo key": (
         _edit(ZERO2, '"overlap_comm"', '"overlap_com"'),
-        [r"^infra/deepspeed/zero2-bf16\.json: zero_optimization\.overlap_com: Extra inputs are not permitted$"]),
+        [r"^infra/deepspeed/zero2-bf16\.json: zero_optimization\.overlap_com: Extra inputs are not permitted$"],
+    ),
     "DeepSpeed unknown section": (
         _edit(ZERO3, '"bf16"', '"bfloat_16"'),
-        [r"^infra/deepspeed/zero3-bf16\.json: bfloat_16: unknown DeepSpeed key"]),
+        [r"^infra/deepspeed/zero3-bf16\.json: bfloat_16: unknown DeepSpeed key"],
+    ),
     "DeepSpeed key SAO owns": (
         _edit(ZERO2, '"wall_clock_breakdown": false', '"gradient_accumulation_steps": 8'),
-        [r"^infra/deepspeed/zero2-bf16\.json: gradient_accumulation_steps: must be 1"]),
+        [r"^infra/deepspeed/zero2-bf16\.json: gradient_accumulation_steps: must be 1"],
+    ),
     "preset with a bad field": (
         _edit(GPU, "critic_updates = 2", "critic_updates = 0"),
-        [r"^components/presets/qwen3-30b-a3b\.toml: algo\.critic_updates: Input should be greater than 0"]),
+        [r"^components/presets/qwen3-30b-a3b\.toml: algo\.critic_updates: Input should be greater than 0"],
+    ),
     "preset with an unknown field": (
         _edit(CODING, "dis_preset =", "dis_presets ="),
-        [r"^components/presets/qwen3-30b-a3b-coding\.toml: algo\.dis_presets: unknown field"]),
+        [r"^components/presets/qwen3-30b-a3b-coding\.toml: algo\.dis_presets: unknown field"],
+    ),
     "preset naming a missing DeepSpeed file": (
         _edit(GPU, "zero2-bf16.json", "zero2.json"),
-        [r"^components/presets/qwen3-30b-a3b\.toml: train\.deepspeed_config: infra/deepspeed/zero2\.json does not "
-         r"exist"]),
+        [
+            r"^components/presets/qwen3-30b-a3b\.toml: train\.deepspeed_config: infra/deepspeed/zero2\.json does not "
+            r"exist"
+        ],
+    ),
     "dashboard without uid": (
         _write("dashboards/test.json", _dashboard(uid="")),
-        [r"^dashboards/test\.json: no fixed `uid`"]),
+        [r"^dashboards/test\.json: no fixed `uid`"],
+    ),
     "dashboard with a hard-coded datasource": (
         _write("dashboards/test.json", _dashboard(panels=HARD_CODED)),
-        [r"^dashboards/test\.json: panel 'steps': datasource uid 'prometheus' is not the template variable"]),
+        [r"^dashboards/test\.json: panel 'steps': datasource uid 'prometheus' is not the template variable"],
+    ),
     "dashboard without a datasource variable": (
         _write("dashboards/test.json", _dashboard(templating={"list": []})),
-        [r"^dashboards/test\.json: no templating\.list entry of type `datasource`"]),
+        [r"^dashboards/test\.json: no templating\.list entry of type `datasource`"],
+    ),
     "grafana provider path not mounted": (
         _edit(PROVIDER, "path: /etc/grafana/dashboards/sao", "path: /var/lib/grafana/dashboards"),
-        [r"^infra/grafana/provisioning/dashboards/sao\.yml: provider 'sao': reads /var/lib/grafana/dashboards, where "
-         r"compose's grafana service does not mount"]),
+        [
+            r"^infra/grafana/provisioning/dashboards/sao\.yml: provider 'sao': reads /var/lib/grafana/dashboards, where "
+            r"compose's grafana service does not mount"
+        ],
+    ),
     "dashboards mounted writable": (
         _edit(COMPOSE, "../dashboards:/etc/grafana/dashboards/sao:ro", "../dashboards:/etc/grafana/dashboards/sao"),
-        [r"provider 'sao': reads /etc/grafana/dashboards/sao, where compose's grafana"]),
+        [r"provider 'sao': reads /etc/grafana/dashboards/sao, where compose's grafana"],
+    ),
     "grafana datasource uid": (
         _edit("infra/grafana/provisioning/datasources/prometheus.yml", "uid: prometheus", "uid: prom"),
-        [r"^infra/grafana/provisioning/datasources: no datasource with uid 'prometheus'$"]),
+        [r"^infra/grafana/provisioning/datasources: no datasource with uid 'prometheus'$"],
+    ),
 }
 
 
@@ -243,8 +298,10 @@ def test_missing_tools_are_problems_not_passes(tree, tmp_path, monkeypatch):
 
 
 def test_promql_series_skips_functions_labels_ranges_and_grouping():
-    expr = ('sum by (job, instance) (rate(sao_engine_requests_total{model="m(1)"}[10m])) == 0 and on (job) '
-            'sao_engine_queue_depth offset 5m > 1e3 unless time() - up < 24 * 3600')
+    expr = (
+        'sum by (job, instance) (rate(sao_engine_requests_total{model="m(1)"}[10m])) == 0 and on (job) '
+        "sao_engine_queue_depth offset 5m > 1e3 unless time() - up < 24 * 3600"
+    )
     assert promql_series(expr) == {"sao_engine_requests_total", "sao_engine_queue_depth", "up"}
 
 
@@ -253,6 +310,12 @@ def test_the_alerts_use_what_the_exporter_exports():
     from components.tracking.prometheus import EXPORTED
 
     assert EXPORTED_SERIES == frozenset(EXPORTED)
-    assert {"sao_reward_mean", "sao_rollout_staleness_max", "sao_trainer_idle_frac", "sao_trainer_step",
-            "sao_trainer_last_step_timestamp_seconds", "sao_engine_queue_depth",
-            "sao_engine_requests_total"} <= EXPORTED_SERIES
+    assert {
+        "sao_reward_mean",
+        "sao_rollout_staleness_max",
+        "sao_trainer_idle_frac",
+        "sao_trainer_step",
+        "sao_trainer_last_step_timestamp_seconds",
+        "sao_engine_queue_depth",
+        "sao_engine_requests_total",
+    } <= EXPORTED_SERIES

@@ -29,21 +29,48 @@ def _edit(path: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new, 1))
 
 
-@pytest.mark.parametrize("file,old,new,message", [
-    ("infra/k8s/vllm.yaml", "replicas: 2", "replicas: 1",
-     "rollout.urls ['http://vllm-0.sao-engines:8000', 'http://vllm-1.sao-engines:8000'] are not the servers"),
-    ("infra/k8s/vllm.yaml", "serviceName: sao-engines", "serviceName: engines",
-     "StatefulSet.spec.serviceName 'engines' is not the Service 'sao-engines'"),
-    ("infra/k8s/vllm.yaml", "clusterIP: None", "clusterIP: 10.0.0.1", "must be headless"),
-    ("infra/k8s/vllm.yaml", '"131072"', '"32768"',
-     "--max-model-len 32768 is below components/presets/qwen3-30b-a3b.toml's rollout.max_total_tokens 65536"),
-    ("infra/k8s/vllm.yaml", "{name: shared, mountPath: /shared/sao, readOnly: true}",
-     "{name: shared, mountPath: /mnt/shared, readOnly: true}", "no read-only volume mount holds"),
-    ("infra/prefect.yaml", '"http://vllm-1.sao-engines:8000"]', '"http://vllm-2.sao-engines:8000"]',
-     "infra/prefect.yaml: deployment gpu-docker (flows/train.py:train): rollout.urls"),
-    ("infra/work-pools.yaml", "- {name: shared, mountPath: /shared/sao}", "",
-     "sao-gpu-k8s jobs do not mount /shared/sao"),
-])
+@pytest.mark.parametrize(
+    "file,old,new,message",
+    [
+        (
+            "infra/k8s/vllm.yaml",
+            "replicas: 2",
+            "replicas: 1",
+            "rollout.urls ['http://vllm-0.sao-engines:8000', 'http://vllm-1.sao-engines:8000'] are not the servers",
+        ),
+        (
+            "infra/k8s/vllm.yaml",
+            "serviceName: sao-engines",
+            "serviceName: engines",
+            "StatefulSet.spec.serviceName 'engines' is not the Service 'sao-engines'",
+        ),
+        ("infra/k8s/vllm.yaml", "clusterIP: None", "clusterIP: 10.0.0.1", "must be headless"),
+        (
+            "infra/k8s/vllm.yaml",
+            '"131072"',
+            '"32768"',
+            "--max-model-len 32768 is below components/presets/qwen3-30b-a3b.toml's rollout.max_total_tokens 65536",
+        ),
+        (
+            "infra/k8s/vllm.yaml",
+            "{name: shared, mountPath: /shared/sao, readOnly: true}",
+            "{name: shared, mountPath: /mnt/shared, readOnly: true}",
+            "no read-only volume mount holds",
+        ),
+        (
+            "infra/prefect.yaml",
+            '"http://vllm-1.sao-engines:8000"]',
+            '"http://vllm-2.sao-engines:8000"]',
+            "infra/prefect.yaml: deployment gpu-docker (flows/train.py:train): rollout.urls",
+        ),
+        (
+            "infra/work-pools.yaml",
+            "- {name: shared, mountPath: /shared/sao}",
+            "",
+            "sao-gpu-k8s jobs do not mount /shared/sao",
+        ),
+    ],
+)
 def test_each_check_bites(tree, file, old, new, message):
     _edit(tree / file, old, new)
     problems = check_k8s(tree)

@@ -43,7 +43,8 @@ def test_the_versions_table_shows_aliases_checkpoints_and_scores_newest_first(cl
     rows = versions_table(client)
     assert [(r["version"], r["aliases"], r["checkpoint"], r["score"], r["source"]) for r in rows] == [
         ("2", "candidate", "step-20", "0.6", "/store/step-20"),
-        ("1", "champion", "step-10", "0.7", "/store/step-10")]
+        ("1", "champion", "step-10", "0.7", "/store/step-10"),
+    ]
     assert versions_table(client, "p") == rows
     with pytest.raises(ValueError, match="--name: no registered model 'q'"):
         versions_table(client, "q")

@@ -15,12 +15,14 @@ CONFIG = {"config": {"name": "tiny-cpu", "train": {"algo": "sao"}, "env": {"name
 RUN = {"preset": "tiny-cpu", "algo": "sao", "env": "tir_math"}
 
 
-
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
     """{(sample name, sorted labels): value} of `http://127.0.0.1:<port>/metrics`."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def key(name: str, **extra: str) -> tuple[str, tuple]:
@@ -46,8 +48,15 @@ def test_two_steps_serve_the_second_steps_values_with_the_run_labels():
     try:
         tracker.log_params(CONFIG)
         tracker.log_metrics({"reward/mean": 0.25, "policy/loss": 1.5, "critic/explained_variance": 0.5}, 1)
-        tracker.log_metrics({"reward/mean": 0.75, "policy/loss": -0.5, "critic/explained_variance": math.nan,
-                             "debug/per_task/p17": 3.0}, 2)
+        tracker.log_metrics(
+            {
+                "reward/mean": 0.75,
+                "policy/loss": -0.5,
+                "critic/explained_variance": math.nan,
+                "debug/per_task/p17": 3.0,
+            },
+            2,
+        )
         # The final evaluation, logged after training at version 0 and at the last version (stages.train.run_train).
         tracker.log_metrics({"eval/tir_math/accuracy": 0.5}, 0)
         tracker.log_metrics({"eval/tir_math/accuracy": 0.875}, 2)

@@ -8,8 +8,9 @@ from components.tracking.mlflow_tracker import flatten
 
 
 def _mlflow(tmp_path, name="tiny/sao", lineage="L1") -> MlflowTracker:
-    return MlflowTracker(f"sqlite:///{tmp_path}/mlflow.db", "sao", name, lineage,
-                         artifact_root=(tmp_path / "art").as_uri())
+    return MlflowTracker(
+        f"sqlite:///{tmp_path}/mlflow.db", "sao", name, lineage, artifact_root=(tmp_path / "art").as_uri()
+    )
 
 
 def _history(tracker: MlflowTracker, key: str, run_id: str | None = None) -> list[tuple[int, float]]:

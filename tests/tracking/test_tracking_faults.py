@@ -61,8 +61,9 @@ def short_timeouts(monkeypatch):
 
 
 def _tracker(proxy, tmp_path, lineage, **options) -> MlflowTracker:
-    return MlflowTracker(proxy.url, "faults", f"run-{lineage}", lineage, spool_dir=spool_dir(tmp_path),
-                         retry_max_s=0.5, **options)
+    return MlflowTracker(
+        proxy.url, "faults", f"run-{lineage}", lineage, spool_dir=spool_dir(tmp_path), retry_max_s=0.5, **options
+    )
 
 
 def _steps(client, run_id: str, key: str) -> list[int]:
@@ -112,8 +113,10 @@ def test_metrics_logged_through_an_outage_arrive_once(mlflow_server, tmp_path, s
     assert run.info.status == "FINISHED" and run.data.params["train.lr"] == "0.001"
     assert failed > 0 and not tracker.spool.path.exists()  # delivered whole: the spool is gone
     slowest = max(took[s] for s in range(10, 22))
-    print(f"log_metrics during the outage: max {slowest:.2f} s; {failed} requests failed at the proxy; "
-          f"the outage's backlog delivered {recovered_s:.2f} s after the server returned")
+    print(
+        f"log_metrics during the outage: max {slowest:.2f} s; {failed} requests failed at the proxy; "
+        f"the outage's backlog delivered {recovered_s:.2f} s after the server returned"
+    )
     assert slowest < 5
 
 

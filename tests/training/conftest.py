@@ -19,11 +19,22 @@ def grouped_trajectories(sft_policy):
 
     model, tokenizer = sft_policy
     engine = EmbeddedEngine(copy.deepcopy(model), tokenizer).start()
-    tasks = [Task(f"{pid}#g{g}", p.question, p.answer) for pid, p in
-             (("a", make_problem("affine", (91, 87, 5), "a")), ("b", make_problem("affine", (13, 17, 40), "b")))
-             for g in range(4)]
-    runner = AgentRunner(engine, tokenizer, TIRMathEnvironment(), EpisodeLimits(temperature=1.0), concurrency=1,
-                         stop_token_ids=tuple(stop_token_ids(tokenizer)))
+    tasks = [
+        Task(f"{pid}#g{g}", p.question, p.answer)
+        for pid, p in (
+            ("a", make_problem("affine", (91, 87, 5), "a")),
+            ("b", make_problem("affine", (13, 17, 40), "b")),
+        )
+        for g in range(4)
+    ]
+    runner = AgentRunner(
+        engine,
+        tokenizer,
+        TIRMathEnvironment(),
+        EpisodeLimits(temperature=1.0),
+        concurrency=1,
+        stop_token_ids=tuple(stop_token_ids(tokenizer)),
+    )
     try:
         trajectories = asyncio.run(runner.run(tasks))
     finally:

@@ -21,8 +21,16 @@ def main(model_dir: str, trajectories: str, out: str, algos: str) -> None:
     results = {}
     for algo in algos.split(","):
         zero = 2 if algo == "sao" else 0
-        cfg = load_config("tiny-cpu", [f'train.algo="{algo}"', 'train.backend="deepspeed"', f"train.zero_stage={zero}",
-                                       "train.batch_size=8", "train.group_size=4"])
+        cfg = load_config(
+            "tiny-cpu",
+            [
+                f'train.algo="{algo}"',
+                'train.backend="deepspeed"',
+                f"train.zero_stage={zero}",
+                "train.batch_size=8",
+                "train.group_size=4",
+            ],
+        )
         learner = Learner(cfg, Path(model_dir), settings_from(cfg), threads=1)
         if not learner.is_driver:
             learner.serve()
@@ -32,8 +40,13 @@ def main(model_dir: str, trajectories: str, out: str, algos: str) -> None:
         learner.load_state_dicts(saved)  # every rank restores its own partition
         after_load = {k: float(v) for k, v in learner.step(batch).items()}
         params = torch.cat([p.detach().flatten() for p in learner.policy.module.parameters()])
-        results[algo] = {"metrics": metrics, "after_load": after_load, "params": params,
-                         "world": learner.comm.world, "peers": len(saved["peers"])}
+        results[algo] = {
+            "metrics": metrics,
+            "after_load": after_load,
+            "params": params,
+            "world": learner.comm.world,
+            "peers": len(saved["peers"]),
+        }
         learner.release()
     if results:
         torch.save(results, out)

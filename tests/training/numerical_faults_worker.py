@@ -27,8 +27,13 @@ def gradient_case(model: torch.nn.Module, stage: int, rank: int) -> dict:
     unchanged = same(weights(engine), start)
     engine.backward_step(-token_logprobs(engine.module, ids).mean())
     after = weights(engine)
-    return {"skipped": engine.skipped_steps, "expected_skipped": 1, "unchanged": unchanged,
-            "moved": not same(after, start), "after": torch.cat([w.flatten() for w in after])}
+    return {
+        "skipped": engine.skipped_steps,
+        "expected_skipped": 1,
+        "unchanged": unchanged,
+        "moved": not same(after, start),
+        "after": torch.cat([w.flatten() for w in after]),
+    }
 
 
 def sao_case(model: torch.nn.Module, rank: int) -> dict:
@@ -50,8 +55,13 @@ def sao_case(model: torch.nn.Module, rank: int) -> dict:
     sao_step(policy, critic, batch, SETTINGS, {}, comm)
     after = weights(policy, critic)
     assert critic.skipped_steps == K, critic.skipped_steps
-    return {"skipped": policy.skipped_steps, "expected_skipped": 1, "unchanged": unchanged,
-            "moved": not same(after, start), "after": torch.cat([w.flatten() for w in after])}
+    return {
+        "skipped": policy.skipped_steps,
+        "expected_skipped": 1,
+        "unchanged": unchanged,
+        "moved": not same(after, start),
+        "after": torch.cat([w.flatten() for w in after]),
+    }
 
 
 def main(out: str) -> None:

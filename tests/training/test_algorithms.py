@@ -11,9 +11,22 @@ from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.diagnostics import DIAGNOSTIC_METRICS
 from components.training.engines import TorchEngine
 
-DESIGN_METRICS = {"policy/loss", "policy/entropy", "policy/grad_norm", "dis/ratio_mean", "dis/masked_frac_low",
-                  "dis/masked_frac_high", "dis/approx_kl", "critic/loss", "critic/explained_variance",
-                  "critic/grad_norm", "critic/value_mean", "adv/mean", "adv/std", *DIAGNOSTIC_METRICS}
+DESIGN_METRICS = {
+    "policy/loss",
+    "policy/entropy",
+    "policy/grad_norm",
+    "dis/ratio_mean",
+    "dis/masked_frac_low",
+    "dis/masked_frac_high",
+    "dis/approx_kl",
+    "critic/loss",
+    "critic/explained_variance",
+    "critic/grad_norm",
+    "critic/value_mean",
+    "adv/mean",
+    "adv/std",
+    *DIAGNOSTIC_METRICS,
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +42,18 @@ def batch(sft_policy, grouped_trajectories):
     return tensors
 
 
-SETTINGS = AlgoSettings(gamma=1.0, lam_critic=1.0, lam_policy=0.95, eps_low=0.3, eps_high=5.0, temperature=1.0,
-                        critic_updates=2, value_clip=0.2, normalize_advantages=False, group_size=4)
+SETTINGS = AlgoSettings(
+    gamma=1.0,
+    lam_critic=1.0,
+    lam_policy=0.95,
+    eps_low=0.3,
+    eps_high=5.0,
+    temperature=1.0,
+    critic_updates=2,
+    value_clip=0.2,
+    normalize_advantages=False,
+    group_size=4,
+)
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
@@ -46,8 +69,11 @@ def test_each_algorithm_updates_what_it_should(name, sft_policy, batch):
         critic = TorchEngine(critic_model, lr=1e-2)
         critic_before = {n: p.detach().clone() for n, p in critic_model.named_parameters()}
     policy_before = {n: p.detach().clone() for n, p in policy_model.named_parameters()}
-    settings = SETTINGS if algorithm.critic_updates is None else \
-        AlgoSettings(**{**SETTINGS.__dict__, "critic_updates": algorithm.critic_updates})
+    settings = (
+        SETTINGS
+        if algorithm.critic_updates is None
+        else AlgoSettings(**{**SETTINGS.__dict__, "critic_updates": algorithm.critic_updates})
+    )
     metrics = algorithm.step(policy, critic, batch, settings, {})
     assert set(metrics) >= {"policy/loss", "policy/entropy", "policy/grad_norm", "adv/mean", "adv/std"}
     assert all(torch.isfinite(torch.as_tensor(v)) for k, v in metrics.items() if k != "critic/explained_variance")
@@ -60,8 +86,10 @@ def test_each_algorithm_updates_what_it_should(name, sft_policy, batch):
         assert all(torch.equal(params[n], critic_before[n]) for n in frozen)
         assert not torch.equal(params["value_head.weight"], critic_before["value_head.weight"])
         if not algorithm.freeze_critic_attention:
-            assert not torch.equal(params["backbone.layers.0.self_attn.q_proj.weight"],
-                                   critic_before["backbone.layers.0.self_attn.q_proj.weight"])
+            assert not torch.equal(
+                params["backbone.layers.0.self_attn.q_proj.weight"],
+                critic_before["backbone.layers.0.self_attn.q_proj.weight"],
+            )
     if name in ("sao", "sao-k1", "sao-full-critic", "sao-running-mean", "grpo-dis"):
         assert {"dis/masked_frac_low", "dis/masked_frac_high", "dis/ratio_mean", "dis/approx_kl"} <= set(metrics)
         # On-policy data (no lag): every ratio is 1, nothing is masked.

@@ -13,22 +13,23 @@ from components.training.checkpoint import LocalCheckpointStore
 
 
 def _traj(pid):
-    return Trajectory(pid, "tir_math", [1, 2, 3], [0, 1, 1], [None, -0.1, -0.2], [None, 0, 0], 1.0, 1, "stop", 1,
-                      Timings(queued=0.0))
+    return Trajectory(
+        pid, "tir_math", [1, 2, 3], [0, 1, 1], [None, -0.1, -0.2], [None, 0, 0], 1.0, 1, "stop", 1, Timings(queued=0.0)
+    )
 
 
 def test_capacity_admission_bounds_episodes_started_per_version():
     async def scenario():
         buffer = TrajectoryBuffer(max_staleness=1, batch_size=2)  # (v + 1 + 1) * 2 starts allowed at version v
         for i in range(4):
-            await buffer.admit(Task(f"e{i}", "q"))    # 4 starts at version 0
+            await buffer.admit(Task(f"e{i}", "q"))  # 4 starts at version 0
         waiting = asyncio.create_task(buffer.admit(Task("e4", "q")))
         await asyncio.sleep(0.05)
         assert not waiting.done() and buffer.admission_waits == 1
-        await buffer.put(_traj("e1"))                 # finishing does not free capacity: training does
+        await buffer.put(_traj("e1"))  # finishing does not free capacity: training does
         await asyncio.sleep(0.05)
         assert not waiting.done()
-        await buffer.set_version(1)                   # (1 + 2) * 2 = 6 > 4 started
+        await buffer.set_version(1)  # (1 + 2) * 2 = 6 > 4 started
         await asyncio.wait_for(waiting, 1)
         await buffer.admit(Task("e5", "q"))
         assert buffer.started == 6 and not buffer.admissible()
@@ -48,7 +49,7 @@ def test_a_discarded_episode_gives_its_admission_slot_back():
         await buffer.admit(Task("e0", "q"))
         await buffer.admit(Task("e1", "q"))
         assert not buffer.admissible()
-        await buffer.discard(_traj("e1"))             # every engine failed e1: it will never arrive
+        await buffer.discard(_traj("e1"))  # every engine failed e1: it will never arrive
         assert buffer.started == 1 and buffer.discarded == 1 and buffer.admissible()
         assert buffer.start_version_counts() == {0: 1} and buffer.ready == 0
         await buffer.admit(Task("e2", "q"))
@@ -71,14 +72,14 @@ def test_buffer_rejects_bad_settings():
 def test_oldest_admission_waits_for_the_oldest_in_flight_episode():
     async def scenario():
         buffer = TrajectoryBuffer(max_staleness=1, rule="oldest")
-        await buffer.admit(Task("old", "q"))          # starts at version 0
+        await buffer.admit(Task("old", "q"))  # starts at version 0
         await buffer.set_version(1)
-        await buffer.admit(Task("fresh", "q"))        # 1 - 0 <= 1: admitted
-        await buffer.set_version(2)                   # now 2 - 0 > 1: the next start must wait for "old"
+        await buffer.admit(Task("fresh", "q"))  # 1 - 0 <= 1: admitted
+        await buffer.set_version(2)  # now 2 - 0 > 1: the next start must wait for "old"
         waiting = asyncio.create_task(buffer.admit(Task("next", "q")))
         await asyncio.sleep(0.05)
         assert not waiting.done() and buffer.admission_waits == 1
-        await buffer.put(_traj("old"))                # oldest in flight is now "fresh" (version 1): 2 - 1 <= 1
+        await buffer.put(_traj("old"))  # oldest in flight is now "fresh" (version 1): 2 - 1 <= 1
         await asyncio.wait_for(waiting, 1)
         assert buffer.in_flight == 2
         # Finished work is never dropped for staleness, however stale.
@@ -125,8 +126,10 @@ def test_a_rollback_deletes_the_checkpoints_after_a_verified_step_and_only_then(
     log: list[str] = []
     assert store.discard_after(5, log.append) == [10, 15]
     assert store.steps() == [0, 5] and not (tmp_path / "step-00000015").exists()
-    assert log == ["checkpoint: deleted step 15 (rolled back to step 5)",
-                   "checkpoint: deleted step 10 (rolled back to step 5)"]
+    assert log == [
+        "checkpoint: deleted step 15 (rolled back to step 5)",
+        "checkpoint: deleted step 10 (rolled back to step 5)",
+    ]
     with pytest.raises(ValueError, match=r"--rollback-to: no complete checkpoint at step 7 .* complete: \[0, 5\]"):
         store.discard_after(7, log.append)
     # a target that does not verify deletes nothing

@@ -18,8 +18,11 @@ BUCKET = "outage"
 def proxied_s3(moto_endpoint, monkeypatch):
     import boto3
 
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     s3 = boto3.client("s3", endpoint_url=moto_endpoint)
@@ -55,8 +58,9 @@ def test_more_failures_in_a_row_than_allowed_stop_the_run(proxied_s3, tmp_path, 
     proxy, _ = proxied_s3
     proxy.mode("down", match="step-00000002/")
     with pytest.raises(StoreError, match=r"s3://outage/b/checkpoints/.*/step-00000002"):
-        train_env(_outage_cfg(tiny_cfg, "b", checkpoint_failures=0), sft_dir, tmp_path, NullTracker(),
-                  log=lambda _: None)
+        train_env(
+            _outage_cfg(tiny_cfg, "b", checkpoint_failures=0), sft_dir, tmp_path, NullTracker(), log=lambda _: None
+        )
 
 
 def test_a_store_that_never_took_a_checkpoint_stops_the_run_at_once(proxied_s3, tmp_path, tiny_cfg, sft_dir):
@@ -72,8 +76,12 @@ def _checkpointer(prefix: str, max_failures: int, tmp_dir):
 
     store = open_store(f"s3://{BUCKET}/{prefix}", attempts=2, backoff_s=0.05)
     stored, log = [], []
-    checkpoints = Checkpointer(CheckpointStore(store, "run", tmp_dir), max_failures,
-                               on_checkpoint=lambda step, uri: stored.append((step, uri)), log=log.append)
+    checkpoints = Checkpointer(
+        CheckpointStore(store, "run", tmp_dir),
+        max_failures,
+        on_checkpoint=lambda step, uri: stored.append((step, uri)),
+        log=log.append,
+    )
     return checkpoints, stored, log
 
 

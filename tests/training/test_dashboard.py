@@ -40,7 +40,6 @@ def _scrape(url: str) -> list:
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
-
 def test_dashboard_has_a_fixed_uid_and_a_templated_datasource():
     dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["uid"] == "sao-training" and dashboard["title"] == "SAO training"
@@ -65,11 +64,15 @@ def test_every_dashboard_series_is_scraped_from_a_real_run(tmp_path, tiny_cfg, s
     live: list[dict] = []
     try:
         with ServerThread(create_app(engine, "tiny")) as engine_url:
-            cfg = replace(tiny_cfg, task=replace(tiny_cfg.task, eval_size=4),
-                          train=replace(tiny_cfg.train, backend="torch", batch_size=4, max_steps=2,
-                                        checkpoint_every=1, threads=1),
-                          rollout=replace(tiny_cfg.rollout, concurrency=4, backend="http", urls=(engine_url,)),
-                          tracking=replace(tiny_cfg.tracking, backend="disk", prometheus_port=port))
+            cfg = replace(
+                tiny_cfg,
+                task=replace(tiny_cfg.task, eval_size=4),
+                train=replace(
+                    tiny_cfg.train, backend="torch", batch_size=4, max_steps=2, checkpoint_every=1, threads=1
+                ),
+                rollout=replace(tiny_cfg.rollout, concurrency=4, backend="http", urls=(engine_url,)),
+                tracking=replace(tiny_cfg.tracking, backend="disk", prometheus_port=port),
+            )
             trainer_url = f"http://127.0.0.1:{port}"
 
             def on_checkpoint(step: int, uri: str) -> None:  # mid-run: the exporter serves the step just logged
@@ -78,8 +81,9 @@ def test_every_dashboard_series_is_scraped_from_a_real_run(tmp_path, tiny_cfg, s
 
             tracker = open_tracker(cfg.tracking, tmp_path, f"{cfg.name}/{cfg.train.algo}", tmp_path / "m.jsonl")
             try:
-                result = train(cfg, build_env(cfg), sft_dir, tmp_path, tracker, log=lambda _: None,
-                               on_checkpoint=on_checkpoint)
+                result = train(
+                    cfg, build_env(cfg), sft_dir, tmp_path, tracker, log=lambda _: None, on_checkpoint=on_checkpoint
+                )
                 # What stages.train.run_train logs after training: the held-out accuracy at the final version.
                 accuracy = run_eval(cfg, result.policy_dir, tmp_path, "after", log=lambda _: None).accuracy
                 tracker.log_metrics({f"eval/{cfg.env.name}/accuracy": accuracy}, result.version)
@@ -100,7 +104,8 @@ def test_every_dashboard_series_is_scraped_from_a_real_run(tmp_path, tiny_cfg, s
     assert value["sao_trainer_step"] == 2 and value["sao_trainer_steps_total"] == 2
     assert value["sao_reward_mean"] == result.history[-1]["reward/mean"]
     assert [(s.labels["benchmark"], s.value) for s in trainer if s.name == "sao_eval_accuracy"] == [
-        ("tir_math", accuracy)]
+        ("tir_math", accuracy)
+    ]
     engine_value = {s.name: s.value for s in served}
     assert engine_value["sao_engine_weight_version"] == 2  # the trainer published versions 1 and 2 to it
     # Every model turn trained on was one completion the server answered (more may have been in flight).

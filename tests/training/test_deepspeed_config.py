@@ -32,10 +32,10 @@ def test_file_wins_for_its_keys_and_the_sao_fields_keep_the_rest(tmp_path):
     0.5 / sqrt(2): g' = [0.35355, 0.35355]. Adam's first step (bias-corrected m = g', sqrt(v) = |g'|) moves each
     weight by -lr * g' / (|g'| + eps) = -2e-3 * 0.35355 / 0.45355 = -1.55903e-3. (SAO's clip 1.0 would give
     -1.75221e-3, no clip -1.81818e-3, eps 1e-8 -2e-3.)"""
-    path = _write(tmp_path, {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5,
-                             "optimizer": {"params": {"eps": 0.1}}})
-    engine = DeepSpeedEngine(_linear([1.0, -2.0]), lr=2e-3, grad_clip=1.0, zero_stage=0, beta2=0.9,
-                             config_file=path)
+    path = _write(
+        tmp_path, {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5, "optimizer": {"params": {"eps": 0.1}}}
+    )
+    engine = DeepSpeedEngine(_linear([1.0, -2.0]), lr=2e-3, grad_clip=1.0, zero_stage=0, beta2=0.9, config_file=path)
     assert engine.zero_stage == 2 and engine.engine.zero_optimization_stage() == 2
     assert engine.engine.gradient_clipping() == 0.5
     group = engine.optimizer.param_groups[0]
@@ -63,16 +63,21 @@ def test_the_repository_zero2_bf16_file_builds_a_bf16_zero2_engine():
     assert engine.base_lr == 1e-3 and engine.engine.gradient_clipping() == 1.0  # not in the file: SAO's
 
 
-@pytest.mark.parametrize(("data", "message"), [
-    ({"zero_optimization": {"stage": 3}},
-     r"train\.deepspeed_config: .*ds\.json: zero_optimization\.stage: ZeRO stage 3 is not supported here \(0-2\)"),
-    ({"zero_optimization": {"stagee": 2}}, r"train\.deepspeed_config: .*zero_optimization\.stagee: Extra inputs"),
-    ({"bf16": {"enabeld": True}}, r"train\.deepspeed_config: .*bf16\.enabeld: Extra inputs"),
-    ({"zero_optimisation": {"stage": 2}}, r"zero_optimisation: unknown DeepSpeed key"),
-    ({"gradient_accumulation_steps": 4}, r"gradient_accumulation_steps: must be 1 \(the learner .*\), got 4"),
-    ({"scheduler": {"type": "WarmupLR"}}, r"scheduler: may not be set \(the learning-rate schedule is"),
-    ({"fp16": {"enabled": True}}, r"fp16\.enabled: fp16 is not supported"),
-])
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"zero_optimization": {"stage": 3}},
+            r"train\.deepspeed_config: .*ds\.json: zero_optimization\.stage: ZeRO stage 3 is not supported here \(0-2\)",
+        ),
+        ({"zero_optimization": {"stagee": 2}}, r"train\.deepspeed_config: .*zero_optimization\.stagee: Extra inputs"),
+        ({"bf16": {"enabeld": True}}, r"train\.deepspeed_config: .*bf16\.enabeld: Extra inputs"),
+        ({"zero_optimisation": {"stage": 2}}, r"zero_optimisation: unknown DeepSpeed key"),
+        ({"gradient_accumulation_steps": 4}, r"gradient_accumulation_steps: must be 1 \(the learner .*\), got 4"),
+        ({"scheduler": {"type": "WarmupLR"}}, r"scheduler: may not be set \(the learning-rate schedule is"),
+        ({"fp16": {"enabled": True}}, r"fp16\.enabled: fp16 is not supported"),
+    ],
+)
 def test_bad_files_are_refused_naming_the_field(tmp_path, data, message):
     with pytest.raises(ValueError, match=message):
         DeepSpeedEngine(_linear([1.0]), lr=1e-3, config_file=_write(tmp_path, data))

@@ -53,8 +53,10 @@ def test_two_process_deepspeed_matches_one_process(stored_batch):
     args = [str(WORKER), str(stored_batch / "policy"), str(stored_batch / "batch.parquet")]
     one = _run([sys.executable, *args, str(stored_batch / "one.pt"), ",".join(ALGOS)], stored_batch / "one.pt")
     torchrun = Path(sys.executable).with_name("torchrun")
-    two = _run([str(torchrun), "--standalone", "--nproc-per-node", "2", *args, str(stored_batch / "two.pt"),
-                ",".join(ALGOS)], stored_batch / "two.pt")
+    two = _run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", *args, str(stored_batch / "two.pt"), ",".join(ALGOS)],
+        stored_batch / "two.pt",
+    )
     for algo in ALGOS:
         a, b = one[algo], two[algo]
         assert (a["world"], b["world"], b["peers"]) == (1, 2, 1)
@@ -76,14 +78,29 @@ def test_sao_train_under_torchrun_checkpoints_and_resumes(seeded_home, prefect_e
 
     home = seeded_home
     torchrun = Path(sys.executable).with_name("torchrun")
-    args = ["-m", "components.cli", "train", "--home", str(home), "--set", "train.batch_size=4",
-            "--set", "train.checkpoint_every=2", "--set", "rollout.concurrency=4", "--set", "task.eval_size=8",
-            "--set", 'tracking.backend="disk"']
+    args = [
+        "-m",
+        "components.cli",
+        "train",
+        "--home",
+        str(home),
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.checkpoint_every=2",
+        "--set",
+        "rollout.concurrency=4",
+        "--set",
+        "task.eval_size=8",
+        "--set",
+        'tracking.backend="disk"',
+    ]
     env = {**prefect_env, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # rank 0 runs the train flow
     launch = [str(torchrun), "--standalone", "--nproc-per-node", "2"]
     for steps, resume in ((2, []), (4, ["--resume"])):
-        done = subprocess.run(launch + args + ["--max-steps", str(steps)] + resume, capture_output=True, text=True,
-                              timeout=600, env=env)
+        done = subprocess.run(
+            launch + args + ["--max-steps", str(steps)] + resume, capture_output=True, text=True, timeout=600, env=env
+        )
         assert done.returncode == 0, done.stderr[-4000:]
     output = done.stdout + done.stderr  # the flow's log lines go through Prefect's logger
     assert "resumed from" in output and "2 process(es)" in output
@@ -91,6 +108,7 @@ def test_sao_train_under_torchrun_checkpoints_and_resumes(seeded_home, prefect_e
     assert [r["step"] for r in records if "policy/loss" in r.get("metrics", {})] == [1, 2, 3, 4]
     saved = torch.load(home / "checkpoints" / "tiny-cpu" / "step-00000004" / "state.pt", weights_only=False)
     assert saved["world_size"] == 2
-    single = subprocess.run([sys.executable] + args + ["--max-steps", "6", "--resume"], capture_output=True,
-                            text=True, timeout=600, env=env)
+    single = subprocess.run(
+        [sys.executable] + args + ["--max-steps", "6", "--resume"], capture_output=True, text=True, timeout=600, env=env
+    )
     assert single.returncode != 0 and "written by 2 rank(s), this run has 1" in single.stderr

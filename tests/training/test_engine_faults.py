@@ -28,7 +28,9 @@ def engines(sft_dir):
     started: list[EngineProcess] = []
 
     def start(n: int) -> list[EngineProcess]:
-        new = [EngineProcess(sft_dir, threads=1, env=child_env()).start(wait=False) for _ in range(n)]  # they load in parallel
+        new = [
+            EngineProcess(sft_dir, threads=1, env=child_env()).start(wait=False) for _ in range(n)
+        ]  # they load in parallel
         started.extend(new)
         for engine in new:
             engine.wait_healthy()
@@ -57,17 +59,26 @@ def _kill_while_generating(engine: EngineProcess, after: threading.Event, killed
 
 def test_an_engine_killed_mid_run_costs_no_step_and_trains_no_episode_twice(tmp_path, tiny_cfg, sft_dir, engines):
     a, b = engines(2)
-    cfg = replace(tiny_cfg,
-                  train=replace(tiny_cfg.train, backend="torch", batch_size=4, max_steps=4, checkpoint_every=0,
-                                collapse_guard="off"),
-                  rollout=replace(tiny_cfg.rollout, concurrency=4, backend="http", urls=(a.url, b.url),
-                                  request_retries=0, engine_wait_s=30.0))
+    cfg = replace(
+        tiny_cfg,
+        train=replace(
+            tiny_cfg.train, backend="torch", batch_size=4, max_steps=4, checkpoint_every=0, collapse_guard="off"
+        ),
+        rollout=replace(
+            tiny_cfg.rollout, concurrency=4, backend="http", urls=(a.url, b.url), request_retries=0, engine_wait_s=30.0
+        ),
+    )
     first_step, killed = threading.Event(), {}
     killer = threading.Thread(target=_kill_while_generating, args=(a, first_step, killed))
     killer.start()
     try:
-        result = train_env(cfg, sft_dir, tmp_path, NullTracker(),
-                           log=lambda line: first_step.set() if line.startswith("step ") else None)
+        result = train_env(
+            cfg,
+            sft_dir,
+            tmp_path,
+            NullTracker(),
+            log=lambda line: first_step.set() if line.startswith("step ") else None,
+        )
     finally:
         first_step.set()
         killer.join()
@@ -97,11 +108,36 @@ def test_every_engine_killed_stops_the_run_then_resume_finishes_it(seeded_home, 
     a, b = engines(2)
     home, wait_s = seeded_home, 3
     # max_staleness=0: no episode of step 2 starts before step 1 is trained, so step 2 needs the engines.
-    args = [sys.executable, "-m", "components.cli", "train", "--home", str(home), "--max-steps", "3",
-            "--set", 'train.backend="torch"', "--set", "train.batch_size=4", "--set", "train.checkpoint_every=1",
-            "--set", "train.max_staleness=0", "--set", "rollout.concurrency=4", "--set", "task.eval_size=4",
-            "--set", 'tracking.backend="disk"', "--set", 'rollout.backend="http"',
-            "--set", f'rollout.urls=["{a.url}", "{b.url}"]', "--set", f"rollout.engine_wait_s={wait_s}"]
+    args = [
+        sys.executable,
+        "-m",
+        "components.cli",
+        "train",
+        "--home",
+        str(home),
+        "--max-steps",
+        "3",
+        "--set",
+        'train.backend="torch"',
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.checkpoint_every=1",
+        "--set",
+        "train.max_staleness=0",
+        "--set",
+        "rollout.concurrency=4",
+        "--set",
+        "task.eval_size=4",
+        "--set",
+        'tracking.backend="disk"',
+        "--set",
+        'rollout.backend="http"',
+        "--set",
+        f'rollout.urls=["{a.url}", "{b.url}"]',
+        "--set",
+        f"rollout.engine_wait_s={wait_s}",
+    ]
     jsonl = home / "runs" / "tiny-cpu" / "sao.jsonl"
     with open(home.parent / "first.err", "w+") as err:
         child = subprocess.Popen(args, cwd=REPO, env=prefect_env, stdout=subprocess.DEVNULL, stderr=err)
@@ -126,8 +162,7 @@ def test_every_engine_killed_stops_the_run_then_resume_finishes_it(seeded_home, 
 
     a.start(wait=False), b.start(wait=False)
     a.wait_healthy(), b.wait_healthy()
-    done = subprocess.run(args + ["--resume"], cwd=REPO, env=prefect_env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(args + ["--resume"], cwd=REPO, env=prefect_env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _jsonl_steps(jsonl) == [1, 2, 3]  # the rewound log: each version once, none skipped
     assert a.health()["version"] == b.health()["version"] == 3

@@ -33,8 +33,19 @@ from components.training.parts import settings_from
 from components.training.trainer import train
 
 STORED = Path(__file__).with_name("learning_curve.json")
-KEYS = ("policy/loss", "policy/grad_norm", "critic/loss", "critic/grad_norm", "critic/explained_variance",
-        "dis/ratio_mean", "dis/masked_frac_low", "dis/masked_frac_high", "dis/approx_kl", "adv/mean", "adv/std")
+KEYS = (
+    "policy/loss",
+    "policy/grad_norm",
+    "critic/loss",
+    "critic/grad_norm",
+    "critic/explained_variance",
+    "dis/ratio_mean",
+    "dis/masked_frac_low",
+    "dis/masked_frac_high",
+    "dis/approx_kl",
+    "adv/mean",
+    "adv/std",
+)
 TOLERANCE = {"rel": 1e-3, "abs": 1e-5}
 """Rounding on another CPU stays far inside this (two processes against one hold 1e-4, test_distributed.py); a
 change of the math leaves it (test_a_real_change_leaves_the_tolerance)."""
@@ -43,16 +54,21 @@ STEPS, BATCH = 8, 8
 
 def _cfg(tiny_cfg, **algo):
     # A constant learning rate and no schedule: this pins the math, whatever schedule the preset uses.
-    return replace(tiny_cfg, algo=replace(tiny_cfg.algo, **algo),
-                   train=replace(tiny_cfg.train, algo="sao", backend="torch", threads=1, policy_lr=5e-4,
-                                 warmup_steps=0, min_lr_ratio=1.0))
+    return replace(
+        tiny_cfg,
+        algo=replace(tiny_cfg.algo, **algo),
+        train=replace(
+            tiny_cfg.train, algo="sao", backend="torch", threads=1, policy_lr=5e-4, warmup_steps=0, min_lr_ratio=1.0
+        ),
+    )
 
 
 @pytest.fixture(scope="module")
 def start_dir(tiny_cfg, tmp_path_factory):
     tokenizer = build_tokenizer()
-    return save_model_dir(build_policy(tiny_cfg.model, tokenizer, seed=0), tokenizer,
-                          tmp_path_factory.mktemp("curve") / "policy")
+    return save_model_dir(
+        build_policy(tiny_cfg.model, tokenizer, seed=0), tokenizer, tmp_path_factory.mktemp("curve") / "policy"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +94,21 @@ def batches(start_dir):
             # Mostly small, and on about 1 token in 20 an engine log-prob 2 nats below the policy's (ratio e^2 > 6).
             noise = 0.25 * torch.randn(len(mask), generator=g) - 2.0 * (torch.rand(len(mask), generator=g) < 0.05)
             logprobs = [min(0.0, float(own[i] + noise[i])) if m else None for i, m in enumerate(mask)]
-            batch.append(Trajectory(
-                f"s{step}b{b}", "tir_math", ids.tolist(), mask, logprobs, [max(0, step - 1) if m else None for m in mask],
-                float(torch.rand(1, generator=g) < 0.5), 2, "stop", 6, Timings(0.0)).validate())
+            batch.append(
+                Trajectory(
+                    f"s{step}b{b}",
+                    "tir_math",
+                    ids.tolist(),
+                    mask,
+                    logprobs,
+                    [max(0, step - 1) if m else None for m in mask],
+                    float(torch.rand(1, generator=g) < 0.5),
+                    2,
+                    "stop",
+                    6,
+                    Timings(0.0),
+                ).validate()
+            )
         out.append(batch)
     return out
 
@@ -115,11 +143,25 @@ def test_a_real_change_leaves_the_tolerance(tiny_cfg, start_dir, batches, change
 def test_the_sync_loop_trains_on_lagged_rollouts(tiny_cfg, sft_dir, tmp_path):
     """Sync mode with rollouts from the policy 2 versions back (`train.sync_lag`), as an asynchronous run would
     see them: staleness climbs 0, 1, 2 and stays, DIS has off-policy tokens to mask, and each batch is new."""
-    cfg = replace(tiny_cfg,
-                  train=replace(tiny_cfg.train, algo="sao", sync=True, sync_lag=2, backend="torch", batch_size=8,
-                                max_steps=6, policy_lr=5e-4, checkpoint_every=0, threads=2, warmup_steps=0,
-                                min_lr_ratio=1.0, collapse_guard="off"),
-                  rollout=replace(tiny_cfg.rollout, concurrency=8, engine_threads=2))
+    cfg = replace(
+        tiny_cfg,
+        train=replace(
+            tiny_cfg.train,
+            algo="sao",
+            sync=True,
+            sync_lag=2,
+            backend="torch",
+            batch_size=8,
+            max_steps=6,
+            policy_lr=5e-4,
+            checkpoint_every=0,
+            threads=2,
+            warmup_steps=0,
+            min_lr_ratio=1.0,
+            collapse_guard="off",
+        ),
+        rollout=replace(tiny_cfg.rollout, concurrency=8, engine_threads=2),
+    )
     result = train(cfg, build_env(cfg), sft_dir, tmp_path, NullTracker(), log=lambda _: None)
     assert [row["rollout/staleness_max"] for row in result.history] == [0, 1, 2, 2, 2, 2]
     assert len(set(result.trained_ids)) == 6 * 8  # every episode once

@@ -29,8 +29,18 @@ BACKENDS = {
     "zero2": lambda module, lr: DeepSpeedEngine(module, lr, zero_stage=2),
 }
 K = 2
-SETTINGS = AlgoSettings(gamma=1.0, lam_critic=1.0, lam_policy=0.95, eps_low=0.3, eps_high=5.0, temperature=1.0,
-                        critic_updates=K, value_clip=0.2, normalize_advantages=False, group_size=2)
+SETTINGS = AlgoSettings(
+    gamma=1.0,
+    lam_critic=1.0,
+    lam_policy=0.95,
+    eps_low=0.3,
+    eps_high=5.0,
+    temperature=1.0,
+    critic_updates=K,
+    value_clip=0.2,
+    normalize_advantages=False,
+    group_size=2,
+)
 WORKER = Path(__file__).with_name("numerical_faults_worker.py")
 
 
@@ -65,8 +75,14 @@ def make_batch(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     rollout = torch.where(act.bool(), own + 0.05 * torch.randn(4, 16, generator=gen), torch.zeros(()))
     rewards = torch.zeros(4, 16)
     rewards[torch.arange(4), torch.tensor([15, 15, 15, 12])] = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    return {"input_ids": ids, "attention_mask": att, "action_mask": act, "rollout_logprobs": rollout,
-            "versions": torch.zeros(4, 16, dtype=torch.long), "rewards": rewards}
+    return {
+        "input_ids": ids,
+        "attention_mask": att,
+        "action_mask": act,
+        "rollout_logprobs": rollout,
+        "versions": torch.zeros(4, 16, dtype=torch.long),
+        "rewards": rewards,
+    }
 
 
 def engines(backend: str, policy_model: torch.nn.Module, critic: bool = True):
@@ -104,10 +120,12 @@ class OneShot:
 
 def corrupt_values(critic, value: float):
     """Every critic forward returns `value` at one action position until the handle is removed."""
+
     def hook(module, inputs, out):
         out = out.clone()
         out[0, 6] = value
         return out
+
     return critic.module.register_forward_hook(hook)
 
 
@@ -239,8 +257,13 @@ def test_two_ranks_skip_together_when_only_one_sees_the_fault(tmp_path):
     next clean step moves both to the same weights."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = child_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(Path.cwd()))
-    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(WORKER), str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", str(WORKER), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     for case in ("zero0", "zero1", "zero2", "sao-zero2"):
@@ -271,18 +294,22 @@ def test_a_run_with_a_fault_at_one_step_completes_and_logs_the_skip(tmp_path, po
 
     monkeypatch.setattr(trainer, "to_tensors", to_tensors)
     base = load_config("tiny-cpu")
-    cfg = replace(base, train=replace(base.train, backend="torch", batch_size=4, max_steps=3, sync=True,
-                                      checkpoint_every=1, threads=1),
-                  rollout=replace(base.rollout, concurrency=4, engine_threads=1))
+    cfg = replace(
+        base,
+        train=replace(base.train, backend="torch", batch_size=4, max_steps=3, sync=True, checkpoint_every=1, threads=1),
+        rollout=replace(base.rollout, concurrency=4, engine_threads=1),
+    )
     k = cfg.algo.critic_updates
-    result = trainer.train(cfg, build_env(cfg), start_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"),
-                           log=lambda _: None)
+    result = trainer.train(
+        cfg, build_env(cfg), start_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"), log=lambda _: None
+    )
     assert result.version == 3 and len(result.history) == 3
     assert [r["trainer/skipped_steps"] for r in result.history] == [0, 1, 1]
     assert [r["trainer/critic_skipped_steps"] for r in result.history] == [0, k, k]
     assert math.isnan(result.history[1]["policy/grad_norm"]) and math.isfinite(result.history[2]["policy/loss"])
-    logged = [r["metrics"] for r in DiskTracker.read(tmp_path / "m.jsonl") if "trainer/skipped_steps" in
-              r.get("metrics", {})]
+    logged = [
+        r["metrics"] for r in DiskTracker.read(tmp_path / "m.jsonl") if "trainer/skipped_steps" in r.get("metrics", {})
+    ]
     assert [m["trainer/skipped_steps"] for m in logged] == [0, 1, 1]
     saved = tmp_path / "checkpoints" / cfg.name / "step-00000003"
     assert torch.load(saved / "policy.pt", weights_only=False)["skipped_steps"] == 1

@@ -73,10 +73,19 @@ def test_sweep_replay_and_summary_of_a_run_with_a_rollback():
     # Reward 0.8 for 10 steps, then 0 (default window 10, patience 10). The 10-step mean at step 15 is
     # 5 x 0.8 / 10 = 0.4, not below half the peak 0.8; at step 16 it is 0.32: the streak starts at 16 and the
     # rule fires 10 steps later, at step 25.
-    history = [_record(s, **{"reward/mean": 0.8 if s <= 10 else 0.0, "policy/entropy": 0.1 * (s > 10),
-                             "dis/masked_frac_low": 0.01, "dis/masked_frac_high": 0.02 * (s == 20),
-                             "critic/explained_variance": 0.5})
-               for s in range(1, 26)]
+    history = [
+        _record(
+            s,
+            **{
+                "reward/mean": 0.8 if s <= 10 else 0.0,
+                "policy/entropy": 0.1 * (s > 10),
+                "dis/masked_frac_low": 0.01,
+                "dis/masked_frac_high": 0.02 * (s == 20),
+                "critic/explained_variance": 0.5,
+            },
+        )
+        for s in range(1, 26)
+    ]
     assert replay_collapses(history) == [25]
     history += [_record(26, **{"trainer/rollbacks": 1.0, "trainer/rollback_to": 10})]
     history += [_record(s, **{"reward/mean": 0.0, "trainer/rollbacks": 1.0}) for s in range(27, 40)]
@@ -112,4 +121,6 @@ def test_learning_rate_scale_reaches_both_optimizers(backend):
 
     engine = ENGINES[backend](torch.nn.Linear(3, 1), lr=2e-3)
     engine.set_lr_scale(0.25)
-    assert [g["lr"] for g in engine.optimizer.param_groups] == [pytest.approx(5e-4)] * len(engine.optimizer.param_groups)
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [pytest.approx(5e-4)] * len(
+        engine.optimizer.param_groups
+    )

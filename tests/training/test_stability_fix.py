@@ -51,5 +51,7 @@ def test_preset_late_learning_rate_cuts_the_noise_drift(sft_policy, grouped_traj
     kl_peak, flips_peak = _drift(model, batch, 1.0)
     late = lr_scale(load_config("tiny-cpu").train, 190)
     kl_late, flips_late = _drift(model, batch, late)
-    print(f"noise drift: peak lr KL {kl_peak:.2e}, {flips_peak} flips; x{late:.3f} lr KL {kl_late:.2e}, {flips_late} flips")
+    print(
+        f"noise drift: peak lr KL {kl_peak:.2e}, {flips_peak} flips; x{late:.3f} lr KL {kl_late:.2e}, {flips_late} flips"
+    )
     assert flips_peak >= 3 * max(flips_late, 1) and kl_late < kl_peak / 4

@@ -15,9 +15,19 @@ def test_a_run_resumes_from_s3_alone(tmp_path, seeded_home, s3_env):
     boto3.client("s3").create_bucket(Bucket=bucket)
 
     def cfg(max_steps: int):
-        return load_config("tiny-cpu", [f'store.uri="s3://{bucket}/team"', f"train.max_steps={max_steps}",
-                                        "train.batch_size=4", "train.checkpoint_every=1", 'train.backend="torch"',
-                                        "rollout.concurrency=4", "task.eval_size=8", 'tracking.backend="disk"'])
+        return load_config(
+            "tiny-cpu",
+            [
+                f'store.uri="s3://{bucket}/team"',
+                f"train.max_steps={max_steps}",
+                "train.batch_size=4",
+                "train.checkpoint_every=1",
+                'train.backend="torch"',
+                "rollout.concurrency=4",
+                "task.eval_size=8",
+                'tracking.backend="disk"',
+            ],
+        )
 
     first = run_train(cfg(2), seeded_home, log=lambda _: None)
     assert first["version"] == 2
@@ -38,7 +48,18 @@ def test_a_run_resumes_from_s3_alone(tmp_path, seeded_home, s3_env):
 def test_a_store_that_cannot_be_written_is_a_clear_error(seeded_home, s3_env, capsys, prefect_api):
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--home", str(seeded_home), "--max-steps", "1", "--set", 'store.uri="s3://no-such-bucket/x"',
-              "--set", 'tracking.backend="disk"'])
+        main(
+            [
+                "train",
+                "--home",
+                str(seeded_home),
+                "--max-steps",
+                "1",
+                "--set",
+                'store.uri="s3://no-such-bucket/x"',
+                "--set",
+                'tracking.backend="disk"',
+            ]
+        )
     assert exit_info.value.code == 2
     assert "s3://no-such-bucket/x/models/sft-tir_math" in capsys.readouterr().err

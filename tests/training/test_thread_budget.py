@@ -6,15 +6,18 @@ from components.config import load_config
 from components.training.parts import thread_budget
 
 
-@pytest.mark.parametrize("overrides, cores, split", [
-    ([], 2, (1, 1)),                                    # async: half each
-    ([], 8, (4, 4)),
-    ([], 1, (1, 1)),                                    # never zero threads
-    (["train.sync=true"], 2, (1, 2)),                   # sync: the engine keeps half, the trainer takes turns on all
-    (["train.sync=true"], 8, (4, 8)),
-    (["rollout.engine_threads=3"], 8, (3, 5)),          # explicit values win; the trainer gets the rest
-    (["train.sync=true", "rollout.engine_threads=2", "train.threads=1"], 8, (2, 1)),
-    (['rollout.backend="http"', 'rollout.urls=["http://a:1"]'], 8, (8, 8)),  # no engine here: all to the trainer
-])
+@pytest.mark.parametrize(
+    "overrides, cores, split",
+    [
+        ([], 2, (1, 1)),  # async: half each
+        ([], 8, (4, 4)),
+        ([], 1, (1, 1)),  # never zero threads
+        (["train.sync=true"], 2, (1, 2)),  # sync: the engine keeps half, the trainer takes turns on all
+        (["train.sync=true"], 8, (4, 8)),
+        (["rollout.engine_threads=3"], 8, (3, 5)),  # explicit values win; the trainer gets the rest
+        (["train.sync=true", "rollout.engine_threads=2", "train.threads=1"], 8, (2, 1)),
+        (['rollout.backend="http"', 'rollout.urls=["http://a:1"]'], 8, (8, 8)),  # no engine here: all to the trainer
+    ],
+)
 def test_default_thread_split(overrides, cores, split):
     assert thread_budget(load_config("tiny-cpu", overrides), cores=cores) == split

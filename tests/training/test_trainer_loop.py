@@ -15,9 +15,11 @@ def train_env(cfg, *args, **kwargs):
 def _cfg(tiny_cfg, **train):
     from dataclasses import replace
 
-    return replace(tiny_cfg, train=replace(tiny_cfg.train, **{"backend": "torch", "batch_size": 4,
-                                                               "checkpoint_every": 1, **train}),
-                   rollout=replace(tiny_cfg.rollout, concurrency=4))
+    return replace(
+        tiny_cfg,
+        train=replace(tiny_cfg.train, **{"backend": "torch", "batch_size": 4, "checkpoint_every": 1, **train}),
+        rollout=replace(tiny_cfg.rollout, concurrency=4),
+    )
 
 
 def test_async_sao_run_then_resume_continues_the_version_sequence(tmp_path, tiny_cfg, sft_dir):
@@ -32,8 +34,9 @@ def test_async_sao_run_then_resume_continues_the_version_sequence(tmp_path, tiny
     for row, interval in zip(first.history, intervals):
         assert row["rollout/tokens_per_s"] == pytest.approx(row["rollout/action_tokens"] / interval)
         assert row["rollout/action_tokens"] > 0 and 0 < row["trainer/publish_s"] < row["trainer/step_s"]
-    resumed = train_env(_cfg(tiny_cfg, max_steps=4), sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"),
-                        resume=True, log=log.append)
+    resumed = train_env(
+        _cfg(tiny_cfg, max_steps=4), sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"), resume=True, log=log.append
+    )
     assert any("resumed from" in line for line in log)
     assert resumed.version == 4 and len(resumed.history) == 2  # steps 3 and 4, none repeated or skipped
     steps = [r["step"] for r in DiskTracker.read(tmp_path / "m.jsonl") if "step" in r]
@@ -41,11 +44,14 @@ def test_async_sao_run_then_resume_continues_the_version_sequence(tmp_path, tiny
     assert (resumed.policy_dir / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("algo, trained", [
-    # GRPO's batch of 4 is 2 prompts x a group of 2; the running mean has no groups: 4 prompts once each.
-    ("grpo", ["rl-0#g0", "rl-0#g1", "rl-1#g0", "rl-1#g1"]),
-    ("sao-running-mean", ["rl-0", "rl-1", "rl-2", "rl-3"]),
-])
+@pytest.mark.parametrize(
+    "algo, trained",
+    [
+        # GRPO's batch of 4 is 2 prompts x a group of 2; the running mean has no groups: 4 prompts once each.
+        ("grpo", ["rl-0#g0", "rl-0#g1", "rl-1#g0", "rl-1#g1"]),
+        ("sao-running-mean", ["rl-0", "rl-1", "rl-2", "rl-3"]),
+    ],
+)
 def test_sync_mode_and_grouped_algorithms(tmp_path, tiny_cfg, sft_dir, algo, trained):
     cfg = _cfg(tiny_cfg, algo=algo, sync=True, max_steps=1, group_size=2, checkpoint_every=0)
     result = train_env(cfg, sft_dir, tmp_path, NullTracker(), log=lambda _: None)
@@ -69,8 +75,9 @@ def test_deepspeed_backend_single_process_matches_the_torch_backend(tmp_path, ti
     torch_run, ds_run = runs["torch"], runs["deepspeed"]
     assert ds_run.version == 2 and ds_run.trained_ids == torch_run.trained_ids
     for key in ("policy/loss", "policy/grad_norm", "critic/loss", "critic/grad_norm"):
-        assert [r[key] for r in ds_run.history] == pytest.approx([r[key] for r in torch_run.history], rel=1e-4,
-                                                                 abs=1e-6), key
+        assert [r[key] for r in ds_run.history] == pytest.approx(
+            [r[key] for r in torch_run.history], rel=1e-4, abs=1e-6
+        ), key
     # Adam steps by up to lr on rounding noise where a gradient is near 0 (test_distributed.py says why).
     ours, theirs = (dict(load_policy(r.policy_dir).named_parameters()) for r in (ds_run, torch_run))
     assert max((ours[n] - theirs[n]).abs().max().item() for n in ours) < 1e-4
@@ -86,9 +93,26 @@ def test_kill_9_then_resume_gives_a_contiguous_version_sequence(seeded_home, pre
     from components.storage import is_complete
 
     home = seeded_home
-    args = [sys.executable, "-m", "components.cli", "train", "--home", str(home), "--max-steps", "6",
-            "--set", 'train.backend="torch"', "--set", "train.batch_size=4", "--set", "train.checkpoint_every=1",
-            "--set", "rollout.concurrency=4", "--set", "task.eval_size=16"]
+    args = [
+        sys.executable,
+        "-m",
+        "components.cli",
+        "train",
+        "--home",
+        str(home),
+        "--max-steps",
+        "6",
+        "--set",
+        'train.backend="torch"',
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.checkpoint_every=1",
+        "--set",
+        "rollout.concurrency=4",
+        "--set",
+        "task.eval_size=16",
+    ]
     child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=prefect_env)
     checkpoints = home / "checkpoints" / "tiny-cpu"
     deadline = time.monotonic() + 240
@@ -107,8 +131,9 @@ def test_kill_9_then_resume_gives_a_contiguous_version_sequence(seeded_home, pre
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{home.resolve()}/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("sao").experiment_id],
-                              order_by=["attributes.start_time ASC"])
+    runs = client.search_runs(
+        [client.get_experiment_by_name("sao").experiment_id], order_by=["attributes.start_time ASC"]
+    )
     assert [r.info.status for r in runs] == ["KILLED", "FINISHED"]
     assert [m.step for m in client.get_metric_history(runs[1].info.run_id, "policy/loss")] == list(range(1, 7))
     assert runs[0].data.tags["sao.superseded_by_run"] == runs[1].info.run_id
@@ -141,8 +166,19 @@ def test_sao_train_cli_refuses_to_overwrite_checkpoints(seeded_home, capsys, pre
 
     LocalCheckpointStore(seeded_home / "checkpoints" / "tiny-cpu").save(3, {"state": {"step": 3}})
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--home", str(seeded_home), "--set", "task.eval_size=4", "--set", 'train.backend="torch"',
-              "--set", 'tracking.backend="disk"'])
+        main(
+            [
+                "train",
+                "--home",
+                str(seeded_home),
+                "--set",
+                "task.eval_size=4",
+                "--set",
+                'train.backend="torch"',
+                "--set",
+                'tracking.backend="disk"',
+            ]
+        )
     assert exit_info.value.code == 2
     assert "holds checkpoints up to step 3 of an earlier run: pass --resume" in capsys.readouterr().err
 
@@ -173,8 +209,9 @@ def test_collapse_guard_restores_the_last_good_checkpoint(tmp_path, tiny_cfg, sf
 
     from components.training.checkpoint import LocalCheckpointStore
 
-    cfg = _cfg(tiny_cfg, sync=True, max_steps=6, collapse_guard=guard, rollback_lr_scale=0.5, warmup_steps=0,
-               min_lr_ratio=1.0)
+    cfg = _cfg(
+        tiny_cfg, sync=True, max_steps=6, collapse_guard=guard, rollback_lr_scale=0.5, warmup_steps=0, min_lr_ratio=1.0
+    )
     log = []
     result = train_env(cfg, sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"), log=log.append, detector=_FireAt(3))
     store = LocalCheckpointStore(tmp_path / "checkpoints" / cfg.name)
@@ -209,14 +246,20 @@ def test_http_backend_trains_against_a_served_engine(tmp_path, tiny_cfg, sft_dir
 
     with serve_subprocess(sft_dir, threads=1) as url:
         base = _cfg(tiny_cfg, max_steps=3, collapse_guard="off")
-        cfg = replace(base, rollout=replace(base.rollout, backend="http", urls=(url,),
-                                            publish_dir=str(tmp_path / "published")))
+        cfg = replace(
+            base, rollout=replace(base.rollout, backend="http", urls=(url,), publish_dir=str(tmp_path / "published"))
+        )
         result = train_env(cfg, sft_dir, tmp_path / "http", NullTracker(), log=lambda _: None)
         assert result.version == 3 and httpx.get(f"{url}/health").json()["version"] == 3
     assert sorted(p.name for p in (tmp_path / "published").iterdir()) == ["v00000002", "v00000003"]
     assert all(row["rollout/engine_errors"] == 0 and row["rollout/engines_live"] == 1 for row in result.history)
-    embedded = train_env(_cfg(tiny_cfg, max_steps=1, collapse_guard="off"), sft_dir, tmp_path / "embedded",
-                         NullTracker(), log=lambda _: None)
+    embedded = train_env(
+        _cfg(tiny_cfg, max_steps=1, collapse_guard="off"),
+        sft_dir,
+        tmp_path / "embedded",
+        NullTracker(),
+        log=lambda _: None,
+    )
     assert set(result.history[0]) == set(embedded.history[0]) | {"rollout/engines_live"}
 
 
@@ -235,7 +278,9 @@ def test_the_trainer_runs_any_configured_environment(tmp_path, tiny_cfg, sft_dir
         # Step s's batch was started under on_step(s - 1): cute (index 0), classical (2), cute again.
         assert [row["env/preference"] for row in result.history] == [0.0, 2.0, 0.0]
         assert [line for line in log if line.startswith("env:")] == [
-            "env: preference cute -> classical at step 1", "env: preference classical -> cute at step 2"]
+            "env: preference cute -> classical at step 1",
+            "env: preference classical -> cute at step 2",
+        ]
         assert detector.resets == 2, "a flip drops the reward on purpose: the collapse rule starts over"
     else:
         assert "env/preference" not in result.history[0] and detector.resets == 0

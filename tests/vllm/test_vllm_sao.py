@@ -25,13 +25,28 @@ STEPS = 3
 
 
 def _config(overrides: list[str]):
-    return load_config("tiny-cpu", [
-        "task.train_size=2000", "task.eval_size=16", "sft.steps=80", "sft.batch_size=16", "sft.warmup_steps=8",
-        "sft.log_every=1000", 'train.backend="torch"', "train.sync=true", "train.batch_size=4",
-        f"train.max_steps={STEPS}", 'train.collapse_guard="off"', "train.checkpoint_every=0",
-        # No warm-up: three steps at the full learning rate must move the policy visibly.
-        "train.warmup_steps=0", "rollout.concurrency=4", 'tracking.backend="disk"',
-        *overrides])
+    return load_config(
+        "tiny-cpu",
+        [
+            "task.train_size=2000",
+            "task.eval_size=16",
+            "sft.steps=80",
+            "sft.batch_size=16",
+            "sft.warmup_steps=8",
+            "sft.log_every=1000",
+            'train.backend="torch"',
+            "train.sync=true",
+            "train.batch_size=4",
+            f"train.max_steps={STEPS}",
+            'train.collapse_guard="off"',
+            "train.checkpoint_every=0",
+            # No warm-up: three steps at the full learning rate must move the policy visibly.
+            "train.warmup_steps=0",
+            "rollout.concurrency=4",
+            'tracking.backend="disk"',
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +58,23 @@ def dense_sft_dir(tokenizer, tmp_path_factory):
     return save_model_dir(model.eval(), tokenizer, tmp_path_factory.mktemp("sft") / "policy")
 
 
-def test_sao_trains_against_vllm_and_the_server_ends_on_the_last_version(tmp_path, tokenizer, vllm_server,
-                                                                         dense_sft_dir):
+def test_sao_trains_against_vllm_and_the_server_ends_on_the_last_version(
+    tmp_path, tokenizer, vllm_server, dense_sft_dir
+):
     published = tmp_path / "published"
     with vllm_server(dense_sft_dir) as url:
-        cfg = _config(['rollout.backend="http"', 'rollout.server="vllm"', f'rollout.urls=["{url}"]',
-                       f'rollout.publish_dir="{published}"'])
+        cfg = _config(
+            [
+                'rollout.backend="http"',
+                'rollout.server="vllm"',
+                f'rollout.urls=["{url}"]',
+                f'rollout.publish_dir="{published}"',
+            ]
+        )
         log: list[str] = []
-        result = train(cfg, build_env(cfg), dense_sft_dir, tmp_path / "home", DiskTracker(tmp_path / "m.jsonl"),
-                       log=log.append)
+        result = train(
+            cfg, build_env(cfg), dense_sft_dir, tmp_path / "home", DiskTracker(tmp_path / "m.jsonl"), log=log.append
+        )
         final = asyncio.run(sample(url, tokenizer, 1.0))  # what the server samples from after the run
     print("\n".join(log))
 
@@ -60,8 +83,10 @@ def test_sao_trains_against_vllm_and_the_server_ends_on_the_last_version(tmp_pat
     # version before its step: 0, 1, 2).
     assert result.version == STEPS and len(result.history) == len(rows) == STEPS
     for row in rows:
-        print(f"ratio_mean - 1 {row['dis/ratio_mean'] - 1:+.1e}  approx_kl {row['dis/approx_kl']:.1e}  "
-              f"turns_mean {row['rollout/turns_mean']:.2f}")
+        print(
+            f"ratio_mean - 1 {row['dis/ratio_mean'] - 1:+.1e}  approx_kl {row['dis/approx_kl']:.1e}  "
+            f"turns_mean {row['rollout/turns_mean']:.2f}"
+        )
         # Sync mode: every token of the batch came from the version being trained, so nothing is stale and
         # pi_theta / pi_rollout = 1 up to float32 round-off between vLLM and transformers (~1e-5 per token's
         # log-prob, see the final check), so the mean ratio is 1 well within 1e-3.
@@ -75,8 +100,10 @@ def test_sao_trains_against_vllm_and_the_server_ends_on_the_last_version(tmp_pat
     # HttpRollouts keeps the last two versions; the server now samples exactly from the last one (the
     # trainer's final policy), and no longer from the SFT weights it started with.
     assert sorted(p.name for p in published.iterdir()) == ["v00000002", "v00000003"]
-    gaps = {name: logprob_gap(load_policy(path), final, 1.0) for name, path in
-            (("v3", published / "v00000003"), ("final", result.policy_dir), ("sft", dense_sft_dir))}
+    gaps = {
+        name: logprob_gap(load_policy(path), final, 1.0)
+        for name, path in (("v3", published / "v00000003"), ("final", result.policy_dir), ("sft", dense_sft_dir))
+    }
     print(f"largest |log-prob gap| of the server's final samples: {gaps}")
     assert gaps["v3"] < 1e-3 and gaps["final"] < 1e-3
     assert gaps["sft"] > 1e-2
