@@ -20,7 +20,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export GX_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test test-slow test-ops test-vllm test-reliability soak infra-check bench sweep server deploy worker prefect-ui mlflow-ui clean
+.PHONY: setup run test lint format test-slow test-ops test-vllm test-reliability soak infra-check bench sweep server deploy worker prefect-ui mlflow-ui clean
 
 setup: $(STAMP)
 
@@ -37,7 +37,7 @@ run: $(STAMP)
 	mkdir -p $(PREFECT_HOME)
 	$(VENV)/bin/sao pipeline --preset $(PRESET) --home $(SAO_HOME)
 
-# Operations (docs/operations.md): `make server` runs a local Prefect server (its UI at http://127.0.0.1:4200 shows the
+# Operations (docs/gpu.md): `make server` runs a local Prefect server (its UI at http://127.0.0.1:4200 shows the
 # runs of `make run` too); `make deploy` registers the work pools and every deployment of infra/prefect.yaml with
 # it; `make worker` starts a process worker in this checkout. A PREFECT_API_URL in the environment names another.
 PREFECT_SERVER_PORT ?= 4200
@@ -60,8 +60,17 @@ worker: $(STAMP)
 mlflow-ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(abspath $(SAO_HOME))/mlflow.db --host 127.0.0.1 --port 5000
 
-test: $(STAMP)
+# The default suite, after the linter and the formatter's check over the whole tree (`make format` fixes both).
+test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

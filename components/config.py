@@ -243,7 +243,7 @@ class AlgoConfig:
     gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
     """Discount."""
     lam_critic: Annotated[float, Field(ge=0, le=1)] = 1.0
-    """GAE lambda for the critic's targets (DESIGN: decoupled lambdas)."""
+    """GAE lambda for the critic's targets (docs/design.md: decoupled lambdas)."""
     lam_policy: Annotated[float, Field(ge=0, le=1)] = 0.95
     """GAE lambda for the policy's advantages."""
     dis_preset: Literal["reasoning", "coding"] = "reasoning"
@@ -342,7 +342,7 @@ class TrainConfig:
     policy_lr: PositiveFloat = 3e-4
     """Policy AdamW learning rate (tiny-cpu: 1e-4 barely moved in 100 steps, 2e-3 collapsed)."""
     critic_lr: PositiveFloat = 1e-3
-    """Critic AdamW learning rate (larger than the policy's, DESIGN)."""
+    """Critic AdamW learning rate (larger than the policy's, docs/design.md section 2)."""
     weight_decay: float = 0.0
     """AdamW weight decay for both models."""
     adam_beta2: Annotated[float, Field(gt=0, lt=1)] = 0.95
@@ -424,7 +424,7 @@ class ValuePretrainConfig:
     """Seed of the held-out split, the minibatch order, the value head's init and the rollout sampling."""
     warm_start: bool = True
     """The pipeline starts RL's critic from the pretrained one (as `train.critic_path`). tiny-cpu sets false: there
-    the pretrained critic slowed learning (README, "Value-model pretraining"); the stage still runs and reports."""
+    the pretrained critic slowed learning (docs/benchmarks.md, "Value-model pretraining"); the stage still runs and reports."""
 
     def __post_init__(self) -> None:
         held = self.held_out_episodes

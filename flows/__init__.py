@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 # Set before any flow module imports prefect (it reads its settings on import). Offline by default: no telemetry
-# from Prefect or Great Expectations (DESIGN section 7). The ephemeral API server's first start migrates a fresh
+# from Prefect or Great Expectations (docs/design.md section 7). The ephemeral API server's first start migrates a fresh
 # database: Prefect's default 20 s wait is not enough on 2 busy cores.
 for _name, _value in {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",

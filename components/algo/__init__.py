@@ -1,4 +1,4 @@
-"""Pure SAO math on tensors (imports torch only). DESIGN section 2 is the specification."""
+"""Pure SAO math on tensors (imports torch only). docs/design.md section 2 is the specification."""
 
 from components.algo.baselines import (
     RunningMeanBaseline,

@@ -1,5 +1,5 @@
 """Advantage baselines other than the critic: GRPO group normalisation and a running-mean reward baseline,
-plus optional advantage normalisation as its own step (off by default for SAO, DESIGN section 2).
+plus optional advantage normalisation as its own step (off by default for SAO, docs/design.md section 2).
 """
 
 from __future__ import annotations

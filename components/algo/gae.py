@@ -1,4 +1,4 @@
-"""Skip-observation GAE (DESIGN section 2; SAO paper, "Skip-Observation GAE").
+"""Skip-observation GAE (docs/design.md section 2; SAO paper, "Skip-Observation GAE").
 
 For action tokens only, with `next(t)` the next position after t whose `action_mask` is 1:
 
@@ -186,7 +186,7 @@ def _prepare(
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"lam must be in [0, 1], got {lam}")
     acting = action_mask.bool()
-    # Trajectory contract (DESIGN section 5): rewards land on action tokens. A reward elsewhere would be
+    # Trajectory contract (docs/design.md section 5): rewards land on action tokens. A reward elsewhere would be
     # silently dropped by the recursion, so refuse it.
     if bool(((rewards != 0) & ~acting).any()):
         raise ValueError("rewards must be 0 where action_mask == 0 (rewards land on action tokens)")

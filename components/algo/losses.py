@@ -1,9 +1,9 @@
 """Policy and value losses: DIS (SAO), PPO clip (baselines), clipped value loss.
 
 All losses are token-level means over the action tokens of the whole mini-batch and return
-`(loss, metrics)` with detached metric tensors named as in DESIGN section 6.
+`(loss, metrics)` with detached metric tensors named as in docs/design.md section 6.
 
-DIS follows DESIGN section 2 and the SAO paper's calibration function
+DIS follows docs/design.md section 2 and the SAO paper's calibration function
 `f(x) = x if 1 - eps_low < x < 1 + eps_high else 0`: tokens outside the open window are masked (zero loss,
 exactly zero gradient), not clamped to the boundary as PPO does. The ratio is taken against the rollout
 engine's logged log-probs; no old policy is recomputed.

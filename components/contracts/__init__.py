@@ -1,6 +1,6 @@
 """The data contracts every package shares: tasks, teacher traces, trajectories, the training batch and the
 chat markers. A leaf: it imports no other package of this project, and everything else imports inward from
-it (tests/test_import_graph.py keeps it so). DESIGN section 5 is the specification of the trajectory."""
+it (tests/test_import_graph.py keeps it so). docs/design.md section 5 is the specification of the trajectory."""
 
 from components.contracts.markers import (
     CALL,

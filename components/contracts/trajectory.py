@@ -1,4 +1,4 @@
-"""The trajectory contract (DESIGN section 5) and its Parquet form.
+"""The trajectory contract (docs/design.md section 5) and its Parquet form.
 
 One trajectory is one episode. It holds the full token sequence: the prompt, then alternating action
 segments (sampled by the policy) and observation segments (written by the environment). `action_mask` is 1

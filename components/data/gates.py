@@ -6,7 +6,7 @@ Two gates, each over a frame of `components.data.gate_frames` (one row per recor
   columns), a non-empty final answer whose `\\boxed{}` grades correct (when the trace has an integer
   answer), tool-call markers balanced in the rendered assistant text, rendered token count within bounds,
   unique problem ids.
-- `check_rollouts`: rollout logs (the trajectory contract, DESIGN section 5). Schema, a finite reward in
+- `check_rollouts`: rollout logs (the trajectory contract, docs/design.md section 5). Schema, a finite reward in
   range, action mask well formed, log-probs and versions on exactly the action tokens, versions
   non-decreasing, token count within bounds, a known finish reason.
 

@@ -1,7 +1,7 @@
 """`sao report [RUN...]`: MLflow runs side by side in one self-contained HTML file.
 
 One page: a table of the runs (name, id, status, start, duration, preset/algo/env from the `config.*` params, held-out
-accuracy first -> last, steps), then one figure per group of DESIGN section 6 metrics, one line per run, each run in
+accuracy first -> last, steps), then one figure per group of docs/design.md section 6 metrics, one line per run, each run in
 the same colour everywhere. Curves are smoothed with TensorBoard's debiased EMA and the raw values drawn faintly; a
 series of a few points (evaluation metrics, logged at version 0 and at the end) is drawn as markers, unsmoothed.
 A run that lacks a metric has no line; a figure no run has data for says "No data" instead of drawing empty axes.

@@ -1,4 +1,4 @@
-"""Frozen-attention critic (SAO paper, "Frozen-Attention"; DESIGN section 2).
+"""Frozen-attention critic (SAO paper, "Frozen-Attention"; docs/design.md section 2).
 
 Attention parameters are those of every attention module of a transformers decoder: the q/k/v/o projections
 and the norms that live inside the attention block (Qwen3's q_norm/k_norm). Norms outside attention

@@ -1,6 +1,6 @@
 """Per-token log-probs under the sampling distribution, computed in chunks.
 
-`logprobs[b, t] = log_softmax(logits[b, t-1] / T)[x_t]` (DESIGN section 2), position 0 is 0 (no prediction).
+`logprobs[b, t] = log_softmax(logits[b, t-1] / T)[x_t]` (docs/design.md section 2), position 0 is 0 (no prediction).
 The LM head runs on `chunk_size` positions at a time, so memory stays O(chunk_size x vocab) rather than
 O(B x T x vocab), which at a 150k vocabulary and 32k tokens would be hundreds of GB. With autograd on, each
 chunk is recomputed in the backward pass (activation checkpointing), so the backward pass holds one

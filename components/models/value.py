@@ -1,4 +1,4 @@
-"""Value model: the policy's backbone with a scalar head (DESIGN section 2, "Critic").
+"""Value model: the policy's backbone with a scalar head (docs/design.md section 2, "Critic").
 
 `values[b, t] = V(s_t)` is read from the hidden state at position t-1, the same position whose logits give
 `logprobs[b, t]`; position 0 has no state before it and reads 0.

@@ -1,7 +1,7 @@
 """Async client for OpenAI-compatible completion servers: the embedded server and `vllm serve` alike.
 
 vLLM must be started with `--logprobs-mode processed_logprobs`. Its default, `raw_logprobs`, ignores the
-temperature, and DIS would then divide by the wrong distribution (DESIGN section 7). vLLM does not return
+temperature, and DIS would then divide by the wrong distribution (docs/design.md section 7). vLLM does not return
 per-token versions, so for vLLM every token of a response is tagged with the version the client last
 published (`default_version`). Weight publishing differs between the two servers:
 

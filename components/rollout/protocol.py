@@ -1,4 +1,4 @@
-"""The rollout engine protocol (DESIGN section 3): what the agent runner and the trainer need from an engine.
+"""The rollout engine protocol (docs/design.md section 3): what the agent runner and the trainer need from an engine.
 
 Every sampled token comes back with the log-prob of the sampling distribution that produced it,
 `log_softmax(logits / T)[x_t]` with no top-k/top-p truncation (DIS divides by it), and the policy version

@@ -1,4 +1,4 @@
-"""vLLM worker extension for weight publishing (DESIGN section 7).
+"""vLLM worker extension for weight publishing (docs/design.md section 7).
 
 Start vLLM with `--worker-extension-cls components.rollout.vllm_worker.SaoWorkerExtension` and
 `VLLM_SERVER_DEV_MODE=1`; the trainer then calls `POST /collective_rpc` with

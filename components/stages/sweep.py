@@ -115,7 +115,7 @@ def _run_seed(
             cfg, build_env(cfg), sft_dir, seed_home, tracker, resume=True, log=_every_tenth_step(log, f"[seed {seed}] ")
         )
         accuracy = run_eval(cfg, result.policy_dir, seed_home, f"{cfg.train.algo}-eval", log=log).accuracy
-        tracker.log_metrics({"eval/tir_math/accuracy": accuracy}, result.version)
+        tracker.log_metrics({f"eval/{cfg.env.name}/accuracy": accuracy}, result.version)
         failed = False
     finally:
         tracker.close(failed)

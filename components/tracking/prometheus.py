@@ -1,6 +1,6 @@
 """Live metrics as Prometheus series: the trainer's exporter (a `Tracker`) and the engine server's `/metrics`.
 
-A metric logged under a DESIGN section 6 name becomes the series `sao_` + the name with `/` replaced by `_`
+A metric logged under a docs/design.md section 6 name becomes the series `sao_` + the name with `/` replaced by `_`
 (`reward/mean` -> `sao_reward_mean`), a gauge holding the value of the newest step. `eval/<benchmark>/accuracy`
 becomes `sao_eval_accuracy{benchmark="<benchmark>"}`: the benchmark is a label, not part of the name, so a
 new benchmark adds a series rather than a metric name. Trainer series carry the labels `preset`, `algo` and
@@ -9,7 +9,7 @@ new benchmark adds a series rather than a metric name. Trainer series carry the 
 Only the series named in `EXPORTED` are exported; a metric logged under any other name is left out. The list
 bounds the series a run can create (a name built from data, such as a per-task metric, cannot flood the
 Prometheus server), and it is what dashboards and alerts are checked against (tests/training/test_dashboard.py).
-A NaN value (an undefined metric at that step, e.g. explained variance of a constant return) is exported as
+A NaN value (an undefined metric at that step, e.g. a grad norm of a skipped update) is exported as
 NaN, which Grafana draws as a gap: skipping it would leave the previous step's value on show as if current.
 
 docs/metrics.md lists the series, their labels and ports, and the dashboard's panels.
@@ -32,7 +32,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TRAINER_METRICS = (
-    # DESIGN section 6 (eval/<benchmark>/accuracy is EVAL_ACCURACY below)
+    # docs/design.md section 6 (eval/<benchmark>/accuracy is EVAL_ACCURACY below)
     "policy/loss",
     "policy/entropy",
     "policy/grad_norm",

@@ -2,9 +2,9 @@
 
 Each step takes a batch from `components.contracts.trajectory.to_tensors`, the policy and (optionally) critic
 engines, and an `AlgoSettings`; it updates the models in place and returns detached metrics named as in
-DESIGN section 6. Dispatch is the plain dict `ALGORITHMS` keyed by the config's algorithm name.
+docs/design.md section 6. Dispatch is the plain dict `ALGORITHMS` keyed by the config's algorithm name.
 
-SAO (DESIGN section 2; SAO paper, Algorithm 1):
+SAO (docs/design.md section 2; SAO paper, Algorithm 1):
   1. V_old = critic(batch); critic targets R = GAE(lam_critic) returns against V_old.
   2. K critic updates on the clipped value loss (attention frozen unless `sao-full-critic`).
   3. Advantages = skip-observation GAE(lam_policy) with the *updated* critic (the paper updates the critic
@@ -121,7 +121,7 @@ def critic_updates(
 
 def all_finite(mask: Tensor, comm: Collective, *tensors: Tensor) -> bool:
     """Every `(B, T)` tensor finite where `mask` is 1, on every rank (ranks skip an update together). Positions
-    off the mask are not read: padding and observations may hold anything there (DESIGN section 2)."""
+    off the mask are not read: padding and observations may hold anything there (docs/design.md section 2)."""
     keep = mask.bool()
     return comm.all_true(all(bool(torch.isfinite(t[keep]).all()) for t in tensors))
 

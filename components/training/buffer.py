@@ -1,4 +1,4 @@
-"""Trajectory buffer with staleness admission control (DESIGN section 3).
+"""Trajectory buffer with staleness admission control (docs/design.md section 3).
 
 Staleness is bounded by admission, never by dropping finished work: finished trajectories are always kept
 (dropping stale ones biases training toward short, fast rollouts). Two admission rules:

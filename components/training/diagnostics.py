@@ -22,7 +22,7 @@ DIAGNOSTIC_METRICS = (
     "adv/success_mean",
     "adv/traj_extreme",
 )
-"""Metric names added to DESIGN section 6's for collapse diagnosis (docs/stability.md)."""
+"""Metric names added to docs/design.md section 6's for collapse diagnosis (docs/stability.md)."""
 
 
 def policy_diagnostics(

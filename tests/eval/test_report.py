@@ -23,7 +23,7 @@ def log_run(
     start_ms: int = 1_700_000_000_000,
     seconds: int = 245,
 ) -> str:
-    """A finished training run with the DESIGN section 6 metrics a trainer logs at each step: reward rising to about
+    """A finished training run with the docs/design.md section 6 metrics a trainer logs at each step: reward rising to about
     `0.8 + offset`, masked fractions near 0, staleness within 2, held-out accuracy at steps 0 and `steps`.
     `critic=False` leaves out the critic's metrics, as a GRPO run does; `trainer/idle_frac` only with `idle`.
     The whole history goes in one `log_batch` (a test fixture: the trainer logs one batch per step)."""

@@ -306,7 +306,7 @@ def test_promql_series_skips_functions_labels_ranges_and_grouping():
 
 
 def test_the_alerts_use_what_the_exporter_exports():
-    """The list is the exporter's own (components/tracking/prometheus.py), not a copy: the series DESIGN section 6 names."""
+    """The list is the exporter's own (components/tracking/prometheus.py), not a copy: the series docs/design.md section 6 names."""
     from components.tracking.prometheus import EXPORTED
 
     assert EXPORTED_SERIES == frozenset(EXPORTED)
