@@ -21,11 +21,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from components.cli import _NoTracebackForInputErrors, main
+from components.cli import main
+from components.cli.run_flows import _NoTracebackForInputErrors
 from components.contracts.trace import Trace, Turn
 from components.contracts.trajectory import (
     Timings,
-    Trajectory,
     read_trajectories,
     trajectory_from_dict,
     write_trajectories,
@@ -33,6 +33,7 @@ from components.contracts.trajectory import (
 from components.data.problem_sets import load_tasks
 from components.data.traces import read_traces, trace_from_openai_messages, trace_from_row, write_traces
 from components.rollout.protocol import SamplingRequest
+from tests.factories import trajectory as _traj
 
 # ---- the CLI ---------------------------------------------------------------------------------------------------
 
@@ -256,23 +257,6 @@ def test_a_corrupt_or_mistyped_parquet_dataset_names_the_file_row_and_field(tmp_
     pq.write_table(traces, tmp_path / "typed.parquet")
     with pytest.raises(ValueError, match=r"typed.parquet: row 0: trace p0: turns\[1\].tool_code: must be a string"):
         read_traces(tmp_path / "typed.parquet")
-
-
-def _traj(**changes) -> Trajectory:
-    base = dict(
-        prompt_id="p",
-        env="tir_math",
-        token_ids=[5, 6, 7, 8, 9],
-        action_mask=[0, 0, 1, 0, 1],
-        rollout_logprobs=[None, None, -0.5, None, -1.0],
-        versions=[None, None, 3, None, 4],
-        reward=1.0,
-        turns=2,
-        finish_reason="stop",
-        prompt_len=2,
-        timings=Timings(queued=0.0),
-    )
-    return Trajectory(**{**base, **changes})
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from components.sandbox.proc import (
+    Call,
     Outcome,
     SandboxError,
     _kill_group,
@@ -38,27 +39,15 @@ _BOOTSTRAP = (
 )
 
 
-def run_percall(
-    code: str,
-    timeout_s: float,
-    *,
-    python: str,
-    unshare: str | None,
-    plan: tuple[str, str] | None,
-    uid: int,
-    gid: int,
-    limits: tuple[int, int, int, int, int],
-    tmpfs_bytes: int,
-    env: dict[str, str],
-    host_dir: str | None,
-    max_output_bytes: int,
-    max_file_bytes: int,
-) -> Outcome:
+def run_percall(code: str, timeout_s: float, call: Call, unshare: str | None) -> Outcome:
     """Run `code` in a fresh interpreter; namespaces when `unshare` is given (with the root's `plan`).
 
     `limits` are (RLIMIT_AS bytes, RLIMIT_CPU s, RLIMIT_FSIZE, RLIMIT_NPROC, RLIMIT_NOFILE); `host_dir` is the
     base of the per-call directory (None: the default temp dir).
     """
+    python, plan, uid, gid, limits = call.python, call.plan, call.uid, call.gid, call.limits
+    tmpfs_bytes, env, host_dir = call.tmpfs_bytes, call.env, call.host_dir
+    max_output_bytes, max_file_bytes = call.max_output_bytes, call.max_file_bytes
     use_ns = unshare is not None
     start = time.monotonic()
     top = tempfile.mkdtemp(prefix="sao-sandbox-", dir=host_dir)

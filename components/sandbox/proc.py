@@ -14,6 +14,29 @@ from dataclasses import dataclass
 _STDERR_TAIL_BYTES = 4096
 
 
+@dataclass(frozen=True)
+class Call:
+    """What one sandbox call runs with, the same for both launchers (components/sandbox/run.py builds it)."""
+
+    python: str
+    """The interpreter (`host.SANDBOX_PYTHON`)."""
+    plan: tuple[str, str] | None
+    """The sealed root's plan (`rootfs.rootfs_plan`), None without namespaces."""
+    uid: int
+    gid: int
+    """Who the program runs as (`nobody` when the caller is root)."""
+    limits: tuple[int, int, int, int, int]
+    """RLIMIT_AS bytes, RLIMIT_CPU s, RLIMIT_FSIZE, RLIMIT_NPROC, RLIMIT_NOFILE."""
+    tmpfs_bytes: int
+    """Size of each private tmpfs."""
+    env: dict[str, str]
+    """The scrubbed environment (HOME is added per call)."""
+    host_dir: str | None
+    """Base of the per-call directory on the host (None: the default temp dir)."""
+    max_output_bytes: int
+    max_file_bytes: int
+
+
 class SandboxError(RuntimeError):
     """The sandbox itself could not be set up (host problem, not the code)."""
 

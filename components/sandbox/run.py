@@ -71,7 +71,7 @@ from components.sandbox.host import (
     SANDBOX_PYTHON_REASON,
 )
 from components.sandbox.percall import run_percall
-from components.sandbox.proc import Outcome, SandboxError
+from components.sandbox.proc import Call, Outcome, SandboxError
 from components.sandbox.rootfs import rootfs_plan
 from components.sandbox.zygote import ZygoteUnavailable, run_in_zygote
 
@@ -256,7 +256,7 @@ def run_python(
             plan = rootfs_plan(python)
         except OSError as exc:
             raise SandboxError(f"cannot plan the sandbox's root file system: {exc}") from exc
-    call = dict(
+    call = Call(
         python=python,
         plan=plan,
         uid=uid,
@@ -278,11 +278,11 @@ def run_python(
     if use_ns and ZYGOTE:
         assert unshare is not None and plan is not None
         try:
-            outcome = run_in_zygote(code, timeout_s, unshare=unshare, **call)
+            outcome = run_in_zygote(code, timeout_s, call, unshare)
         except ZygoteUnavailable as exc:
             _warn_once("zygote", f"SAO sandbox zygote unavailable ({exc}); starting one interpreter per call")
     if outcome is None:
-        outcome = run_percall(code, timeout_s, unshare=unshare if use_ns else None, **call)
+        outcome = run_percall(code, timeout_s, call, unshare if use_ns else None)
     return _result(outcome, use_ns, ns_reason)
 
 

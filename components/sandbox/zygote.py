@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from components.sandbox.proc import Outcome, SandboxError, read_output
+from components.sandbox.proc import Call, Outcome, SandboxError, read_output
 
 _SERVER = "".join(
     Path(__file__).with_name(name).read_text() + "\n" for name in ("seal.py", "child.py", "exit.py", "zygote_server.py")
@@ -271,22 +271,7 @@ def _submit(key: tuple, start: dict, header: str, fds: list[int]) -> _Zygote:
     raise SandboxError("the sandbox zygote cannot be reached after a restart")
 
 
-def run_in_zygote(
-    code: str,
-    timeout_s: float,
-    *,
-    unshare: str,
-    python: str,
-    plan: tuple[str, str],
-    uid: int,
-    gid: int,
-    limits: tuple[int, int, int, int, int],
-    tmpfs_bytes: int,
-    env: dict[str, str],
-    host_dir: str | None,
-    max_output_bytes: int,
-    max_file_bytes: int,
-) -> Outcome:
+def run_in_zygote(code: str, timeout_s: float, call: Call, unshare: str) -> Outcome:
     """Run `code` in a fork of this process's zygote (started on first use); the arguments as `run_percall`'s.
 
     The zygote enforces the deadline (it holds the call's PID 1) and answers once, after the call is reaped;
@@ -294,6 +279,9 @@ def run_in_zygote(
     with it the call. Raises ZygoteUnavailable when no zygote can be started, SandboxError when the zygote
     fails a call (it died, hangs, or could not fork).
     """
+    python, plan, uid, gid, limits = call.python, call.plan, call.uid, call.gid, call.limits
+    tmpfs_bytes, env, host_dir = call.tmpfs_bytes, call.env, call.host_dir
+    max_output_bytes, max_file_bytes = call.max_output_bytes, call.max_file_bytes
     start = time.monotonic()
     key = (unshare, python, plan, uid, gid)
     how = dict(unshare=unshare, python=python, plan=plan, uid=uid, gid=gid, env=env, host_dir=host_dir)

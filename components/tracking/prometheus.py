@@ -31,40 +31,15 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from components.contracts.metrics import DESIGN_METRICS, DIAGNOSTIC_METRICS
+
 TRAINER_METRICS = (
-    # docs/design.md section 6 (eval/<benchmark>/accuracy is EVAL_ACCURACY below)
-    "policy/loss",
-    "policy/entropy",
-    "policy/grad_norm",
-    "dis/ratio_mean",
-    "dis/masked_frac_low",
-    "dis/masked_frac_high",
-    "dis/approx_kl",
-    "critic/loss",
-    "critic/explained_variance",
-    "critic/grad_norm",
-    "critic/value_mean",
-    "adv/mean",
-    "adv/std",
-    "reward/mean",
-    "rollout/staleness_mean",
-    "rollout/staleness_max",
-    "rollout/tokens_per_s",
-    "rollout/trajectories_per_s",
-    "rollout/turns_mean",
-    "rollout/length_mean",
-    "trainer/idle_frac",
-    "trainer/step_s",
-    # what the trainer logs beyond them (components/training/trainer.py, algorithms.py, diagnostics.py,
-    # components/algo/losses.py, components/rollout/backends.py, the style environment)
+    *DESIGN_METRICS,  # docs/design.md section 6 (eval/<benchmark>/accuracy is EVAL_ACCURACY below)
+    *DIAGNOSTIC_METRICS,
+    # what the trainer logs beyond them (components/training/trainer.py, algorithms.py, components/algo/losses.py,
+    # components/rollout/backends.py, the style environment)
     "policy/clip_frac",
     "critic/clip_frac",
-    "policy/entropy_argmax",
-    "policy/entropy_other",
-    "policy/nonargmax_frac",
-    "adv/failed_mean",
-    "adv/success_mean",
-    "adv/traj_extreme",
     "trainer/wait_s",
     "trainer/publish_s",
     "rollout/action_tokens",

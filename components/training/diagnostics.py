@@ -14,16 +14,6 @@ from torch import Tensor
 from components.models.logprobs import TokenStats
 from components.training.collective import Collective
 
-DIAGNOSTIC_METRICS = (
-    "policy/entropy_argmax",
-    "policy/entropy_other",
-    "policy/nonargmax_frac",
-    "adv/failed_mean",
-    "adv/success_mean",
-    "adv/traj_extreme",
-)
-"""Metric names added to docs/design.md section 6's for collapse diagnosis (docs/stability.md)."""
-
 
 def policy_diagnostics(
     stats: TokenStats, advantages: Tensor, batch: dict[str, Tensor], comm: Collective

@@ -6,26 +6,9 @@ import sys
 
 import pytest
 
-from components.contracts.trajectory import Timings, Trajectory, read_trajectories, to_tensors
+from components.contracts.trajectory import read_trajectories, to_tensors
 from components.models import save_model_dir
-
-
-def _traj(**changes):
-    base = dict(
-        prompt_id="p",
-        env="tir_math",
-        token_ids=[5, 6, 7, 8, 9],
-        action_mask=[0, 0, 1, 0, 1],
-        rollout_logprobs=[None, None, -0.5, None, -1.0],
-        versions=[None, None, 3, None, 4],
-        reward=1.0,
-        turns=2,
-        finish_reason="stop",
-        prompt_len=2,
-        timings=Timings(queued=0.0),
-    )
-    base.update(changes)
-    return Trajectory(**base)
+from tests.factories import trajectory as _traj
 
 
 @pytest.mark.parametrize(

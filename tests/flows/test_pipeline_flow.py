@@ -10,35 +10,9 @@ import time
 import pytest
 
 from components.cli import main
+from tests.cli_args import SMALL_PIPELINE, sets
 
-SMALL = [
-    "--set",
-    "sft.steps=20",
-    "--set",
-    "sft.batch_size=16",
-    "--set",
-    "sft.warmup_steps=2",
-    "--set",
-    "task.train_size=200",
-    "--set",
-    "task.eval_size=8",
-    "--set",
-    "train.max_steps=4",
-    "--set",
-    "train.batch_size=4",
-    "--set",
-    "rollout.concurrency=4",
-    "--set",
-    "train.checkpoint_every=2",
-    "--set",
-    "value_pretrain.episodes=16",
-    "--set",
-    "value_pretrain.max_epochs=2",
-    "--set",
-    'train.backend="torch"',
-    "--set",
-    "value_pretrain.warm_start=true",
-]
+SMALL = sets({**SMALL_PIPELINE, "value_pretrain.warm_start": "true"})
 BUCKET = "pipeline"
 
 

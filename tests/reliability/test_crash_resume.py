@@ -14,6 +14,7 @@ import time
 import pytest
 
 from components.tracking import DiskTracker
+from tests.cli_args import SMALL_PIPELINE, SMALL_TRAIN, sets
 from tests.conftest import child_env
 
 pytestmark = pytest.mark.reliability
@@ -27,16 +28,7 @@ TRAIN = [
     "train",
     "--max-steps",
     str(TARGET),
-    "--set",
-    'train.backend="torch"',
-    "--set",
-    "train.batch_size=4",
-    "--set",
-    "train.checkpoint_every=2",
-    "--set",
-    "rollout.concurrency=4",
-    "--set",
-    "task.eval_size=8",
+    *sets({"train.backend": '"torch"', **SMALL_TRAIN}),
 ]
 RESUMED = re.compile(r"train: resumed from \S+/step-(\d{8}) \(version (\d+)\)")
 
@@ -153,36 +145,7 @@ def _five_kills(seeded_home, prefect_env, moto_endpoint, stack) -> None:
     assert history == list(range(1, TARGET + 1))
 
 
-PIPELINE = [
-    sys.executable,
-    "-m",
-    "components.cli",
-    "pipeline",
-    "--set",
-    "sft.steps=20",
-    "--set",
-    "sft.batch_size=16",
-    "--set",
-    "sft.warmup_steps=2",
-    "--set",
-    "task.train_size=200",
-    "--set",
-    "task.eval_size=8",
-    "--set",
-    "train.max_steps=4",
-    "--set",
-    "train.batch_size=4",
-    "--set",
-    "rollout.concurrency=4",
-    "--set",
-    "train.checkpoint_every=2",
-    "--set",
-    "value_pretrain.episodes=16",
-    "--set",
-    "value_pretrain.max_epochs=2",
-    "--set",
-    'train.backend="torch"',
-]
+PIPELINE = [sys.executable, "-m", "components.cli", "pipeline", *sets(SMALL_PIPELINE)]
 
 
 def test_a_pipeline_killed_in_training_reruns_without_redoing_its_stages(tmp_path, prefect_env, moto_endpoint):

@@ -38,7 +38,7 @@ def test_series_names_follow_the_design_names():
 
 def test_the_trainers_named_metric_lists_are_exported():
     # components/tracking/prometheus.py cannot import them (training imports tracking, which opens the exporter).
-    from components.training.diagnostics import DIAGNOSTIC_METRICS
+    from components.contracts.metrics import DIAGNOSTIC_METRICS
 
     assert set(DIAGNOSTIC_METRICS) <= set(TRAINER_METRICS)
 

@@ -5,28 +5,13 @@ import copy
 import pytest
 import torch
 
+from components.contracts.metrics import ALGORITHM_METRICS, DIAGNOSTIC_METRICS
 from components.contracts.trajectory import to_tensors
 from components.models import ValueModel, freeze_attention
 from components.training.algorithms import ALGORITHMS, AlgoSettings
-from components.training.diagnostics import DIAGNOSTIC_METRICS
 from components.training.engines import TorchEngine
 
-DESIGN_METRICS = {
-    "policy/loss",
-    "policy/entropy",
-    "policy/grad_norm",
-    "dis/ratio_mean",
-    "dis/masked_frac_low",
-    "dis/masked_frac_high",
-    "dis/approx_kl",
-    "critic/loss",
-    "critic/explained_variance",
-    "critic/grad_norm",
-    "critic/value_mean",
-    "adv/mean",
-    "adv/std",
-    *DIAGNOSTIC_METRICS,
-}
+DESIGN_METRICS = {*ALGORITHM_METRICS, *DIAGNOSTIC_METRICS}
 
 
 @pytest.fixture(scope="module")

@@ -15,16 +15,9 @@ BUCKET = "outage"
 
 
 @pytest.fixture
-def proxied_s3(moto_endpoint, monkeypatch):
+def proxied_s3(s3_env, moto_endpoint, monkeypatch):
     import boto3
 
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     s3 = boto3.client("s3", endpoint_url=moto_endpoint)
     s3.create_bucket(Bucket=BUCKET)
     with FaultProxy(moto_endpoint) as proxy:

@@ -13,6 +13,7 @@ import torch
 from components.contracts.trajectory import write_trajectories
 from components.models import save_model_dir
 from components.training.collective import shard_rows
+from tests.cli_args import SMALL_TRAIN, sets
 from tests.conftest import child_env
 
 ALGOS = ("sao", "sao-running-mean", "grpo")
@@ -84,16 +85,7 @@ def test_sao_train_under_torchrun_checkpoints_and_resumes(seeded_home, prefect_e
         "train",
         "--home",
         str(home),
-        "--set",
-        "train.batch_size=4",
-        "--set",
-        "train.checkpoint_every=2",
-        "--set",
-        "rollout.concurrency=4",
-        "--set",
-        "task.eval_size=8",
-        "--set",
-        'tracking.backend="disk"',
+        *sets({**SMALL_TRAIN, "tracking.backend": '"disk"'}),
     ]
     env = {**prefect_env, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # rank 0 runs the train flow
     launch = [str(torchrun), "--standalone", "--nproc-per-node", "2"]

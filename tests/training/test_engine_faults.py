@@ -5,7 +5,6 @@ run with a clear error after `rollout.engine_wait_s`, and `--resume` finishes it
 import contextlib
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import replace
@@ -16,6 +15,7 @@ import pytest
 
 from components.rollout.engine_process import EngineProcess
 from components.tracking import DiskTracker, NullTracker
+from tests.cli_args import sao, sets
 from tests.conftest import child_env
 from tests.training.test_trainer_loop import train_env
 
@@ -109,34 +109,21 @@ def test_every_engine_killed_stops_the_run_then_resume_finishes_it(seeded_home, 
     home, wait_s = seeded_home, 3
     # max_staleness=0: no episode of step 2 starts before step 1 is trained, so step 2 needs the engines.
     args = [
-        sys.executable,
-        "-m",
-        "components.cli",
-        "train",
-        "--home",
-        str(home),
-        "--max-steps",
-        "3",
-        "--set",
-        'train.backend="torch"',
-        "--set",
-        "train.batch_size=4",
-        "--set",
-        "train.checkpoint_every=1",
-        "--set",
-        "train.max_staleness=0",
-        "--set",
-        "rollout.concurrency=4",
-        "--set",
-        "task.eval_size=4",
-        "--set",
-        'tracking.backend="disk"',
-        "--set",
-        'rollout.backend="http"',
-        "--set",
-        f'rollout.urls=["{a.url}", "{b.url}"]',
-        "--set",
-        f"rollout.engine_wait_s={wait_s}",
+        *sao("train", "--home", str(home), "--max-steps", "3"),
+        *sets(
+            {
+                "train.backend": '"torch"',
+                "train.batch_size": 4,
+                "train.checkpoint_every": 1,
+                "train.max_staleness": 0,
+                "rollout.concurrency": 4,
+                "task.eval_size": 4,
+                "tracking.backend": '"disk"',
+                "rollout.backend": '"http"',
+                "rollout.urls": f'["{a.url}", "{b.url}"]',
+                "rollout.engine_wait_s": wait_s,
+            }
+        ),
     ]
     jsonl = home / "runs" / "tiny-cpu" / "sao.jsonl"
     with open(home.parent / "first.err", "w+") as err:

@@ -18,9 +18,10 @@ import torch
 
 from components.config import load_config
 from components.models import ValueModel, build_policy, build_tokenizer, freeze_attention, token_logprobs
-from components.training.algorithms import ALGORITHMS, AlgoSettings, sao_step
+from components.training.algorithms import ALGORITHMS, sao_step
 from components.training.engines import DeepSpeedEngine, TorchEngine
 from tests.conftest import child_env
+from tests.training.test_algorithms import SETTINGS as ALGORITHM_SETTINGS
 
 BACKENDS = {
     "torch": lambda module, lr: TorchEngine(module, lr),
@@ -29,18 +30,7 @@ BACKENDS = {
     "zero2": lambda module, lr: DeepSpeedEngine(module, lr, zero_stage=2),
 }
 K = 2
-SETTINGS = AlgoSettings(
-    gamma=1.0,
-    lam_critic=1.0,
-    lam_policy=0.95,
-    eps_low=0.3,
-    eps_high=5.0,
-    temperature=1.0,
-    critic_updates=K,
-    value_clip=0.2,
-    normalize_advantages=False,
-    group_size=2,
-)
+SETTINGS = replace(ALGORITHM_SETTINGS, critic_updates=K, group_size=2)
 WORKER = Path(__file__).with_name("numerical_faults_worker.py")
 
 

@@ -5,6 +5,7 @@ import pytest
 from components.envs.registry import build_env
 from components.tracking import DiskTracker, NullTracker
 from components.training.trainer import train
+from tests.cli_args import sao, sets
 
 
 def train_env(cfg, *args, **kwargs):
@@ -87,31 +88,22 @@ def test_kill_9_then_resume_gives_a_contiguous_version_sequence(seeded_home, pre
     """`sao train` is SIGKILLed after its second checkpoint; `--resume` finishes with versions 1..N, none twice."""
     import signal
     import subprocess
-    import sys
     import time
 
     from components.storage import is_complete
 
     home = seeded_home
     args = [
-        sys.executable,
-        "-m",
-        "components.cli",
-        "train",
-        "--home",
-        str(home),
-        "--max-steps",
-        "6",
-        "--set",
-        'train.backend="torch"',
-        "--set",
-        "train.batch_size=4",
-        "--set",
-        "train.checkpoint_every=1",
-        "--set",
-        "rollout.concurrency=4",
-        "--set",
-        "task.eval_size=16",
+        *sao("train", "--home", str(home), "--max-steps", "6"),
+        *sets(
+            {
+                "train.backend": '"torch"',
+                "train.batch_size": 4,
+                "train.checkpoint_every": 1,
+                "rollout.concurrency": 4,
+                "task.eval_size": 16,
+            }
+        ),
     ]
     child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=prefect_env)
     checkpoints = home / "checkpoints" / "tiny-cpu"

@@ -1,0 +1,21 @@
+"""Small valid contract objects for tests, changed field by field."""
+
+from components.contracts.trajectory import Timings, Trajectory
+
+
+def trajectory(**changes) -> Trajectory:
+    """Prompt of 2 tokens, actions at 2 and 4 (versions 3 and 4), an observation between them, reward 1."""
+    base = dict(
+        prompt_id="p",
+        env="tir_math",
+        token_ids=[5, 6, 7, 8, 9],
+        action_mask=[0, 0, 1, 0, 1],
+        rollout_logprobs=[None, None, -0.5, None, -1.0],
+        versions=[None, None, 3, None, 4],
+        reward=1.0,
+        turns=2,
+        finish_reason="stop",
+        prompt_len=2,
+        timings=Timings(queued=0.0),
+    )
+    return Trajectory(**{**base, **changes})
