@@ -1,7 +1,7 @@
 """Packages import inward: no cycle between the packages of `components/`, the leaves import no package, and
 each room keeps to its role (docs/design.md, layout).
 
-A package is a top-level subpackage (`components/envs`) or module (`components/config.py`). Every import
+A package is a top-level subpackage (`components/envs`) or module (`components/faults.py`). Every import
 counts, function-level ones too: a cycle hidden in a function is still a cycle.
 """
 

@@ -101,7 +101,7 @@ def test_the_critic_step_shares_v_old_with_its_first_update(sft_policy, batch):
 
 
 def test_every_configurable_algorithm_is_defined_once():
-    """`train.algo`'s choices are `AlgoName` (components/config.py); ALGORITHMS defines exactly those."""
+    """`train.algo`'s choices are `AlgoName` (components/config/fields.py); ALGORITHMS defines exactly those."""
     import typing
 
     from components.config import AlgoName

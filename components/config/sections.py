@@ -1,158 +1,28 @@
-"""The one typed configuration tree.
-
-Frozen pydantic dataclasses (real dataclasses: `dataclasses.replace` and `asdict` work), a docstring under
-every field, types checked strictly and invariants checked at construction. Presets are data:
-`components/presets/<name>.toml`, loaded by `load_config`, with optional dotted overrides (`sft.steps=100`,
-`'rollout.urls=["http://h:8000"]'`). Every bad key or value raises `ConfigError` naming the dotted field path.
-"""
+"""The tables of the config tree, one frozen dataclass per section of a preset (`[model]`, `[train]`, ...), a
+docstring under every field (a test enforces it) and the invariants checked at construction."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import tomllib
-import typing
-from dataclasses import field
-from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Literal
 
-import pydantic
-from pydantic import (
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    NonNegativeFloat,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
-    ValidationError,
-    ValidationInfo,
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+
+from components.config.fields import (
+    AdmissionRule,
+    AlgoName,
+    EnvName,
+    LatencyKind,
+    Seed,
+    TupleOf,
+    check_location,
+    is_http_url,
+    parse_phases,
+    require,
+    section,
 )
 
-PRESET_DIR = Path(__file__).parent / "presets"
 
-EnvName = Literal["tir_math", "coding", "style"]
-"""Environments (components/envs/registry.py builds each)."""
-AlgoName = Literal["sao", "sao-k1", "sao-full-critic", "sao-running-mean", "grpo", "grpo-dis", "ppo"]
-"""Algorithms, all trained by one loop (components/training/algorithms.py defines each)."""
-AdmissionRule = Literal["capacity", "oldest"]
-"""How the trajectory buffer bounds staleness (components/training/buffer.py)."""
-LatencyKind = Literal["none", "fixed", "lognormal"]
-"""Simulated tool latency (components/envs/latency.py)."""
-Style = Literal["cute", "chuunibyou", "classical"]
-STYLES: tuple[str, ...] = typing.get_args(Style)
-"""Target styles of the style environment's preference schedule (components/envs/style.py renders them)."""
-
-
-class ConfigError(ValueError):
-    """A configuration value or key is invalid; the message names the dotted field path."""
-
-
-def _require(ok: bool, path: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{path}: {message}")
-
-
-def _describe(exc: ValidationError, cls: type, prefix: str) -> str:
-    """pydantic's errors as `section.field: message`, one per field (a union reports each member: keep one)."""
-    lines: dict[str, str] = {}
-    for err in exc.errors():
-        cause = (err.get("ctx") or {}).get("error")
-        if isinstance(cause, ConfigError):  # from __post_init__ or a nested table: it names its path already
-            lines.setdefault(str(cause).partition(":")[0], str(cause))
-            continue
-        loc = err["loc"]  # (field,), (field, index) or (field, union member); a positional argument: (index,)
-        name = dataclasses.fields(cls)[loc[0]].name if loc and isinstance(loc[0], int) else "".join(loc[:1])
-        path = ".".join(p for p in (prefix, name) if p)
-        path += "".join(f"[{p}]" for p in loc[1:] if isinstance(p, int))
-        if err["type"] == "unexpected_keyword_argument":
-            message = f"unknown field (expected one of {sorted(f.name for f in dataclasses.fields(cls))})"
-        else:
-            message = f"{err['msg']}, got {err['input']!r}"
-        lines.setdefault(path, f"{path}: {message}")
-    return "; ".join(lines.values())
-
-
-def _section(prefix: str):
-    """Class decorator: a frozen, strict pydantic dataclass whose validation errors are `ConfigError`s
-    prefixed with `prefix` (the table's name in `Config`), also when built directly or by `replace`."""
-
-    def wrap(cls: type) -> type:
-        cls = pydantic.dataclasses.dataclass(
-            frozen=True,
-            config=ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, allow_inf_nan=False),
-        )(cls)
-        init = cls.__init__
-
-        @functools.wraps(init)
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            try:
-                init(self, *args, **kwargs)
-            except ValidationError as exc:
-                raise ConfigError(_describe(exc, cls, prefix)) from None
-
-        cls.__init__ = __init__
-        return cls
-
-    return wrap
-
-
-T = TypeVar("T")
-TupleOf = Annotated[tuple[T, ...], BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)]
-"""A tuple field that also takes a list (TOML arrays); strict mode alone accepts only tuples."""
-
-
-def _table(value: Any, info: ValidationInfo) -> Any:
-    """A `Config` section given as a dict (a TOML table) is built as its dataclass (strict pydantic
-    dataclasses take only instances); errors come back as `ConfigError`s with their dotted paths."""
-    if isinstance(value, dict):
-        return typing.get_type_hints(Config)[info.field_name](**value)
-    if not dataclasses.is_dataclass(value):
-        raise ConfigError(f"{info.field_name}: expected a table, got {value!r}")
-    return value
-
-
-Table = Annotated[T, BeforeValidator(_table)]
-
-Seed = Annotated[int, Field(ge=0, lt=2**63)]
-"""A random seed: torch's generators take 64-bit values."""
-
-
-def _check_location(value: str, path: str, what: str) -> None:
-    """Empty, a local path, or `s3://bucket/<what>` (the other URL schemes are not supported)."""
-    if "://" not in value:
-        return
-    scheme, _, rest = value.partition("://")
-    bucket, _, key = rest.partition("/")
-    _require(scheme == "s3", path, f"must be a local path or s3://bucket/{what}, got {value!r}")
-    _require(bool(bucket), path, f"s3 URI has no bucket: {value!r}")
-    _require(what == "prefix" or bool(key), path, f"s3 URI has no key: {value!r}")
-
-
-def _is_http_url(value: str) -> bool:
-    scheme, sep, rest = value.partition("://")
-    return bool(sep) and scheme in ("http", "https") and bool(rest)
-
-
-def _parse_phases(schedule: str, path: str = "env.preference_schedule") -> tuple[tuple[str, int], ...]:
-    """`"cute:100,classical:50"` -> (("cute", 100), ("classical", 50)); empty -> (("cute", 1),), cute
-    throughout (the schedule repeats after its last phase)."""
-    if not schedule.strip():
-        return (("cute", 1),)
-    phases = []
-    for item in schedule.split(","):
-        style, sep, steps = (part.strip() for part in item.partition(":"))
-        _require(
-            bool(sep) and steps.isascii() and steps.isdigit() and int(steps) > 0,
-            path,
-            f"each phase must be style:steps with steps > 0, got {item.strip()!r}",
-        )
-        _require(style in STYLES, path, f"unknown style {style!r} (expected one of {list(STYLES)})")
-        phases.append((style, int(steps)))
-    return tuple(phases)
-
-
-@_section("model")
+@section("model")
 class ModelConfig:
     path: str | None = None
     """Local Hugging Face model directory to start from; when set, the architecture fields below are ignored.
@@ -179,19 +49,19 @@ class ModelConfig:
     """RoPE base frequency."""
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.num_heads % self.num_kv_heads == 0,
             "model.num_kv_heads",
             f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}",
         )
-        _require(
+        require(
             self.experts_per_token <= self.num_experts,
             "model.experts_per_token",
             f"must be <= num_experts={self.num_experts}, got {self.experts_per_token}",
         )
 
 
-@_section("task")
+@section("task")
 class TaskConfig:
     kinds: Annotated[TupleOf[Literal["affine", "two_step"]], Field(min_length=1)] = ("affine",)
     """Problem families of the synthetic tool-integrated task: `affine` is a*b+c with one tool call,
@@ -213,7 +83,7 @@ class TaskConfig:
     """New tokens per model turn."""
 
 
-@_section("sft")
+@section("sft")
 class SFTConfig:
     steps: PositiveInt = 1000
     """Optimizer steps."""
@@ -235,10 +105,10 @@ class SFTConfig:
     """Steps between progress lines."""
 
     def __post_init__(self) -> None:
-        _require(0 < self.min_lr <= self.lr, "sft.min_lr", f"must be in (0, lr={self.lr}], got {self.min_lr}")
+        require(0 < self.min_lr <= self.lr, "sft.min_lr", f"must be in (0, lr={self.lr}], got {self.min_lr}")
 
 
-@_section("algo")
+@section("algo")
 class AlgoConfig:
     gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
     """Discount."""
@@ -270,7 +140,7 @@ class AlgoConfig:
         return (self.eps_low if self.eps_low is not None else low, self.eps_high if self.eps_high is not None else high)
 
 
-@_section("rollout")
+@section("rollout")
 class RolloutConfig:
     concurrency: PositiveInt = 8
     """Episodes in flight at once (C)."""
@@ -311,14 +181,14 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         if self.backend == "http":
-            _require(len(self.urls) > 0, "rollout.urls", "needs at least one server URL for backend='http'")
+            require(len(self.urls) > 0, "rollout.urls", "needs at least one server URL for backend='http'")
             for url in self.urls:
-                _require(_is_http_url(url), "rollout.urls", f"must start with http:// or https://, got {url!r}")
+                require(is_http_url(url), "rollout.urls", f"must start with http:// or https://, got {url!r}")
         else:
-            _require(not self.urls, "rollout.urls", f"must be empty for backend='embedded', got {list(self.urls)}")
+            require(not self.urls, "rollout.urls", f"must be empty for backend='embedded', got {list(self.urls)}")
 
 
-@_section("train")
+@section("train")
 class TrainConfig:
     algo: AlgoName = "sao"
     """Algorithm (one loop for all; see components/training/algorithms.py)."""
@@ -385,26 +255,26 @@ class TrainConfig:
     the critic from the SFT policy with a fresh head. Ignored by algorithms without a critic."""
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             "://" not in self.critic_path,
             "train.critic_path",
             f"must be a local directory (fetch remote artifacts first), got {self.critic_path!r}",
         )
-        _require(
+        require(
             not self.deepspeed_config or self.backend == "deepspeed",
             "train.deepspeed_config",
             f"needs train.backend = 'deepspeed', got {self.backend!r}",
         )
-        _require(self.sync or not self.sync_lag, "train.sync_lag", "needs train.sync = true (async runs lag anyway)")
+        require(self.sync or not self.sync_lag, "train.sync_lag", "needs train.sync = true (async runs lag anyway)")
         if self.algo in ("grpo", "grpo-dis"):
-            _require(
+            require(
                 self.batch_size % self.group_size == 0,
                 "train.batch_size",
                 f"must be a multiple of group_size={self.group_size} for {self.algo}, got {self.batch_size}",
             )
 
 
-@_section("value_pretrain")
+@section("value_pretrain")
 class ValuePretrainConfig:
     episodes: PositiveInt = 512
     """Rollouts of the SFT policy (one per prompt) to pretrain the critic on, held-out part included. The
@@ -428,7 +298,7 @@ class ValuePretrainConfig:
 
     def __post_init__(self) -> None:
         held = self.held_out_episodes
-        _require(
+        require(
             1 <= held < self.episodes,
             "value_pretrain.held_out_frac",
             f"holds out {held} of episodes={self.episodes}; need at least one held-out and one training "
@@ -441,7 +311,7 @@ class ValuePretrainConfig:
         return round(self.episodes * self.held_out_frac)
 
 
-@_section("tracking")
+@section("tracking")
 class TrackingConfig:
     backend: Literal["mlflow", "disk"] = "mlflow"
     """Where metrics go besides the JSON lines under the home: MLflow, or the JSON lines only."""
@@ -457,10 +327,10 @@ class TrackingConfig:
     `$SAO_PROMETHEUS_ADDR` if set, else 127.0.0.1."""
 
     def __post_init__(self) -> None:
-        _require(bool(self.experiment.strip()), "tracking.experiment", "must not be empty")
+        require(bool(self.experiment.strip()), "tracking.experiment", "must not be empty")
 
 
-@_section("env")
+@section("env")
 class EnvConfig:
     name: EnvName = "tir_math"
     """The environment every job uses: SFT data, RL rollouts and evaluation."""
@@ -479,38 +349,38 @@ class EnvConfig:
     schedule repeats after its last phase. Empty: cute throughout."""
 
     def __post_init__(self) -> None:
-        _check_location(self.tasks, "env.tasks", "key")
-        _check_location(self.eval_tasks, "env.eval_tasks", "key")
-        judge_url = _is_http_url(self.judge)
-        _require(
+        check_location(self.tasks, "env.tasks", "key")
+        check_location(self.eval_tasks, "env.eval_tasks", "key")
+        judge_url = is_http_url(self.judge)
+        require(
             self.judge == "lexical" or judge_url,
             "env.judge",
             f"must be 'lexical' or an http:// or https:// base URL, got {self.judge!r}",
         )
-        _require(
+        require(
             not judge_url or self.name == "style",
             "env.judge",
             f"a URL judge is for env.name='style' only, got name={self.name!r}",
         )
-        _require(
+        require(
             not judge_url or bool(self.judge_model.strip()),
             "env.judge_model",
             f"required when env.judge is a URL ({self.judge})",
         )
-        _require(
+        require(
             not self.preference_schedule or self.name == "style",
             "env.preference_schedule",
             f"is for env.name='style' only, got name={self.name!r}",
         )
-        _parse_phases(self.preference_schedule)
+        parse_phases(self.preference_schedule)
 
     @property
     def preference_phases(self) -> tuple[tuple[str, int], ...]:
         """The schedule as ((style, steps), ...), never empty: an empty schedule is (("cute", 1),)."""
-        return _parse_phases(self.preference_schedule)
+        return parse_phases(self.preference_schedule)
 
 
-@_section("distill")
+@section("distill")
 class DistillConfig:
     teacher: str = "programmatic"
     """Who writes the SFT traces: `programmatic` (the environment's built-in teacher, the embedded default) or
@@ -532,20 +402,20 @@ class DistillConfig:
     """Retries of a request after a connection error, a timeout, 429 or 5xx (with backoff)."""
 
     def __post_init__(self) -> None:
-        url = _is_http_url(self.teacher)
-        _require(
+        url = is_http_url(self.teacher)
+        require(
             self.teacher == "programmatic" or url,
             "distill.teacher",
             f"must be 'programmatic' or an http:// or https:// base URL, got {self.teacher!r}",
         )
-        _require(
+        require(
             not url or bool(self.model.strip()),
             "distill.model",
             f"required when distill.teacher is a URL ({self.teacher})",
         )
 
 
-@_section("store")
+@section("store")
 class StoreConfig:
     uri: str = ""
     """Where checkpoints, model directories and datasets are kept: empty = `$SAO_STORE_URI` if set, else the
@@ -558,71 +428,8 @@ class StoreConfig:
     """s3:// stores: the first backoff of `attempts`."""
 
     def __post_init__(self) -> None:
-        _check_location(self.uri, "store.uri", "prefix")
+        check_location(self.uri, "store.uri", "prefix")
 
     def options(self, uri: str) -> dict:
         """`open_store`'s options for `uri` (the retry settings apply to s3:// stores only)."""
         return {"attempts": self.attempts, "backoff_s": self.backoff_s} if uri.startswith("s3://") else {}
-
-
-@_section("")
-class Config:
-    name: str = "custom"
-    """Preset or run name."""
-    model: Table[ModelConfig] = field(default_factory=ModelConfig)
-    """Policy architecture (the critic shares it)."""
-    task: Table[TaskConfig] = field(default_factory=TaskConfig)
-    """The synthetic tool-integrated task."""
-    sft: Table[SFTConfig] = field(default_factory=SFTConfig)
-    """Supervised fine-tuning on teacher traces."""
-    algo: Table[AlgoConfig] = field(default_factory=AlgoConfig)
-    """SAO math settings."""
-    rollout: Table[RolloutConfig] = field(default_factory=RolloutConfig)
-    """Agent runner and embedded engine."""
-    train: Table[TrainConfig] = field(default_factory=TrainConfig)
-    """The asynchronous RL trainer."""
-    tracking: Table[TrackingConfig] = field(default_factory=TrackingConfig)
-    """Metric tracking (MLflow)."""
-    env: Table[EnvConfig] = field(default_factory=EnvConfig)
-    """The environment and its problem sets."""
-    store: Table[StoreConfig] = field(default_factory=StoreConfig)
-    """Where artifacts are kept."""
-    distill: Table[DistillConfig] = field(default_factory=DistillConfig)
-    """The teacher that writes SFT traces."""
-    value_pretrain: Table[ValuePretrainConfig] = field(default_factory=ValuePretrainConfig)
-    """Critic pretraining on rollouts of the SFT policy, before RL."""
-
-
-def load_config(preset: str, overrides: list[str] | None = None) -> Config:
-    """Load `presets/<preset>.toml` and apply `key.path=value` overrides (values parsed as TOML, else taken
-    as a bare string such as a path)."""
-    path = PRESET_DIR / f"{preset}.toml"
-    if not path.exists():
-        known = sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
-        raise ConfigError(f"preset: unknown preset {preset!r}; known presets: {known}")
-    data = tomllib.loads(path.read_text())
-    for item in overrides or []:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ConfigError(f"override {item!r}: expected key.path=value")
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        node = data
-        *parents, leaf = key.strip().split(".")
-        if not all(part.strip() for part in [*parents, leaf]):
-            raise ConfigError(f"override {item!r}: empty part in key {key.strip()!r}; expected key.path=value")
-        for i, part in enumerate(parents):
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{'.'.join(parents[: i + 1])}: not a table, cannot set {key.strip()}")
-        node[leaf] = value
-    data.setdefault("name", preset)
-    return Config(**data)
-
-
-def to_dict(config: Any) -> dict[str, Any]:
-    """Plain nested dict of a config (for logging and for saving next to checkpoints); `Config(**d)` (or the
-    section's class) builds it back."""
-    return dataclasses.asdict(config)
