@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.command == "train" and args.replay is not None:
+        return _train_replay(args)
     if args.command == "train":
         args.overrides += [f'train.algo="{args.algo}"'] if args.algo else []
         args.overrides += [f"train.max_steps={args.max_steps}"] if args.max_steps is not None else []
@@ -183,6 +185,20 @@ def _replay(args: argparse.Namespace) -> int:
             f"in {spools}: run it again once the server is back"
         ) from exc
     print(f"tracking: {sent} record(s) delivered from {spools}")
+    return 0
+
+
+def _train_replay(args: argparse.Namespace) -> int:
+    if args.resume or args.rollback_to is not None or args.critic is not None or args.algo:
+        raise ValueError(
+            "--replay: takes the recorded run's config; change it with --set, not --resume, "
+            "--rollback-to, --critic or --algo"
+        )
+    # loaded after parsing (module docstring)
+    from components.stages.home import default_home
+    from components.stages.train import run_replay
+
+    run_replay(args.replay, args.home or default_home(), args.overrides, stop_at=args.max_steps)
     return 0
 
 

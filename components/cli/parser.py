@@ -195,6 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="delete the checkpoints after STEP, then resume from STEP (docs/runbooks)",
     )
     p_train.add_argument(
+        "--replay",
+        type=Path,
+        default=None,
+        metavar="RUN",
+        help="train again on the batches RUN recorded (its home, a sweep seed's home or its batches/ folder), "
+        "without the engine: bit-identical to the run, or a study of the same batches with --set overrides; "
+        "--max-steps stops it early (docs/stability.md)",
+    )
+    p_train.add_argument(
         "--critic",
         type=Path,
         default=None,

@@ -118,7 +118,13 @@ def load_config(preset: str, overrides: list[str] | None = None) -> Config:
     if not path.exists():
         known = sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
         raise ConfigError(f"preset: unknown preset {preset!r}; known presets: {known}")
-    data = tomllib.loads(path.read_text())
+    data = apply_overrides(tomllib.loads(path.read_text()), overrides)
+    data.setdefault("name", preset)
+    return Config(**data)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """`data` (a config's nested dict, changed in place) with `key.path=value` overrides applied."""
     for item in overrides or []:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -136,8 +142,7 @@ def load_config(preset: str, overrides: list[str] | None = None) -> Config:
             if not isinstance(node, dict):
                 raise ConfigError(f"{'.'.join(parents[: i + 1])}: not a table, cannot set {key.strip()}")
         node[leaf] = value
-    data.setdefault("name", preset)
-    return Config(**data)
+    return data
 
 
 def to_dict(config: Any) -> dict[str, Any]:

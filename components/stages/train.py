@@ -8,18 +8,23 @@ torchrun rank 0 does all of this while the other ranks only join the training st
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from components.config import Config
+from components.config import Config, apply_overrides
 from components.envs.registry import build_env
 from components.stages.evaluate import run_eval
 from components.stages.home import Log, publish
+from components.stages.recipes import fingerprint
 from components.stages.sft import run_sft, sft_eval
 from components.tracking import DiskTracker, NullTracker, mlflow_uri, open_tracker
 from components.training.checkpoint import checkpoint_store
 from components.training.collective import SOLO, from_environment, launched_world_size
 from components.training.engines import init_single_process_group
+from components.training.recording import Recording
+from components.training.replay import replay
 from components.training.trainer import train
 
 
@@ -125,3 +130,48 @@ def run_rank(cfg: Config, home: Path, resume: bool = False) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_replay(
+    run: Path, home: Path, overrides: list[str], stop_at: int | None = None, evaluate: bool = True, log: Log = print
+) -> dict:
+    """`sao train --replay RUN`: the recorded run at `run` (its home, a sweep seed's home, or its `batches/`)
+    trained again on its recorded batches, in `home/replays/<run>-<overrides>/` (rebuilt every time). Without
+    overrides the replay must reproduce the run: every step's recorded metrics are compared and the summary says
+    whether they are identical. With overrides it is a study of the same batches under a changed config."""
+    recording = Recording.open(run)
+    recorded = Config(**apply_overrides(recording.config, []))
+    cfg = Config(**apply_overrides(recording.config, list(overrides)))
+    strict = cfg == recorded
+    source = recording.root.resolve()
+    label = f"{source.parent.name}-{fingerprint({'run': str(source), 'set': sorted(overrides)})}"
+    replay_home = home / "replays" / label
+    shutil.rmtree(replay_home, ignore_errors=True)  # derived data: a replay starts over every time
+    cfg = replace(cfg, tracking=replace(cfg.tracking, prometheus_port=0))  # the recorded run may still be serving it
+    log(
+        f"replay: {len(recording.steps)} recorded step(s) of {recording.root}"
+        + (f" with {' '.join(overrides)}" if not strict else ", as recorded")
+        + f"; replay home {replay_home}"
+    )
+    tracker = open_tracker(cfg.tracking, home, f"replay/{label}", replay_home / "metrics.jsonl")
+    failed = True
+    try:
+        result = replay(recording, cfg, build_env(cfg), replay_home, tracker, strict, stop_at, log)
+        summary = {
+            "home": replay_home,
+            "version": result.train.version,
+            "rollbacks": result.train.rollbacks,
+            "policy_dir": result.train.policy_dir,
+            "identical_steps": result.comparison.identical,
+            "steps": result.comparison.steps,
+        }
+        log(result.comparison.summary())
+        if evaluate:
+            accuracy = run_eval(cfg, result.train.policy_dir, replay_home, "replay-eval", log=log).accuracy
+            tracker.log_metrics({f"eval/{cfg.env.name}/accuracy": accuracy}, result.train.version)
+            summary["accuracy"] = accuracy
+            log(f"replay: held-out accuracy {accuracy:.1%} after version {result.train.version}")
+        failed = False
+    finally:
+        tracker.close(failed)
+    return summary

@@ -134,3 +134,7 @@ class TrajectoryBuffer:
 def group_key(task_id: str) -> str:
     """Episodes of one GRPO group share the id before `#g`."""
     return task_id.split("#g", 1)[0]
+
+
+class BatchesExhausted(Exception):
+    """A batch source has no more batches (a replay's recording ended): the loop ends there."""

@@ -63,9 +63,10 @@ class TrainerParts:
     rollouts: Rollouts
     """Where episodes are generated, and where new versions are published."""
     buffer: TrajectoryBuffer
-    intake: Intake
+    intake: Intake | None
     """Where the runner hands finished episodes (to the buffer)."""
-    runner: AgentRunner
+    runner: AgentRunner | None
+    """None in a replay (components/training/replay.py): its batches are recorded."""
     tasks: Iterator[Task]
     """The training tasks from the start's cursor on."""
     checkpoints: Checkpointer

@@ -44,7 +44,7 @@ from components.models import save_model_dir
 from components.storage import atomic_dir
 from components.tracking import Tracker
 from components.training import memory
-from components.training.buffer import TrajectoryBuffer
+from components.training.buffer import BatchesExhausted, TrajectoryBuffer
 from components.training.checkpoint import OnCheckpoint
 from components.training.learner import Learner
 from components.training.parts import (
@@ -53,6 +53,7 @@ from components.training.parts import (
     settings_from,
     thread_budget,
 )
+from components.training.recording import BATCHES, BatchRecorder
 from components.training.schedule import warmup_cosine
 from components.training.stability import CollapseDetector
 
@@ -124,7 +125,12 @@ def train(
             cfg, setup, learner, sft_dir, home, tracker, engine_threads, resume, log, detector, on_checkpoint
         )
         out = Path(home) / "models" / f"{cfg.name}-{cfg.train.algo}-policy"
-        return await Trainer(cfg.train, parts, out, log, on_step).run()
+        observers = list(on_step or [])
+        if cfg.train.record_batches:
+            observers.append(
+                BatchRecorder(Path(home) / BATCHES, cfg, sft_dir, trainer_threads, learner.comm.world, parts.start)
+            )
+        return await Trainer(cfg.train, parts, out, log, observers).run()
 
     try:
         return asyncio.run(run())
@@ -143,8 +149,11 @@ class Trainer:
         out_dir: Path,
         log: Callable[[str], None] = print,
         on_step: list[Observer] | None = None,
+        stop_at: int | None = None,
     ) -> None:
         self.tc, self.parts, self.out_dir, self.log = tc, parts, out_dir, log
+        self.stop_at = stop_at or tc.max_steps
+        """The version after which the loop ends (a replay may stop early; the schedule stays `tc.max_steps`'s)."""
         self.on_step = list(on_step or [])
         self.step, self.cursor = parts.start.step, parts.start.cursor
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_ROWS)
@@ -162,13 +171,19 @@ class Trainer:
             self.save_checkpoint()  # the starting weights: the guard always has a checkpoint to return to
         env_row = self._task_hook(first=True)
         stop = asyncio.Event()
-        producer = None if tc.sync else asyncio.create_task(p.runner.run(p.tasks, p.intake.put, p.buffer.admit, stop))
+        producer = None
+        if not tc.sync and p.runner is not None:  # a replay has no runner: its batches are recorded
+            producer = asyncio.create_task(p.runner.run(p.tasks, p.intake.put, p.buffer.admit, stop))
         p.tracker.log_params({"config": to_dict(p.cfg), "resumed_at": self.step})
         self.started = self.last_row = time.perf_counter()
         try:
-            while self.step < tc.max_steps:
+            while self.step < self.stop_at:
                 env_row = self._task_hook() if self.step != self._hooked else env_row
-                batch, waited = await self._next_batch(producer)
+                try:
+                    batch, waited = await self._next_batch(producer)
+                except BatchesExhausted as end:
+                    self.log(str(end))
+                    break
                 metrics, step_s = await self._update(batch)
                 publish_s = await self._publish()
                 row = self._record(batch, metrics, waited, step_s, publish_s, env_row)
@@ -219,7 +234,7 @@ class Trainer:
         """The next `batch_size` trajectories (sync mode: generated now, in task order) and the seconds waited."""
         p, n = self.parts, self.tc.batch_size
         began = time.perf_counter()
-        while self.tc.sync and p.buffer.ready < n:  # generate one batch, wait for all of it
+        while self.tc.sync and p.runner is not None and p.buffer.ready < n:  # generate one batch, wait for all of it
             await p.runner.run(itertools.islice(p.tasks, n - p.buffer.ready), p.intake.put)
         batch = await _take(p.buffer, n, producer)
         if self.tc.sync:  # one batch, one policy: task order rather than finish order makes runs reproducible
