@@ -253,7 +253,7 @@ class TrainConfig:
     record_batches: bool = True
     """Write every step's batch (its trajectories in the order trained, the version it started from, its learning-rate
     factor and metrics) under `<home>/batches/`, so that `sao train --replay` can repeat the run's updates exactly,
-    without the engine's timing (components/training/replay.py). About 40 KB per step on the tiny preset."""
+    without the engine's timing (components/training/replay.py). About 16 KB per step on the tiny preset."""
     critic_path: str = ""
     """HF directory of a pretrained critic (`ValueModel.save`, e.g. written by value pretraining); empty: start
     the critic from the SFT policy with a fresh head. Ignored by algorithms without a critic."""

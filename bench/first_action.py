@@ -1,0 +1,100 @@
+"""Where a tir_math run's held-out accuracy comes from: the first action token.
+
+    python -m bench.first_action SEED_HOME... [--sft SFT_DIR]
+
+On the preset's task a greedy episode that opens with the tool call (`<|python|>`) is right about 97-100% of the
+time and one that answers at once (mental arithmetic) about 2%, so the held-out accuracy is, to a point or two, the
+share of prompts on which the policy's first action token is the tool call. The SFT policy learned from a teacher
+that does the arithmetic in its head below `task.teacher_mental_max`, so on some prompts (the "mental zone": those
+where the SFT policy's greedy first token is not the call) RL has to find the tool by sampling it.
+
+For each run home (a `sao sweep` seed's, or any run with checkpoints and recorded batches) this prints:
+- P(first token = tool call) on the held-out prompts of the mental zone at every checkpoint (mean, and how many
+  prompts have crossed 0.5, which is when greedy decoding flips to the tool);
+- from the recorded batches (`<home>/batches`), how many training episodes fell in the zone (judged by the SFT
+  policy on that prompt) and how many of those opened with the tool call, by step window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from components.config import Config
+from components.contracts.markers import CALL
+from components.envs.registry import build_env
+from components.envs.tir_math import prompt_text
+from components.models import load_policy, load_tokenizer
+from components.training.recording import Recording
+
+WINDOWS = ((1, 50), (51, 100), (101, 200))
+
+
+def p_call(model: torch.nn.Module, prompts: list[list[int]], call: int) -> torch.Tensor:
+    """P(next token = `call`) after each prompt, under `model` at temperature 1."""
+    with torch.no_grad():
+        return torch.tensor(
+            [torch.softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)[call].item() for ids in prompts]
+        )
+
+
+def report(home: Path, sft_dir: Path | None) -> list[str]:
+    recording = Recording.open(home)
+    cfg = Config(**recording.config)
+    sft_dir = sft_dir or Path(recording.manifest["sft_dir"])
+    tokenizer, model = load_tokenizer(sft_dir), load_policy(sft_dir).eval()
+    call = tokenizer.convert_tokens_to_ids(CALL)
+    held_out = [
+        tokenizer(prompt_text(t.prompt), add_special_tokens=False)["input_ids"] for t in build_env(cfg).eval_tasks()
+    ]
+    sft_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    zone = [ids for ids, p in zip(held_out, p_call(model, held_out, call)) if p < 0.5]
+    lines = [f"{home}: {len(zone)} of {len(held_out)} held-out prompts in the mental zone"]
+
+    # Training episodes in the zone, judged by the SFT policy on their own prompt.
+    sampled = {w: [0, 0] for w in WINDOWS}
+    for step in recording.steps:
+        batch = step.batch()
+        for t, p in zip(batch, p_call(model, [t.token_ids[: t.prompt_len] for t in batch], call)):
+            window = next((w for w in WINDOWS if w[0] <= step.step <= w[1]), None)
+            if p < 0.5 and window:
+                sampled[window][0] += 1
+                sampled[window][1] += t.token_ids[t.prompt_len] == call
+    lines.append(
+        "  zone episodes trained on / opened with the tool call: "
+        + ", ".join(f"steps {lo}-{hi}: {n}/{k}" for (lo, hi), (n, k) in sampled.items())
+    )
+
+    curve = []
+    for checkpoint in sorted((home / "checkpoints" / cfg.name).glob("step-*")):
+        if (checkpoint / "_COMPLETE").exists():
+            model.load_state_dict(torch.load(checkpoint / "policy.pt", weights_only=False)["module"])
+            p = p_call(model, zone, call)
+            curve.append(f"{int(checkpoint.name.split('-')[1])}:{p.mean():.2f}/{int((p > 0.5).sum())}")
+    model.load_state_dict(sft_weights)
+    lines.append("  checkpoint step: mean P(tool call) in the zone / prompts past 0.5: " + ", ".join(curve))
+    result = home / "result.json"
+    if result.exists():
+        r = json.loads(result.read_text())
+        lines.append(
+            f"  held-out accuracy {r['accuracy']:.1%} ({r['delta']:+.1f} points), rollbacks {r['rollbacks']}, "
+            f"collapse step {r['collapse_step']}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.first_action", description=__doc__.splitlines()[0])
+    parser.add_argument("homes", nargs="+", type=Path, help="run homes (a sweep's seed-<k> folders)")
+    parser.add_argument("--sft", type=Path, default=None, help="SFT policy (default: the one the run recorded)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    for home in args.homes:
+        print("\n".join(report(home, args.sft)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
