@@ -129,3 +129,31 @@ def test_sao_train_replay_refuses_a_folder_without_a_recording(tmp_path):
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith(f"sao: --replay: {tmp_path} holds no recorded batches")
+
+
+def test_sao_train_replay_reproduces_a_recorded_run_up_to_a_step(recorded, tmp_path):
+    import subprocess
+
+    from tests.conftest import child_env
+
+    home, _ = recorded
+    # --max-steps 4 ends the replay before the run's test-only rollback (its collapse rule is not the config's).
+    done = subprocess.run(
+        sao(
+            "train",
+            "--replay",
+            str(home),
+            "--home",
+            str(tmp_path),
+            "--max-steps",
+            "4",
+            "--set",
+            'tracking.backend="disk"',
+        ),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "replay: all 4 step(s) reproduced the recorded metrics exactly" in done.stdout
+    assert "replay: held-out accuracy" in done.stdout
