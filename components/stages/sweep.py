@@ -61,6 +61,9 @@ class SeedResult:
     final_reward: float
     """reward/mean, mean of the last 10 steps."""
     minutes: float
+    max_kl: float = float("nan")
+    """Largest dis/approx_kl of any step: a spike (0.05 and more) is one update that moved the policy far from
+    the one that sampled the next batches (docs/stability.md). NaN in result files written before it existed."""
 
 
 def run_sweep(
@@ -174,6 +177,7 @@ def summarize(seed: int, history: list[dict], accuracy: float, sft_accuracy: flo
         final_ev=statistics.fmean(evs) if evs else float("nan"),
         final_reward=statistics.fmean(m["reward/mean"] for m in last) if last else float("nan"),
         minutes=minutes,
+        max_kl=max((m.get("dis/approx_kl", 0.0) for m in steps), default=0.0),
     )
 
 
@@ -195,15 +199,15 @@ def _write_table(root: Path, results: list[SeedResult], sft_accuracy: float) -> 
     writer.writerows(asdict(r) for r in results)
     (root / "results.csv").write_text(buffer.getvalue())
     lines = [
-        "| seed | held-out | vs SFT | collapse (step, cause) | rollbacks | peak entropy | max masked | "
+        "| seed | held-out | vs SFT | collapse (step, cause) | rollbacks | peak entropy | max masked | max KL | "
         "final EV | final reward | min |",
-        "|" + "---|" * 10,
+        "|" + "---|" * 11,
     ]
     for r in results:
         collapse = f"yes ({r.collapse_step or '-'}, {r.cause})" if r.collapsed else "no"
         lines.append(
             f"| {r.seed} | {r.accuracy:.1%} | {r.delta:+.1f} | {collapse} | {r.rollbacks} | "
-            f"{r.peak_entropy:.3f} | {r.max_masked_frac:.3f} | {r.final_ev:.2f} | {r.final_reward:.3f} | "
+            f"{r.peak_entropy:.3f} | {r.max_masked_frac:.3f} | {r.max_kl:.3f} | {r.final_ev:.2f} | {r.final_reward:.3f} | "
             f"{r.minutes:.1f} |"
         )
     lines += ["", summary_line(results, sft_accuracy), ""]

@@ -81,6 +81,7 @@ def test_sweep_replay_and_summary_of_a_run_with_a_rollback():
                 "policy/entropy": 0.1 * (s > 10),
                 "dis/masked_frac_low": 0.01,
                 "dis/masked_frac_high": 0.02 * (s == 20),
+                "dis/approx_kl": 0.001 + 0.2 * (s == 12),
                 "critic/explained_variance": 0.5,
             },
         )
@@ -95,6 +96,7 @@ def test_sweep_replay_and_summary_of_a_run_with_a_rollback():
     assert (row.collapsed, row.collapse_step, row.cause, row.rollbacks) == (True, 25, "reward+eval", 1)
     assert row.delta == pytest.approx(-10.0) and row.peak_entropy == pytest.approx(0.1)
     assert row.max_masked_frac == pytest.approx(0.03) and row.final_reward == 0.0
+    assert row.max_kl == pytest.approx(0.201)  # the spike at step 12
     assert math.isnan(row.final_ev)  # the last 10 steps logged no critic
 
 
