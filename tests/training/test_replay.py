@@ -157,3 +157,15 @@ def test_sao_train_replay_reproduces_a_recorded_run_up_to_a_step(recorded, tmp_p
     assert done.returncode == 0, done.stderr
     assert "replay: all 4 step(s) reproduced the recorded metrics exactly" in done.stdout
     assert "replay: held-out accuracy" in done.stdout
+
+
+def test_the_first_action_probe_reads_a_recorded_run(recorded):
+    from bench.first_action import report
+
+    home, _ = recorded
+    lines = report(home, None)
+    assert lines[0].startswith(f"{home}: ") and "held-out prompts in the mental zone" in lines[0]
+    assert "steps 1-50: " in lines[1]  # zone episodes trained on / opened with the tool call
+    # One entry per checkpoint: steps 0, 2 and 4, the rollback's version 5, and 6.
+    assert [entry.split(":")[0] for entry in lines[2].rsplit(": ", 1)[1].split(", ")] == ["0", "2", "4", "5", "6"]
+    assert lines[3].rsplit(": ", 1)[1].startswith("0:")  # the zone's code is checked at step 0 (every 50th)
