@@ -51,31 +51,34 @@ def _name(step: int, suffix: str) -> str:
 class BatchRecorder:
     """The loop's observer that writes every step's batch under `root` (`train.record_batches`). A resumed run
     continues its recording: the steps after the checkpoint it resumed from are dropped first, since they are
-    trained again on new batches."""
+    trained again on new batches. A fresh run (no checkpoint to resume) starts the recording over."""
 
     def __init__(self, root: Path, cfg: Config, sft_dir: Path, threads: int, world: int, start: RunStart) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         manifest = self.root / MANIFEST
-        if manifest.exists():
+        if manifest.exists() and not start.fresh:
             recorded = Recording.open(self.root)
-            if recorded.manifest["origin"] != start.origin or start.fresh:
+            if recorded.manifest["origin"] != start.origin:
                 raise HomeStateError(f"{self.root} holds the recorded batches of another run; remove it to start over")
             for step in recorded.steps:
                 if step.step > start.step:
                     step.json_path.unlink()
                     step.parquet_path.unlink(missing_ok=True)
-        else:
-            write_json(
-                manifest,
-                {
-                    "config": to_dict(cfg),
-                    "sft_dir": str(Path(sft_dir).resolve()),
-                    "origin": start.origin,
-                    "trainer_threads": threads,
-                    "world_size": world,
-                },
-            )
+            return
+        # A fresh start (no checkpoint in the home): whatever was recorded here belongs to a run that is gone.
+        for old in [*self.root.glob("step-*.json"), *self.root.glob("step-*.parquet")]:
+            old.unlink()
+        write_json(
+            manifest,
+            {
+                "config": to_dict(cfg),
+                "sft_dir": str(Path(sft_dir).resolve()),
+                "origin": start.origin,
+                "trainer_threads": threads,
+                "world_size": world,
+            },
+        )
 
     def __call__(self, trainer: Trainer, batch: list[Trajectory], row: dict) -> None:
         step = trainer.step

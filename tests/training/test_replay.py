@@ -118,7 +118,10 @@ def test_a_resumed_run_drops_the_recorded_steps_it_trains_again(tiny_cfg, record
     assert [s.step for s in Recording.open(copy).steps] == [1, 2, 3]
     assert not (copy / "step-00000004.parquet").exists()
     with pytest.raises(HomeStateError, match="recorded batches of another run"):
-        BatchRecorder(copy, tiny_cfg, sft_dir, 1, 1, RunStart(0, 0, origin, fresh=True))
+        BatchRecorder(copy, tiny_cfg, sft_dir, 1, 1, RunStart(3, 12, "other weights", fresh=False))
+    # A fresh start (no checkpoint left to resume from) records from scratch.
+    BatchRecorder(copy, tiny_cfg, sft_dir, 1, 1, RunStart(0, 0, "other weights", fresh=True))
+    assert Recording.open(copy).steps == [] and Recording.open(copy).manifest["origin"] == "other weights"
 
 
 def test_sao_train_replay_refuses_a_folder_without_a_recording(tmp_path):
