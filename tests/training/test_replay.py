@@ -134,6 +134,7 @@ def test_sao_train_replay_refuses_a_folder_without_a_recording(tmp_path):
     assert done.stderr.strip().splitlines()[-1].startswith(f"sao: --replay: {tmp_path} holds no recorded batches")
 
 
+@pytest.mark.slow  # a subprocess and an evaluation, or greedy decodes: make test-slow
 def test_sao_train_replay_reproduces_a_recorded_run_up_to_a_step(recorded, tmp_path):
     import subprocess
 
@@ -162,6 +163,7 @@ def test_sao_train_replay_reproduces_a_recorded_run_up_to_a_step(recorded, tmp_p
     assert "replay: held-out accuracy" in done.stdout
 
 
+@pytest.mark.slow  # a subprocess and an evaluation, or greedy decodes: make test-slow
 def test_the_first_action_probe_reads_a_recorded_run(recorded):
     from bench.first_action import report
 
