@@ -7,6 +7,7 @@ torchrun rank 0 does all of this while the other ranks only join the training st
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import sys
@@ -140,8 +141,8 @@ def run_replay(
     overrides the replay must reproduce the run: every step's recorded metrics are compared and the summary says
     whether they are identical. With overrides it is a study of the same batches under a changed config."""
     recording = Recording.open(run)
-    recorded = Config(**apply_overrides(recording.config, []))
-    cfg = Config(**apply_overrides(recording.config, list(overrides)))
+    recorded = Config(**copy.deepcopy(recording.config))
+    cfg = Config(**apply_overrides(copy.deepcopy(recording.config), list(overrides)))
     strict = _same_update(cfg, recorded)
     source = recording.root.resolve()
     label = f"{source.parent.name}-{fingerprint({'run': str(source), 'set': sorted(overrides)})}"

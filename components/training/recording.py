@@ -4,8 +4,9 @@ repeat the run's updates (components/training/replay.py says how and why that is
     <home>/batches/manifest.json            the run's config, its starting weights (path and fingerprint), the
                                             trainer's thread count and the number of ranks
     <home>/batches/step-00000123.parquet    step 123's batch: its trajectories in the order trained (the contract)
-    <home>/batches/step-00000123.json       written last: the version the step started from, its learning-rate
-                                            factor and the row's metrics that depend only on the batch and the states
+    <home>/batches/step-00000123.json       written last: the row's metrics that depend only on the batch and the
+                                            learner's states (the learning-rate factor among them); step 123 made
+                                            version 123 from version 122
 
 A step counts once its JSON exists; a crash between the two files leaves a Parquet file that nothing reads.
 """
@@ -88,20 +89,14 @@ class BatchRecorder:
         os.replace(tmp, parquet)
         write_json(
             self.root / _name(step, "json"),
-            {
-                "step": step,
-                "started_from": step - 1,
-                "lr_scale": row["trainer/lr_scale"],
-                "metrics": {k: row[k] for k in REPLAYED if k in row},
-            },
+            {"step": step, "metrics": {k: row[k] for k in REPLAYED if k in row}},
         )
 
 
 @dataclass(frozen=True)
 class RecordedStep:
     step: int
-    """The policy version this step's update made."""
-    lr_scale: float
+    """The policy version this step's update made (from version `step - 1`)."""
     metrics: dict[str, float]
     json_path: Path
 
@@ -134,7 +129,7 @@ class Recording:
         steps = []
         for json_path in sorted(root.glob("step-*.json")):
             record = json.loads(json_path.read_text())
-            steps.append(RecordedStep(record["step"], record["lr_scale"], record["metrics"], json_path))
+            steps.append(RecordedStep(record["step"], record["metrics"], json_path))
         return cls(root, manifest, steps)
 
     @property
