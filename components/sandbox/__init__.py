@@ -10,6 +10,7 @@
     child.py          the supervisor inside the sandbox: drop privileges, limits, run, reap (source text)
     exit.py           how a fork of the zygote ends (source text)
     rootfs.py         what the sealed root holds: the interpreter, its standard library and libraries
+    packages.py       the allow-listed packages a program may import (numpy, sympy) and where they are found
     proc.py           outcomes, output files and errors shared by both launchers
     host.py           the interpreter and the unprivileged user the sandbox runs as
 """

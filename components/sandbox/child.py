@@ -299,6 +299,7 @@ def _sandbox_main():
         except OSError:
             pass
         _drop_privileges(libc, uid, gid, report)
+    sys.path.extend(p for p in a[15].split(os.pathsep) if p)  # the allowed packages, after the standard library
     lib = [libc, ctypes]
     del libc, ctypes
     _run_program(src, work, (mem, cpu, fsize, nproc, nofile), ns, lib, status, status_fd, caller_pid, report)

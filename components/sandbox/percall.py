@@ -74,6 +74,7 @@ def run_percall(code: str, timeout_s: float, call: Call, unshare: str | None) ->
         argv += ["ns" if use_ns else "plain", src_path, work, str(status_w)]
         argv += [str(v) for v in (uid, gid, *limits, tmpfs_bytes, os.getpid())]
         argv += list(plan) if plan is not None else ["{}", ""]
+        argv.append(os.pathsep.join(call.sys_path))
         if use_ns:
             argv = [unshare, "--net", "--pid", "--fork", "--mount", "--kill-child", "--", *argv]
         try:

@@ -22,6 +22,8 @@ class Call:
     """The interpreter (`host.SANDBOX_PYTHON`)."""
     plan: tuple[str, str] | None
     """The sealed root's plan (`rootfs.rootfs_plan`), None without namespaces."""
+    sys_path: tuple[str, ...]
+    """Directories appended to the program's `sys.path`: where the allowed packages are (`packages.py`)."""
     uid: int
     gid: int
     """Who the program runs as (`nobody` when the caller is root)."""

@@ -10,11 +10,16 @@ extension modules (lib-dynload) load. The plan is:
 - `links`: the symlinks on the way to them (`/lib -> usr/lib`, `/usr/bin/python3 -> python3.11`,
   `libz.so.1 -> libz.so.1.2.13`), recreated as symlinks so every path the interpreter uses still resolves;
 - `masks`: site-packages / dist-packages directories inside a bound standard library, hidden under an empty
-  read-only tmpfs.
+  read-only tmpfs;
+- `packages`: `(host path, path in the root)` of each entry of the allowed packages (`packages.py`), bound
+  read-only under `PACKAGES_ROOT`. `ldd` also runs over their extension modules: a library they load from a
+  searched site directory (`numpy.libs`) brings its whole entry there, one from elsewhere (`libstdc++`) a bind
+  at its own path, like the interpreter's.
 
 When `ldd` is missing or fails, the directories holding the C library and the loader are bound whole
 (`libs=dirs` in the report instead of `libs=ldd`). The plan is computed once per interpreter and cached; it
-is plain data (JSON on the bootstrap's command line), so a pre-started forking interpreter can reuse it.
+is plain data (JSON on the bootstrap's command line), so a pre-started forking interpreter can reuse it; a
+different allow-list is a different plan (and so a different zygote).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import re
 import shutil
 import subprocess
 
+from components.sandbox.packages import PACKAGES_ROOT, resolve_packages
+
 _PROBE = "import json, sys; print(json.dumps({'exe': sys.executable, 'path': sys.path}))"
 _LDD_LINE = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x[0-9a-f]+\)")
 _PACKAGE_DIRS = ("site-packages", "dist-packages")
@@ -35,6 +42,10 @@ class _Plan:
     def __init__(self) -> None:
         self.binds: set[str] = set()
         self.links: dict[str, str] = {}
+        self.packages: dict[str, str] = {}  # name in PACKAGES_ROOT -> host path (the first of a name wins)
+
+    def add_package(self, path: str) -> None:
+        self.packages.setdefault(os.path.basename(path), path)
 
     def add(self, path: str, depth: int = 0) -> None:
         """Record every symlink on the way to `path` and bind the real file or directory it names."""
@@ -66,7 +77,8 @@ class _Plan:
             for name in _PACKAGE_DIRS
             if os.path.isdir(os.path.join(d, name))
         )
-        return {"binds": kept, "links": links, "masks": masks}
+        packages = [[path, f"{PACKAGES_ROOT}/{name}"] for name, path in sorted(self.packages.items())]
+        return {"binds": kept, "links": links, "masks": masks, "packages": packages}
 
 
 def _shared_libraries(files: list[str]) -> list[str] | None:
@@ -81,9 +93,36 @@ def _shared_libraries(files: list[str]) -> list[str] | None:
     return libs or None
 
 
-@functools.lru_cache(maxsize=4)
-def rootfs_plan(python: str) -> tuple[str, str]:
-    """`(plan as JSON, report word)` for the interpreter `python`; OSError when it cannot be probed."""
+def _extension_modules(entries: tuple[str, ...]) -> list[str]:
+    """The shared objects (`*.so`, `*.so.N`) in the package entries `entries`."""
+    found = []
+    for entry in entries:
+        if os.path.isfile(entry):
+            found += [entry] if _is_shared_object(entry) else []
+            continue
+        for root, _, files in os.walk(entry):
+            found += [os.path.join(root, f) for f in sorted(files) if _is_shared_object(f)]
+    return found
+
+
+def _is_shared_object(name: str) -> bool:
+    return name.endswith(".so") or ".so." in os.path.basename(name)
+
+
+def _site_entry(lib: str, site_dirs: tuple[str, ...]) -> str | None:
+    """The top-level entry of a searched site directory that holds `lib` (`.../numpy.libs`), or None."""
+    for site_dir in site_dirs:
+        if lib.startswith(site_dir + "/"):
+            return os.path.join(site_dir, lib[len(site_dir) + 1 :].split("/")[0])
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def rootfs_plan(python: str, packages: tuple[str, ...] = ()) -> tuple[str, str]:
+    """`(plan as JSON, report word)` for the interpreter `python` with the allowed `packages` (top-level import
+    names, see `packages.resolve_packages`); OSError when it cannot be probed, ValueError naming a package that is
+    not installed."""
+    allowed = resolve_packages(python, packages)
     try:
         probe = subprocess.run(
             [python, "-I", "-S", "-c", _PROBE], capture_output=True, text=True, timeout=30, env={"LC_ALL": "C.UTF-8"}
@@ -92,13 +131,15 @@ def rootfs_plan(python: str) -> tuple[str, str]:
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         raise OSError(f"cannot probe sandbox interpreter {python}: {exc!r}") from exc
     plan = _Plan()
+    for entry in allowed.entries:
+        plan.add_package(entry)
     plan.add(python)
     plan.add(info["exe"])
     stdlib = [p for p in info["path"] if p and os.path.isdir(p) and os.path.basename(p) not in _PACKAGE_DIRS]
     for directory in stdlib:
         plan.add(directory)
     extensions = [os.path.join(d, f) for d in stdlib for f in sorted(os.listdir(d)) if f.endswith(".so")]
-    libs = _shared_libraries([os.path.realpath(python), *extensions])
+    libs = _shared_libraries([os.path.realpath(python), *extensions, *_extension_modules(allowed.entries)])
     if libs is None:
         multiarch = f"{os.uname().machine}-linux-gnu"
         for directory in ("/lib64", "/usr/lib64", f"/lib/{multiarch}", f"/usr/lib/{multiarch}"):
@@ -106,8 +147,12 @@ def rootfs_plan(python: str) -> tuple[str, str]:
                 plan.add(directory)
         report = "libs=dirs"
     else:
-        for lib in libs:
-            plan.add(lib)
+        for lib in map(os.path.normpath, libs):
+            entry = _site_entry(lib, allowed.site_dirs)
+            if entry is None:
+                plan.add(lib)
+            else:
+                plan.add_package(entry)
         for lib in libs:
             gcc_s = os.path.join(os.path.dirname(os.path.realpath(lib)), "libgcc_s.so.1")
             if os.path.basename(lib).startswith("libc.so") and os.path.exists(gcc_s):

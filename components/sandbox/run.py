@@ -22,6 +22,9 @@ Layers (``isolation`` lists those applied to each call):
    read-only tmpfs (``seal.py``): the interpreter, its standard library and the libraries they load,
    ``/dev/{null,zero,random,urandom}``, its own ``/proc`` (``/proc/sys`` read-only) and size-limited tmpfs
    ``/tmp``, ``/var/tmp``, ``/dev/shm`` and working directory; the host's root is detached (``pivot_root``).
+   Of site-packages it holds only the allowed ``packages`` (``packages.py``: numpy and sympy by default, with
+   what they require, such as mpmath), read-only under ``/opt/sao-packages``, which ends the program's
+   ``sys.path``.
 2. **Unprivileged user** -- ``nobody`` (verified irreversible) and ``PR_SET_NO_NEW_PRIVS``.
 3. **Resource limits** on the program: RLIMIT_CPU (about the timeout), RLIMIT_AS (``memory_mb``),
    RLIMIT_FSIZE (``max_file_bytes``), RLIMIT_NPROC (``max_processes``; it counts all processes of ``nobody``
@@ -32,8 +35,9 @@ Layers (``isolation`` lists those applied to each call):
    supervisor kills the program's tree; ``timed_out`` is set. A call returns only after every process of it
    is gone and reaped (zombies would count against RLIMIT_NPROC).
 5. **Scrubbed environment and interpreter flags** -- only PATH, LANG, LC_ALL, HOME (= the working directory),
-   PYTHONDONTWRITEBYTECODE and PYTHONIOENCODING; ``-I -S -B -X utf8``. The program arrives in a file (a memfd
-   for the zygote), never on a command line.
+   PYTHONDONTWRITEBYTECODE, PYTHONIOENCODING and one thread each for OpenBLAS, OpenMP and MKL (a BLAS thread
+   pool reserves address space per thread, against RLIMIT_AS); ``-I -S -B -X utf8``. The program arrives in a
+   file (a memfd for the zygote), never on a command line.
 6. **Seccomp filter** (``seal.install_seccomp``): EPERM for namespaces, mounts, chroot, ptrace and
    other processes' memory, keyctl, bpf, io_uring, kexec, modules, SysV IPC and POSIX message queues,
    non-default personality and sockets of any family but AF_UNIX; another ABI kills the process. Without a
@@ -47,7 +51,8 @@ is not root, or ``unshare`` is missing or fails, no namespaces and no tmpfs are 
 as ``nobody`` if the caller is root, with all resource limits, in a fresh temporary working directory on the
 host file system; the audit hook then also refuses spawning programs, ``ctypes``, ``os.setsid``/``setpgid``
 and signals to processes outside the sandbox's process group. Audit hooks are a best-effort barrier, not a
-security boundary. When the caller is not root the code runs as the caller's own user.
+security boundary. When the caller is not root the code runs as the caller's own user. The allowed packages are
+found through the host directories that hold them, so everything else installed there is importable too.
 
 The interpreter is resolved once at import (:data:`SANDBOX_PYTHON`, reason in :data:`SANDBOX_PYTHON_REASON`):
 a system ``python3`` that the unprivileged user can execute, falling back to ``sys.executable``. Linux only.
@@ -70,12 +75,14 @@ from components.sandbox.host import (
     SANDBOX_PYTHON,
     SANDBOX_PYTHON_REASON,
 )
+from components.sandbox.packages import PACKAGES_ROOT, resolve_packages
 from components.sandbox.percall import run_percall
 from components.sandbox.proc import Call, Outcome, SandboxError
 from components.sandbox.rootfs import rootfs_plan
 from components.sandbox.zygote import ZygoteUnavailable, run_in_zygote
 
 __all__ = [
+    "DEFAULT_PACKAGES",
     "SandboxError",
     "SandboxResult",
     "run_python",
@@ -89,6 +96,9 @@ MiB = 1024 * 1024
 MAX_OPEN_FILES = 64
 #: Each private tmpfs (/tmp, /var/tmp, /dev/shm, workdir) is at least this big.
 MIN_TMPFS_BYTES = 16 * MiB
+#: Top-level import names a program may import by default (with what they require): what tool-integrated
+#: reasoning traces use.
+DEFAULT_PACKAGES: tuple[str, ...] = ("numpy", "sympy")
 #: Fork each namespaced sandbox from a pre-started zygote (False: a fresh interpreter per call).
 ZYGOTE = os.environ.get("SAO_SANDBOX_ZYGOTE", "1") != "0"
 #: Minimal environment of the child (HOME is added per call).
@@ -98,6 +108,9 @@ _BASE_ENV = {
     "LC_ALL": "C.UTF-8",
     "PYTHONDONTWRITEBYTECODE": "1",
     "PYTHONIOENCODING": "utf-8",
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
 }
 _UNSHARE_FLAGS = ("--net", "--pid", "--fork", "--mount", "--kill-child")
 #: RAM-backed base for the per-call host directory in namespace mode.
@@ -205,6 +218,15 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
+def _check_packages(packages: object) -> tuple[str, ...]:
+    if not isinstance(packages, tuple) or not all(isinstance(name, str) for name in packages):
+        raise ValueError(f"packages must be a tuple of str, got {packages!r}")
+    for name in packages:
+        if not name.isidentifier():
+            raise ValueError(f"packages: {name!r} is not a top-level import name")
+    return tuple(sorted(set(packages)))  # one plan (and one zygote) per set of names
+
+
 def run_python(
     code: str,
     timeout_s: float = 5.0,
@@ -213,6 +235,7 @@ def run_python(
     max_output_bytes: int = 64_000,
     max_file_bytes: int = 8 * MiB,
     max_processes: int = 16,
+    packages: tuple[str, ...] = DEFAULT_PACKAGES,
 ) -> SandboxResult:
     """Run ``code`` as a Python program in a fresh sandbox.
 
@@ -225,12 +248,15 @@ def run_python(
         max_file_bytes: largest file the program may write (RLIMIT_FSIZE);
             this also bounds what it can print.
         max_processes: RLIMIT_NPROC for the program.
+        packages: top-level import names the program may import, besides the standard library (with the
+            distributions they require); each must be installed for the sandbox's interpreter
+            (:data:`SANDBOX_PYTHON`) or in the caller's compatible virtual environment. ``()``: none.
 
     Returns:
         SandboxResult.  Never raises because of what the code does.
 
     Raises:
-        ValueError: bad argument (the message names it).
+        ValueError: bad argument (the message names it), or a package that is not installed.
         SandboxError: the sandbox could not be set up on this host.
     """
     if not isinstance(code, str):
@@ -243,6 +269,7 @@ def run_python(
     _check_int("max_output_bytes", max_output_bytes, 0)
     _check_int("max_file_bytes", max_file_bytes, 0)
     _check_int("max_processes", max_processes, 1)
+    packages = _check_packages(packages)
 
     use_ns, ns_reason, unshare = _namespace_support()
     if not use_ns:
@@ -251,14 +278,20 @@ def run_python(
     uid, gid = (_NOBODY_UID, _NOBODY_GID) if is_root else (os.getuid(), os.getgid())
     python = SANDBOX_PYTHON
     plan = None
-    if use_ns:
-        try:
-            plan = rootfs_plan(python)
-        except OSError as exc:
-            raise SandboxError(f"cannot plan the sandbox's root file system: {exc}") from exc
+    try:
+        allowed = resolve_packages(python, packages)  # ValueError naming a package that is not installed
+        if use_ns:
+            plan = rootfs_plan(python, packages)
+    except OSError as exc:
+        raise SandboxError(f"cannot plan the sandbox's root file system: {exc}") from exc
+    if not packages:
+        sys_path: tuple[str, ...] = ()
+    else:
+        sys_path = (PACKAGES_ROOT,) if use_ns else allowed.homes()
     call = Call(
         python=python,
         plan=plan,
+        sys_path=sys_path,
         uid=uid,
         gid=gid,
         env=_BASE_ENV,

@@ -6,13 +6,14 @@ sandbox.
 
 The sealed root, as root inside a new mount namespace, before the privilege drop: `build_root` builds a new
 root on a small tmpfs holding only what the interpreter needs (the `plan` made by `rootfs.rootfs_plan`:
-the interpreter, its standard library, the shared libraries they load), each a read-only, nosuid, nodev bind
-mount; a minimal `/dev` (null, zero, random, urandom), a two-line `/etc/passwd` and the empty mount points of
-the private parts. `private_mounts` adds what is each call's own: a fresh `/proc` of its PID namespace and
-size-limited tmpfs `/tmp`, `/var/tmp`, `/dev/shm` and working directory. `pivot_into` then `pivot_root`s
-(runc's `pivot_root(".", ".")`), detaching the host's root, so nothing of the host stays reachable, and makes
-the root read-only. The per-call path does all three per call (`seal_root`); the zygote builds and pivots once
-and each of its calls mounts its private parts in a copy of that mount namespace.
+the interpreter, its standard library, the shared libraries they load, the allowed packages' entries under
+their own directory), each a read-only, nosuid, nodev bind mount; a minimal `/dev` (null, zero, random,
+urandom), a two-line `/etc/passwd` and the empty mount points of the private parts. `private_mounts` adds
+what is each call's own: a fresh `/proc` of its PID namespace and size-limited tmpfs `/tmp`, `/var/tmp`,
+`/dev/shm` and working directory. `pivot_into` then `pivot_root`s (runc's `pivot_root(".", ".")`), detaching
+the host's root, so nothing of the host stays reachable, and makes the root read-only. The per-call path does
+all three per call (`seal_root`); the zygote builds and pivots once and each of its calls mounts its private
+parts in a copy of that mount namespace.
 
 `install_seccomp` is the last thing the program process does before the untrusted code: a classic BPF filter
 (prctl PR_SET_SECCOMP, SECCOMP_MODE_FILTER; it needs PR_SET_NO_NEW_PRIVS, set by the privilege drop) that
@@ -422,6 +423,8 @@ def build_root(libc, ctypes, plan, top, uid, gid, home):
         _bind(mount, path, top + path)
     for path in plan["masks"]:  # site-packages inside the standard library: an empty read-only dir
         mount(b"tmpfs", top + path, b"tmpfs", _RO, "size=4k,mode=555")
+    for path, target in plan["packages"]:  # the allowed packages, each entry at its place in PACKAGES_ROOT
+        _bind(mount, path, top + target)
     os.makedirs(top + "/dev", exist_ok=True)
     for dev in ("null", "zero", "random", "urandom"):
         _bind(mount, "/dev/" + dev, top + "/dev/" + dev, MS_RDONLY | MS_NOSUID)  # a device node needs dev

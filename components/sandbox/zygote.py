@@ -20,7 +20,7 @@ does one it fails to answer within the deadline plus `_KILL_GRACE_S` (it is then
 process gets its own zygote: the fork's copy of the parent's channel is closed at once
 (`os.register_at_fork`) and the process id is checked on every call. When the zygote cannot start,
 `ZygoteUnavailable` is raised (and remembered: `sandbox.run_python` then uses the per-call path, with a
-RuntimeWarning).
+RuntimeWarning). There is one zygote per root plan: calls with another allow-list of packages get their own.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class _Zygote:
         unshare: str,
         python: str,
         plan: tuple[str, str],
+        sys_path: tuple[str, ...],
         uid: int,
         gid: int,
         env: dict[str, str],
@@ -138,7 +139,8 @@ class _Zygote:
         try:
             with boot, zygote_end:
                 boot.send(_SERVER.encode())
-                boot.sendmsg([_plan_message(*plan)], [_RIGHTS + (struct.pack("i", zygote_end.fileno()),)])
+                message = _plan_message(*plan, sys_path)
+                boot.sendmsg([message], [_RIGHTS + (struct.pack("i", zygote_end.fileno()),)])
             ready, _ = _recv(self.ctl, _START_TIMEOUT_S)
             if ready is None or not ready.startswith("ready "):
                 raise ZygoteUnavailable(f"the zygote did not start: {self.stderr_text() or 'no answer'}")
@@ -172,15 +174,17 @@ class _Zygote:
             self.stderr = -1
 
 
-def _plan_message(plan_json: str, plan_report: str) -> bytes:
+def _plan_message(plan_json: str, plan_report: str, sys_path: tuple[str, ...]) -> bytes:
     plan = json.loads(plan_json)
     fields = [w for path in plan["binds"] for w in ("bind", path)]
     fields += [w for path in plan["masks"] for w in ("mask", path)]
     fields += [w for path, target in plan["links"] for w in ("link", path, target)]
+    fields += [w for path, target in plan["packages"] for w in ("package", path, target)]
+    fields += [w for path in sys_path for w in ("path", path)]
     return "\0".join(fields + [plan_report]).encode("utf-8", "surrogateescape")
 
 
-# Zygotes of this process by (unshare, interpreter, plan, uid, gid); why a key could not start one.
+# Zygotes of this process by (unshare, interpreter, plan, sys.path, uid, gid); why a key could not start one.
 _lock = threading.Lock()
 _owner = os.getpid()
 _zygotes: dict[tuple, _Zygote] = {}
@@ -283,8 +287,10 @@ def run_in_zygote(code: str, timeout_s: float, call: Call, unshare: str) -> Outc
     tmpfs_bytes, env, host_dir = call.tmpfs_bytes, call.env, call.host_dir
     max_output_bytes, max_file_bytes = call.max_output_bytes, call.max_file_bytes
     start = time.monotonic()
-    key = (unshare, python, plan, uid, gid)
-    how = dict(unshare=unshare, python=python, plan=plan, uid=uid, gid=gid, env=env, host_dir=host_dir)
+    key = (unshare, python, plan, call.sys_path, uid, gid)
+    how = dict(
+        unshare=unshare, python=python, plan=plan, sys_path=call.sys_path, uid=uid, gid=gid, env=env, host_dir=host_dir
+    )
     work = f"/dev/shm/sao-sandbox-{os.urandom(6).hex()}/work"
     timeout_ms = max(1, math.ceil(timeout_s * 1000))
     header = " ".join(["call", *(str(v) for v in (uid, gid, *limits, tmpfs_bytes, timeout_ms)), work])

@@ -6,8 +6,9 @@ interpreter over the channel it was started with (`zygote.py` starts it under `u
 sandbox it forked dies with it); so does the control channel. Standard library only; never imported.
 
 Once: read the root's plan, build the shared read-only part of the sealed root and `pivot_root` into it
-(`build_root`, `pivot_into`), assemble the seccomp program and the audit hook, import and run once what a call
-runs (`_warm_up`), `gc.freeze()` (forked children do not copy pages for the collector), then answer `ready`.
+(`build_root`, `pivot_into`), append the allowed packages' directory to `sys.path`, assemble the seccomp
+program and the audit hook, import and run once what a call runs (`_warm_up`), `gc.freeze()` (forked children
+do not copy pages for the collector), then answer `ready`.
 
 Per request (a header and four descriptors: the call's status channel, stdout, stderr and a memfd holding the
 program; the zygote never reads the program, so its memory holds nothing of any call that a later fork could
@@ -266,12 +267,13 @@ def _zygote_main():
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     libc.unshare.argtypes = [ctypes.c_int]
     libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
-    # The plan: NUL-separated records "bind" path | "mask" path | "link" path target, then the report word.
+    # The plan: NUL-separated records "bind" path | "mask" path | "path" path | "link" path target | "package"
+    # path target, then the report word.
     fields = msg.decode("utf-8", "surrogateescape").split("\0")
-    plan, i = {"binds": [], "masks": [], "links": []}, 0
-    while fields[i] in ("bind", "mask", "link"):
-        if fields[i] == "link":
-            plan["links"].append((fields[i + 1], fields[i + 2]))
+    plan, i = {"binds": [], "masks": [], "paths": [], "links": [], "packages": []}, 0
+    while fields[i] in ("bind", "mask", "path", "link", "package"):
+        if fields[i] in ("link", "package"):
+            plan[fields[i] + "s"].append((fields[i + 1], fields[i + 2]))
             i += 3
         else:
             plan[fields[i] + "s"].append(fields[i + 1])
@@ -283,6 +285,7 @@ def _zygote_main():
     except (OSError, ValueError, KeyError) as e:
         _fail("cannot seal the file system: %r" % (e,))
     report.append(fields[i])
+    sys.path.extend(plan["paths"])  # the allowed packages, after the standard library; every fork inherits it
     try:
         seccomp = prepare_seccomp(libc, ctypes)
     except KeyError:

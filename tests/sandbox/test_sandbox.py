@@ -140,6 +140,9 @@ def test_minimal_environment():
         "HOME",
         "PYTHONDONTWRITEBYTECODE",
         "PYTHONIOENCODING",
+        "OPENBLAS_NUM_THREADS",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
     }
 
 
