@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 
 from components.config import Config
-from components.contracts.markers import CALL, CALL_END
+from components.contracts.markers import CALL, CALL_END, prompt_text
 from components.envs.registry import build_env
-from components.envs.tir_math import prompt_text
 from components.models import load_policy, load_tokenizer
 from components.training.recording import Recording
 

@@ -131,13 +131,13 @@ class _TimedEpisode:
     def __init__(self, owner: TimedEnvironment, episode) -> None:
         self.owner, self.episode = owner, episode
 
-    def prompt_text(self) -> str:
-        return self.episode.prompt_text()
+    def prompt(self):
+        return self.episode.prompt()
 
-    async def step(self, turn_text: str, truncated: bool):
+    async def step(self, turn, truncated: bool):
         began = time.perf_counter()
         try:
-            return await self.episode.step(turn_text, truncated)
+            return await self.episode.step(turn, truncated)
         finally:
             self.owner.seconds += time.perf_counter() - began
             self.owner.calls += 1

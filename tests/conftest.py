@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from components.chat import MarkerFormat
 from components.config import load_config
 from components.data.tasks import generate_problems
 from components.data.teacher import teacher_trace
@@ -35,7 +36,7 @@ def sft_policy(tiny_cfg):
     tokenizer = build_tokenizer()
     model = build_policy(tiny_cfg.model, tokenizer, seed=0)
     problems = generate_problems(tiny_cfg.task.kinds, tiny_cfg.task.train_size, 0, 99, "train")
-    train_sft(model, tokenizer, [teacher_trace(p) for p in problems], tiny_cfg.sft, log=lambda _: None)
+    train_sft(model, MarkerFormat(tokenizer), [teacher_trace(p) for p in problems], tiny_cfg.sft, log=lambda _: None)
     return model, tokenizer
 
 

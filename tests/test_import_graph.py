@@ -24,6 +24,7 @@ FORBIDDEN = {
     "envs": ("training", "stages", "rollout", "agent", "eval", "cli"),
     "eval": ("training", "stages", "cli"),
     "data": ("training", "stages", "envs", "cli"),
+    "chat": ("training", "stages", "rollout", "envs", "agent", "eval", "cli", "data", "models", "storage", "tracking"),
 }
 """What each room may not import: training knows the learner and the loop, not how episodes are made or how the
 lifecycle's stages reuse artifacts; the stages are imported only by the CLI (and by `flows/`, outside)."""

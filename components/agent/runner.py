@@ -11,8 +11,10 @@ half of SAO. Engine errors and timeouts end the episode with a recorded finish r
 The exception is `EnginesDown` (every engine server stayed down past `rollout.engine_wait_s`): that is the
 run's failure, not the episode's, so it is raised; `run` then starts no new episode and raises it.
 
-Observation tokens are appended as ids and the engine is always sent ids. The trainer therefore sees
-exactly the tokens the rollout saw, with no retokenisation drift between turns.
+Every id goes through the model's chat format (components/chat): the prompt ids, the stop tokens, the parse of
+each sampled turn and the observation ids of each tool output. The engine is always sent ids and its sampled
+ids are kept as they are, so the trainer sees exactly the ids the engine sampled plus the ids the format
+appended: token in, token out, with no retokenisation drift between turns.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
+from components.chat.format import ChatFormat
 from components.contracts.environment import Environment
 from components.contracts.task import Task
 from components.contracts.trajectory import Timings, Trajectory
@@ -66,22 +69,22 @@ def episode_limits(cfg) -> EpisodeLimits:
 
 
 class AgentRunner:
-    """Runs episodes of `env` against `engine` (anything with `async generate(SamplingRequest)`)."""
+    """Runs episodes of `env` against `engine` (anything with `async generate(SamplingRequest)`) in the chat
+    format `chat`."""
 
     def __init__(
         self,
         engine,
-        tokenizer,
+        chat: ChatFormat,
         env: Environment,
         limits: EpisodeLimits = EpisodeLimits(),
         concurrency: int = 8,
-        stop_token_ids: tuple[int, ...] = (),
         seed: int = 0,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
-        self.engine, self.tokenizer, self.env, self.limits = engine, tokenizer, env, limits
-        self.concurrency, self.stop_token_ids, self.seed = concurrency, tuple(stop_token_ids), seed
+        self.engine, self.chat, self.env, self.limits = engine, chat, env, limits
+        self.concurrency, self.seed = concurrency, seed
         self.in_flight = 0
         self.max_in_flight = 0
 
@@ -150,12 +153,12 @@ class AgentRunner:
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             episode = self.env.start(task)
-            ids = self.tokenizer(episode.prompt_text(), add_special_tokens=False)["input_ids"]
+            ids = self.chat.prompt_ids(episode.prompt())
             prompt_len = len(ids)
             mask: list[int] = [0] * prompt_len
             logprobs: list[float | None] = [None] * prompt_len
             versions: list[int | None] = [None] * prompt_len
-            reward, turns, reason, metadata = 0.0, 0, "", {}
+            reward, turns, reason, metadata, malformed = 0.0, 0, "", {}, 0
             deadline = time.monotonic() + limits.max_wall_s
             while not reason:
                 budget = min(limits.max_new_tokens, limits.max_total_tokens - len(ids))
@@ -169,7 +172,7 @@ class AgentRunner:
                     list(ids),
                     budget,
                     limits.temperature,
-                    self.stop_token_ids,
+                    self.chat.stop_token_ids,
                     seed=zlib.crc32(f"{self.seed}:{task.task_id}:{turns}".encode()),
                 )
                 try:
@@ -192,19 +195,19 @@ class AgentRunner:
                 mask += [1] * len(result.token_ids)
                 logprobs += result.logprobs
                 versions += result.versions
-                text = self.tokenizer.decode(result.token_ids)
+                truncated = result.finish_reason == "length"
+                turn = self.chat.parse(self.chat.tokenizer.decode(result.token_ids), truncated)
                 try:
-                    step = await asyncio.wait_for(
-                        episode.step(text, result.finish_reason == "length"), deadline - time.monotonic()
-                    )
+                    step = await asyncio.wait_for(episode.step(turn, truncated), deadline - time.monotonic())
                 except TimeoutError:
                     reason = "timeout"
                     break
+                malformed += step.malformed
                 if step.done:
                     reward, reason = step.reward, step.finish_reason or "stop"
                     metadata.update(step.info)
                     break
-                observation = self.tokenizer(step.observation, add_special_tokens=False)["input_ids"]
+                observation = self.chat.observation_ids(step.observation)
                 if len(ids) + len(observation) >= limits.max_total_tokens:
                     reason = "max_tokens"
                     break
@@ -227,7 +230,7 @@ class AgentRunner:
             reason,
             prompt_len,
             timings,
-            {**task.metadata, **metadata},
+            {**task.metadata, **metadata, "malformed_calls": malformed},
         ).validate()
 
 

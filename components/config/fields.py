@@ -19,6 +19,13 @@ AlgoName = Literal["sao", "sao-k1", "sao-full-critic", "sao-running-mean", "grpo
 AdmissionRule = Literal["capacity", "oldest"]
 """How the trajectory buffer bounds staleness (components/training/buffer.py)."""
 LatencyKind = Literal["none", "fixed", "lognormal"]
+"""Tool-latency models of `rollout.latency`."""
+TokenizerName = Literal["characters", "qwen3"]
+"""Tokenizers a model built from config gets (`model.tokenizer`)."""
+ChatFormatName = Literal["auto", "markers", "hermes"]
+"""`model.chat_format` (components/chat)."""
+MalformedCalls = Literal["observe", "end"]
+"""What a malformed tool call does (`env.malformed_calls`, components/envs/tool_calls.py)."""
 """Simulated tool latency (components/envs/latency.py)."""
 Style = Literal["cute", "chuunibyou", "classical"]
 STYLES: tuple[str, ...] = typing.get_args(Style)

@@ -10,9 +10,12 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 from components.config.fields import (
     AdmissionRule,
     AlgoName,
+    ChatFormatName,
     EnvName,
     LatencyKind,
+    MalformedCalls,
     Seed,
+    TokenizerName,
     TupleOf,
     check_location,
     is_http_url,
@@ -27,6 +30,13 @@ class ModelConfig:
     path: str | None = None
     """Local Hugging Face model directory to start from; when set, the architecture fields below are ignored.
     Nothing is ever downloaded from a hub."""
+    tokenizer: TokenizerName = "characters"
+    """The tokenizer of a model built from config: `characters` (one token per character plus the chat markers)
+    or `qwen3` (Qwen's real 151k BPE vocabulary with Qwen3's special tokens and a Qwen3-style chat template,
+    built offline: components/models/qwen_vocab.py). Ignored when `path` is set (the directory's own is used)."""
+    chat_format: ChatFormatName = "auto"
+    """How prompts, tool calls and tool responses are written (components/chat): `auto` detects it from the
+    model directory's tokenizer, `markers` is the project's own, `hermes` Qwen3/Qwen2.5's `<tool_call>` JSON."""
     hidden_size: PositiveInt = 128
     """Width of the residual stream."""
     num_layers: PositiveInt = 3
@@ -150,6 +160,9 @@ class RolloutConfig:
     """Wall-clock limit per episode."""
     tool_timeout_s: PositiveFloat = 5.0
     """Sandbox time limit per tool call."""
+    tool_packages: TupleOf[str] = ("numpy", "sympy")
+    """Top-level import names model-written code may import besides the standard library (read-only in the
+    sandbox, with the distributions they require); each must be installed (docs/sandbox.md)."""
     latency: LatencyKind = "none"
     """Simulated extra tool latency (benchmarks): none, fixed or lognormal (heavy tail)."""
     latency_mean_s: NonNegativeFloat = 0.0
@@ -348,6 +361,9 @@ class EnvConfig:
     OpenAI-compatible chat endpoint that scores style."""
     judge_model: str = ""
     """Model name sent to the judge endpoint (required when `judge` is a URL)."""
+    malformed_calls: MalformedCalls = "observe"
+    """A tool call that cannot be parsed or does not fit the tools: `observe` answers it with an error the model
+    sees next, `end` ends the episode with reward 0 (finish reason `malformed_call`). Counted either way."""
     preference_schedule: str = ""
     """Style only: comma-separated `style:steps` phases, e.g. `cute:100,chuunibyou:100,classical:100`; the
     schedule repeats after its last phase. Empty: cute throughout."""

@@ -3,8 +3,10 @@
 the environment, its training stream, held-out set and per-step hook).
 
 An `Environment` is created once per run from a task list; `start(task)` opens one `EnvEpisode`. An
-episode turns each model turn (the decoded text of one generation, ending with a stop marker or cut off) into
-either an observation the model sees next (a tool result) or the end of the episode with its reward.
+episode gives its `Prompt` (question, tools) and turns each model turn (one generation, parsed by the chat
+format into content and a tool call or an answer: `components.contracts.chat.ModelTurn`) into either an
+observation the model sees next (a tool's output) or the end of the episode with its reward. Episodes never see
+the chat format's markup: the format (components/chat) renders prompts and observations as token ids.
 Episodes keep their own state, so many run concurrently. `components/envs/registry.py` builds an `EnvSetup` for
 the environment `env.name` names.
 """
@@ -15,13 +17,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from components.contracts.chat import ModelTurn, Prompt
 from components.contracts.task import Task
 
 
 @dataclass(frozen=True)
 class StepResult:
     observation: str | None
-    """Text appended as observation tokens (action_mask 0), or None when the episode ends."""
+    """The tool's output, which the chat format appends as observation tokens (action_mask 0); None when the
+    episode ends."""
     done: bool
     """The episode is over."""
     reward: float = 0.0
@@ -30,13 +34,16 @@ class StepResult:
     """Why it ended when done: `stop` (answered), `tool_error`, ... (see `Trajectory.finish_reason`)."""
     info: dict[str, Any] = field(default_factory=dict)
     """Environment details for the trajectory's metadata (grading, test counts, ...)."""
+    malformed: bool = False
+    """The turn's tool call was malformed (bad JSON, unknown tool, missing argument): the runner counts these in
+    the trajectory's `metadata["malformed_calls"]`."""
 
 
 class EnvEpisode(Protocol):
-    def prompt_text(self) -> str:
-        """The full prompt (chat markers included) the first model turn continues."""
+    def prompt(self) -> Prompt:
+        """What the first model turn answers: the question and the tools the model may call."""
 
-    async def step(self, turn_text: str, truncated: bool) -> StepResult:
+    async def step(self, turn: ModelTurn, truncated: bool) -> StepResult:
         """React to one model turn; `truncated` is True when the turn hit its token limit."""
 
 

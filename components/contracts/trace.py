@@ -23,6 +23,9 @@ class Turn:
     """Text of the turn (for tool turns: the tool's output)."""
     tool_code: str | None = None
     """Python code of the tool call an assistant turn ends with; None for a final answer."""
+    reasoning: str | None = None
+    """An assistant turn's reasoning (a Thinking model's `<think>` block); None when it has none. Kept in SFT
+    sequences by chat formats with a reasoning channel (`hermes`), dropped by the marker format."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -31,6 +34,8 @@ class Turn:
             raise ValueError(f"content: must be a string, got {_clip(self.content)}")
         if self.tool_code is not None and not isinstance(self.tool_code, str):
             raise ValueError(f"tool_code: must be a string or None, got {_clip(self.tool_code)}")
+        if self.reasoning is not None and (not isinstance(self.reasoning, str) or self.role != "assistant"):
+            raise ValueError(f"reasoning: must be a string on an assistant turn or None, got {_clip(self.reasoning)}")
 
 
 @dataclass(frozen=True)

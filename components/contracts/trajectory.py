@@ -22,10 +22,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-FINISH_REASONS = ("stop", "length", "max_turns", "max_tokens", "timeout", "tool_error", "engine_error")
+FINISH_REASONS = (
+    "stop",
+    "length",
+    "max_turns",
+    "max_tokens",
+    "timeout",
+    "tool_error",
+    "engine_error",
+    "malformed_call",
+)
 """stop: the policy answered. length: a turn hit its token limit. max_turns / max_tokens: an episode limit.
 timeout: the wall-time limit. tool_error: the environment could not run a tool. engine_error: the engine
-failed."""
+failed. malformed_call: the policy's tool call could not be parsed or did not fit the tools, and
+`env.malformed_calls = "end"` ends such episodes."""
 
 
 @dataclass

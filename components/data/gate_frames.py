@@ -14,17 +14,16 @@ integer answer has no `answer_correct`).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
 from itertools import compress, islice
 from operator import le
+from typing import Any
 
 import pandas as pd
 
-from components.contracts.markers import CALL, CALL_END
-from components.contracts.trace import Trace
+from components.chat import ChatFormat, trace_segments
+from components.contracts.trace import Trace, Turn
 from components.contracts.trajectory import Trajectory
-from components.data.traces import assistant_text, render_segments
 
 TRACE_COLUMNS = ("problem_id", "answer")
 """The scalar Parquet columns of `write_traces`; its list columns are roles, contents and tool_codes."""
@@ -39,8 +38,6 @@ ROLLOUT_FRAME_COLUMNS = ROLLOUT_COLUMNS + ROLLOUT_DERIVED
 
 LOGPROB_TOLERANCE = 1e-6
 """A log-prob may exceed 0 by float rounding; the same tolerance as `Trajectory.validate`."""
-
-_CALL_MARKERS = re.compile(f"{re.escape(CALL)}|{re.escape(CALL_END)}")
 
 Grader = Callable[[str, int], bool]
 """`grade(final answer text, reference integer) -> correct`, e.g. `components.envs.grading.grade_answer`."""
@@ -62,52 +59,61 @@ def answer_correct(trace: Trace, grade: Grader) -> bool | None:
     return bool(grade(trace.turns[-1].content, trace.answer))
 
 
-def calls_balanced(trace: Trace) -> bool:
-    """Whether the tool-call markers of every rendered assistant turn are exactly those of its role.
-
-    A turn followed by a tool turn holds one call, opener then closer (rendering puts the closer at the
-    turn's end); the final turn holds none. So every opener has its closer, in order, none nested, and every call is
-    followed by a tool turn. A marker inside the text or code (`print('<|/python|>')`) breaks this: the
-    tokenizer makes it a special token, and the engine would stop or parse there.
-    """
+def calls_balanced(trace: Trace, chat: ChatFormat) -> bool:
+    """Whether every assistant turn, rendered in `chat`, reads back as what it is: its markup (`chat.markup`: the
+    call, response, reasoning and end tags) exactly that of a plain turn of its kind, and its parse a call with its
+    own code when a tool turn follows, else an answer. Markup inside the text or code breaks this
+    (`print('<|/python|>')` in the marker format, a `</tool_call>` or `<|im_end|>` in Hermes): the tokenizer makes
+    it a special token, and the engine would stop or parse there, so the policy could never produce the trace."""
     turns = trace.turns
     for i, turn in enumerate(turns):
         if turn.role != "assistant":
             continue
         answered = i + 1 < len(turns) and turns[i + 1].role == "tool"
-        expected = [CALL, CALL_END] if answered else []
-        if _CALL_MARKERS.findall(assistant_text(turn)) != expected:
+        text = chat.action_text(turn)
+        plain = chat.action_text(
+            Turn("assistant", "x" if turn.content else "", "x" if answered else None, "x" if turn.reasoning else None)
+        )
+        if any(text.count(mark) != plain.count(mark) for mark in chat.markup):
+            return False
+        parsed = chat.parse(text, truncated=False)
+        if answered and (parsed.call is None or parsed.call.arguments.get("code") != turn.tool_code):
+            return False
+        if not answered and not parsed.is_final:
             return False
     return True
 
 
-def token_counts(traces: Sequence[Trace], tokenizer) -> list[int]:
-    """Rendered token count of each trace: `len(render_tokens(trace, tokenizer)[0])`, in one batch.
+def token_counts(traces: Sequence[Trace], chat: ChatFormat, tools: tuple[dict[str, Any], ...] = ()) -> list[int]:
+    """Rendered token count of each trace: `len(render_trace(chat, trace, tools)[0])`, in one batch.
 
-    Segments are tokenised on their own, as `render_tokens` does, but in one `encode_batch_fast` call of the
+    Segments are tokenised on their own, as `render_trace` does, but in one `encode_batch_fast` call of the
     Rust tokenizer: one `tokenizer(...)` call per segment costs ~0.4 ms per trace (8 s for 20,000 traces),
-    the batch ~2 s. `tokenizer` must be a fast (Rust-backed) Hugging Face tokenizer.
+    the batch ~2 s. The format's tokenizer must be a fast (Rust-backed) Hugging Face tokenizer.
     """
+    tokenizer = getattr(chat, "tokenizer", None)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise ValueError(
             f"tokenizer: the gate needs a fast tokenizer with a backend_tokenizer, got {type(tokenizer).__name__}"
         )
-    per_trace = [[text for text, _ in render_segments(t)] for t in traces]
+    per_trace = [[text for text, _ in trace_segments(chat, t, tools)] for t in traces]
     encodings = backend.encode_batch_fast([text for texts in per_trace for text in texts], add_special_tokens=False)
     lengths = iter([len(e) for e in encodings])
     return [sum(islice(lengths, len(texts))) for texts in per_trace]
 
 
-def trace_frame(traces: Sequence[Trace], tokenizer, grade: Grader) -> pd.DataFrame:
-    """One row per trace: `TRACE_COLUMNS` and `TRACE_DERIVED`, in that order."""
+def trace_frame(
+    traces: Sequence[Trace], chat: ChatFormat, grade: Grader, tools: tuple[dict[str, Any], ...] = ()
+) -> pd.DataFrame:
+    """One row per trace: `TRACE_COLUMNS` and `TRACE_DERIVED`, in that order; rendered in `chat` with `tools`."""
     columns = {
         "problem_id": [t.problem_id for t in traces],
         "answer": [t.answer for t in traces],
         "final_answer": [final_answer(t) for t in traces],
         "answer_correct": [answer_correct(t, grade) for t in traces],
-        "calls_balanced": [calls_balanced(t) for t in traces],
-        "n_tokens": token_counts(traces, tokenizer),
+        "calls_balanced": [calls_balanced(t, chat) for t in traces],
+        "n_tokens": token_counts(traces, chat, tools),
     }
     return _frame(columns, {"n_tokens": "int64"})
 

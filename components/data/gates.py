@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from components.chat import ChatFormat
 from components.contracts.trace import Trace
 from components.contracts.trajectory import FINISH_REASONS, Trajectory
 from components.data.gate_frames import (
@@ -209,12 +210,20 @@ def rollout_expectations(
 
 
 def check_traces(
-    traces: Sequence[Trace], tokenizer, max_tokens: int, min_tokens: int = 1, *, grade: Grader, max_rows: int = 5
+    traces: Sequence[Trace],
+    chat: ChatFormat,
+    max_tokens: int,
+    min_tokens: int = 1,
+    *,
+    grade: Grader,
+    tools: tuple[dict[str, Any], ...] = (),
+    max_rows: int = 5,
 ) -> GateReport:
-    """Gate distilled traces. `tokenizer` renders them (a fast HF tokenizer), `max_tokens` is the rollout
-    budget (`rollout.max_total_tokens`), `grade` grades a final answer (`envs.grading.grade_answer`; passed in
-    because `envs` imports `data`). Reports the first `max_rows` offending rows of each expectation."""
-    frame = trace_frame(traces, tokenizer, grade)
+    """Gate distilled traces. `chat` renders them (the student's chat format over a fast HF tokenizer) with the
+    environment's `tools`, `max_tokens` is the rollout budget (`rollout.max_total_tokens`), `grade` grades a final
+    answer (`envs.grading.grade_answer`; passed in because `envs` imports `data`). Reports the first `max_rows`
+    offending rows of each expectation."""
+    frame = trace_frame(traces, chat, grade, tools)
     return validate_frame(frame, "traces", trace_expectations(max_tokens, min_tokens), "problem_id", max_rows)
 
 

@@ -151,7 +151,7 @@ def _check_message(i: int, message: ChatMessage, expected: Turn, call_id: str | 
 
 
 def _reasoning(turn: Turn) -> str:
-    """A short `reasoning_content`, as GPT-OSS through vLLM sends (the client must not put it in the trace)."""
+    """A short `reasoning_content`, as GPT-OSS through vLLM sends (the client keeps it on the trace's turn)."""
     return f"Run {turn.tool_code} in the python tool." if turn.tool_code is not None else "Box the answer."
 
 

@@ -24,8 +24,9 @@ Decisions worth knowing:
   turn. Nothing is lost, and a later call in the split trace merely sees more than the teacher did.
 - GPT-OSS through vLLM puts its reasoning in `reasoning_content` (or `reasoning`) and may leave `content`
   null on tool-call turns. Null content reads as "". The reasoning is sent back to the endpoint with the
-  assistant message (the teacher keeps its chain of thought across tool calls) but does not enter the trace:
-  the student's chat format has no reasoning channel.
+  assistant message (the teacher keeps its chain of thought across tool calls) and kept on the trace's turn
+  (`Turn.reasoning`): a student format with a reasoning channel (`hermes`, `<think>`) trains on it, the marker
+  format drops it when it renders the trace.
 - The grader is a required keyword argument (`grade=components.envs.grading.grade_answer` for tir_math):
   `envs` imports `data`, so `data` importing `envs` would be an import cycle.
 

@@ -1,11 +1,10 @@
 """Rendering and storage of tool-integrated reasoning traces (`components.contracts.trace`).
 
 A real teacher (GPT-OSS-120B behind an OpenAI-compatible endpoint) returns OpenAI chat messages with
-`tool_calls`; `trace_from_openai_messages` parses those into the same `Trace`, so SFT sees one format. The
-chat markers are in `components.contracts.markers`.
-
-Each segment is tokenised on its own and the ids concatenated, exactly as the agent loop builds a
-trajectory, so training never sees a retokenised sequence that rollouts did not produce.
+`tool_calls`; `trace_from_openai_messages` parses those into the same `Trace`, so SFT sees one format. A trace
+is rendered to tokens by the student's chat format (`components.chat.render_trace`): each segment tokenised on
+its own and the ids concatenated, exactly as the agent loop builds a trajectory, so training never sees a
+retokenised sequence that rollouts did not produce.
 """
 
 from __future__ import annotations
@@ -18,49 +17,16 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from components.contracts.markers import (
-    answer_text,
-    observation_text,
-    prompt_text,
-    tool_call_text,
-)
 from components.contracts.trace import Trace, Turn
-
-
-def assistant_text(turn: Turn) -> str:
-    """The tokens the policy writes for an assistant turn."""
-    if turn.tool_code is not None:
-        return tool_call_text(turn.content, turn.tool_code)
-    return answer_text(turn.content)
-
-
-def render_segments(trace: Trace) -> list[tuple[str, bool]]:
-    """`(text, is_action)` segments of a trace in order."""
-    segments = [(prompt_text(trace.turns[0].content), False)]
-    for turn in trace.turns[1:]:
-        if turn.role == "assistant":
-            segments.append((assistant_text(turn), True))
-        else:
-            segments.append((observation_text(turn.content), False))
-    return segments
-
-
-def render_tokens(trace: Trace, tokenizer) -> tuple[list[int], list[int]]:
-    """Token ids and action mask of a trace, segment by segment."""
-    ids: list[int] = []
-    mask: list[int] = []
-    for text, is_action in render_segments(trace):
-        seg = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids.extend(seg)
-        mask.extend([int(is_action)] * len(seg))
-    return ids, mask
 
 
 def trace_from_openai_messages(problem_id: str, messages: list[dict], answer: int | None) -> Trace:
     """Parse an OpenAI chat transcript (a real teacher's output) into a `Trace`.
 
     Assistant messages may carry `tool_calls` with a function named `python` whose JSON arguments hold
-    `code`; tool messages carry the output. System messages are dropped (the prompt format is ours).
+    `code`, and their reasoning as `reasoning_content` (vLLM's and DeepSeek's field) or `reasoning` (OpenAI's
+    newer one): it is kept, and the student's chat format decides whether it has a channel for it. Tool messages
+    carry the output. System messages are dropped (the student's prompt is its chat format's).
     """
     if not isinstance(messages, list):
         raise ValueError(f"messages: expected a list of chat messages, got {type(messages).__name__}")
@@ -74,6 +40,11 @@ def trace_from_openai_messages(problem_id: str, messages: list[dict], answer: in
         content = message.get("content") or ""
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content: expected a string, got {type(content).__name__}")
+        reasoning = (
+            (message.get("reasoning_content") or message.get("reasoning") or None) if role == "assistant" else None
+        )
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise ValueError(f"messages[{i}].reasoning_content: expected a string, got {type(reasoning).__name__}")
         if role == "assistant" and message.get("tool_calls"):
             calls = message["tool_calls"]
             if not isinstance(calls, list) or len(calls) != 1 or not isinstance(calls[0], dict):
@@ -98,9 +69,9 @@ def trace_from_openai_messages(problem_id: str, messages: list[dict], answer: in
                     f"messages[{i}].tool_calls[0].function.arguments: 'code' must be a string, got "
                     f"{type(code).__name__}"
                 )
-            turns.append(Turn("assistant", content, code))
+            turns.append(Turn("assistant", content, code, reasoning))
         elif role in ("user", "assistant", "tool"):
-            turns.append(Turn(role, content))
+            turns.append(Turn(role, content, reasoning=reasoning))
         else:
             raise ValueError(f"messages[{i}].role: unknown role {role!r}")
     return Trace(problem_id, tuple(turns), answer)
@@ -113,8 +84,10 @@ _SCHEMA = pa.schema(
         ("roles", pa.list_(pa.string())),
         ("contents", pa.list_(pa.string())),
         ("tool_codes", pa.list_(pa.string())),
+        ("reasonings", pa.list_(pa.string())),  # optional on read: files written before it have no reasoning
     ]
 )
+_REQUIRED = _SCHEMA.names[:5]
 
 
 def write_traces(path: str | Path, traces: list[Trace]) -> Path:
@@ -128,6 +101,7 @@ def write_traces(path: str | Path, traces: list[Trace]) -> Path:
             "roles": [[turn.role for turn in t.turns] for t in traces],
             "contents": [[turn.content for turn in t.turns] for t in traces],
             "tool_codes": [[turn.tool_code for turn in t.turns] for t in traces],
+            "reasonings": [[turn.reasoning for turn in t.turns] for t in traces],
         },
         schema=_SCHEMA,
     )
@@ -137,25 +111,28 @@ def write_traces(path: str | Path, traces: list[Trace]) -> Path:
 
 def trace_from_row(rec: Mapping[str, Any]) -> Trace:
     """A trace from its stored row: `problem_id`, `answer` and the turns as parallel lists `roles`, `contents`,
-    `tool_codes`. A missing column, a value of the wrong type or a malformed conversation is a ValueError
+    `tool_codes` and optionally `reasonings`. A missing column, a value of the wrong type or a malformed conversation is a ValueError
     naming the field (and the turn's index)."""
     if not isinstance(rec, Mapping):
         raise ValueError(f"trace: expected an object with the columns {_SCHEMA.names}, got {type(rec).__name__}")
-    missing = [name for name in _SCHEMA.names if name not in rec]
+    missing = [name for name in _REQUIRED if name not in rec]
     if missing:
         raise ValueError(f"trace: missing field(s) {missing}")
     columns = {name: rec[name] for name in ("roles", "contents", "tool_codes")}
+    columns["reasonings"] = rec.get("reasonings")
+    if columns["reasonings"] is None and isinstance(columns["roles"], list):
+        columns["reasonings"] = [None] * len(columns["roles"])
     for name, values in columns.items():
         if not isinstance(values, list):
             raise ValueError(f"trace {rec['problem_id']}: {name} must be a list, got {type(values).__name__}")
     n = len(columns["roles"])
-    for name in ("contents", "tool_codes"):
+    for name in ("contents", "tool_codes", "reasonings"):
         if len(columns[name]) != n:
             raise ValueError(f"trace {rec['problem_id']}: {name} has {len(columns[name])} entries, roles has {n}")
     turns = []
-    for i, (role, content, code) in enumerate(zip(*columns.values())):
+    for i, (role, content, code, reasoning) in enumerate(zip(*columns.values())):
         try:
-            turns.append(Turn(role, content, code))
+            turns.append(Turn(role, content, code, reasoning))
         except ValueError as exc:
             raise ValueError(f"trace {rec['problem_id']}: turns[{i}].{exc}") from None
     return Trace(rec["problem_id"], tuple(turns), rec["answer"])
@@ -169,7 +146,7 @@ def read_traces(path: str | Path) -> list[Trace]:
         table = pq.read_table(path)
     except pa.ArrowException as exc:
         raise ValueError(f"{where}not a readable Parquet file of traces: {exc}") from exc
-    missing = set(_SCHEMA.names) - set(table.column_names)
+    missing = set(_REQUIRED) - set(table.column_names)
     if missing:
         raise ValueError(f"{where}missing columns {sorted(missing)}")
     traces = []

@@ -1,9 +1,8 @@
 """`coding`: write a Python function that passes hidden tests.
 
 A task's answer is `{"entry_point": "add", "tests": ["assert add(1, 2) == 3", ...]}`. The model may make
-Python tool calls (run in the sandbox exactly like TIR) as often as it likes; its final turn (ending with
-`<|end|>`) holds the solution: the last ```python (or ```py / bare ```) fenced block of that turn, else the
-whole text of the turn before `<|end|>`.
+Python tool calls (run in the sandbox exactly like TIR) as often as it likes; its final turn holds the solution:
+the last ```python (or ```py / bare ```) fenced block of the turn's content, else the whole content.
 
 Grading is one sandbox call (`coding_harness.harness_program`, where the design is described): the hidden
 tests run in one process (the runner), the solution in another (a fresh interpreter that never holds the
@@ -26,21 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from components.contracts.chat import ModelTurn, Prompt
 from components.contracts.environment import StepResult
-from components.contracts.markers import (
-    CALL,
-    CALL_END,
-    END,
-    observation_text,
-    prompt_text,
-)
 from components.contracts.task import Task
 from components.contracts.trace import Trace, Turn
 from components.data.problem_sets import load_tasks
 from components.envs.coding_harness import RESULT_MARKER, harness_program
 from components.envs.latency import ToolLatency
 from components.envs.python_tool import PythonTool
-from components.sandbox.run import SandboxError, run_python
+from components.envs.tool_calls import TOOLS, MalformedCalls, call_problem, check_mode, malformed_step
+from components.sandbox.run import DEFAULT_PACKAGES, SandboxError, run_python
 
 DEFAULT_PROBLEMS = Path(__file__).resolve().parents[2] / "data" / "coding" / "problems.jsonl"
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -97,9 +91,8 @@ def solution_trace(task: Task) -> Trace:
     return Trace(task.task_id, (Turn("user", task.prompt), Turn("assistant", answer)), None)
 
 
-def extract_solution(turn_text: str) -> str:
-    """The code of a final turn: the last fenced block, else the text before `<|end|>`."""
-    text = turn_text[: turn_text.rfind(END)] if END in turn_text else turn_text
+def extract_solution(text: str) -> str:
+    """The code of a final turn's content: its last fenced block, else the whole content."""
     blocks = _FENCE.findall(text)
     return blocks[-1] if blocks else text
 
@@ -157,6 +150,8 @@ class CodingEnvironment:
         reward: Literal["fraction", "all_pass"] = "fraction",
         timeout_s: float = 5.0,
         max_output_chars: int = 256,
+        malformed_calls: MalformedCalls = "observe",
+        packages: tuple[str, ...] = DEFAULT_PACKAGES,
     ) -> None:
         if reward not in ("fraction", "all_pass"):
             raise ValueError(f"reward must be 'fraction' or 'all_pass', got {reward!r}")
@@ -167,7 +162,8 @@ class CodingEnvironment:
             coding_spec(task)
         self.latency = latency if latency is not None else ToolLatency()
         self.reward, self.timeout_s = reward, timeout_s
-        self.tool = PythonTool(timeout_s=timeout_s, max_chars=max_output_chars)
+        self.tool = PythonTool(timeout_s=timeout_s, max_chars=max_output_chars, packages=packages)
+        self.malformed_calls = check_mode(malformed_calls)
 
     def start(self, task: Task) -> CodingEpisode:
         """A fresh episode; ValueError when the task's answer is not a coding spec."""
@@ -182,28 +178,29 @@ class CodingEpisode:
         self.entry_point, self.tests = coding_spec(task)
         self.tool_calls = 0
 
-    def prompt_text(self) -> str:
-        """`<|user|>{prompt}<|assistant|>`."""
-        return prompt_text(self.task.prompt)
+    def prompt(self) -> Prompt:
+        return Prompt(self.task.prompt, tools=TOOLS)
 
-    async def step(self, turn_text: str, truncated: bool) -> StepResult:
+    async def step(self, turn: ModelTurn, truncated: bool) -> StepResult:
         """Run a tool call, or grade the final turn; a truncated turn ends the episode unrewarded."""
         info: dict = {"tool_calls": self.tool_calls}
         if truncated:
             return StepResult(None, True, 0.0, "length", info)
-        if turn_text.endswith(CALL_END):
-            begin = turn_text.rfind(CALL)
-            code = turn_text[begin + len(CALL) : -len(CALL_END)] if begin >= 0 else ""
+        problem = call_problem(turn)
+        if problem is not None:
+            return malformed_step(problem, self.env.malformed_calls, info)
+        if turn.call is not None:
+            code = turn.call.arguments["code"]
             await self.env.latency.wait(self.env.latency.sampler(f"{self.task.task_id}:{self.tool_calls}"))
             self.tool_calls += 1
             try:
                 output = await asyncio.to_thread(self.env.tool, code)
             except SandboxError as exc:
                 return StepResult(None, True, 0.0, "tool_error", {"tool_calls": self.tool_calls, "error": str(exc)})
-            return StepResult(observation_text(output), False)
+            return StepResult(output, False)
         try:
             grade = await asyncio.to_thread(
-                run_tests, extract_solution(turn_text), self.entry_point, self.tests, self.env.timeout_s
+                run_tests, extract_solution(turn.content), self.entry_point, self.tests, self.env.timeout_s
             )
         except SandboxError as exc:
             return StepResult(None, True, 0.0, "tool_error", {**info, "error": str(exc)})

@@ -3,7 +3,7 @@ becomes the observation text the model sees next."""
 
 from __future__ import annotations
 
-from components.sandbox.run import SandboxResult, run_python
+from components.sandbox.run import DEFAULT_PACKAGES, SandboxResult, run_python
 
 
 def observation_from_result(result: SandboxResult, max_chars: int = 256) -> str:
@@ -21,11 +21,19 @@ def observation_from_result(result: SandboxResult, max_chars: int = 256) -> str:
 
 
 class PythonTool:
-    """Callable tool runner: `tool(code) -> observation text`."""
+    """Callable tool runner: `tool(code) -> observation text`.
 
-    def __init__(self, timeout_s: float = 5.0, max_chars: int = 256) -> None:
+    `timeout_s` is each call's wall-clock limit, `max_chars` the longest observation, `packages` the top-level
+    import names the code may import besides the standard library (`run_python`'s allow-list).
+    """
+
+    def __init__(
+        self, timeout_s: float = 5.0, max_chars: int = 256, packages: tuple[str, ...] = DEFAULT_PACKAGES
+    ) -> None:
         self.timeout_s = timeout_s
         self.max_chars = max_chars
+        self.packages = packages
 
     def __call__(self, code: str) -> str:
-        return observation_from_result(run_python(code, timeout_s=self.timeout_s), self.max_chars)
+        result = run_python(code, timeout_s=self.timeout_s, packages=self.packages)
+        return observation_from_result(result, self.max_chars)

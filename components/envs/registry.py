@@ -44,6 +44,7 @@ from components.envs.style import (
 )
 from components.envs.style_teacher import style_traces
 from components.envs.tir_math import TIRMathEnvironment, tasks_from_problems
+from components.envs.tool_calls import TOOLS
 
 SYNTHETIC_CHUNK = 4096
 """Problems generated at a time by the synthetic stream (changing it changes nothing but speed)."""
@@ -99,7 +100,12 @@ def _cycled(tasks: list[Task], cfg: Config) -> Prompts:
 
 
 def _tir_math(cfg: Config) -> EnvSetup:
-    env = TIRMathEnvironment(cfg.rollout.tool_timeout_s, _latency(cfg))
+    env = TIRMathEnvironment(
+        cfg.rollout.tool_timeout_s,
+        _latency(cfg),
+        malformed_calls=cfg.env.malformed_calls,
+        packages=cfg.rollout.tool_packages,
+    )
     if cfg.env.tasks:
         prompts = _cycled(load_tasks(cfg.env.tasks), cfg)
     else:
@@ -117,7 +123,13 @@ def _tir_math(cfg: Config) -> EnvSetup:
 
 def _coding(cfg: Config) -> EnvSetup:
     tasks = load_coding_tasks(cfg.env.tasks or None)
-    env = CodingEnvironment(tasks, latency=_latency(cfg), timeout_s=cfg.rollout.tool_timeout_s)
+    env = CodingEnvironment(
+        tasks,
+        latency=_latency(cfg),
+        timeout_s=cfg.rollout.tool_timeout_s,
+        malformed_calls=cfg.env.malformed_calls,
+        packages=cfg.rollout.tool_packages,
+    )
     return EnvSetup("coding", env, _cycled(tasks, cfg), lambda: load_coding_tasks(cfg.env.eval_tasks or None))
 
 
@@ -154,11 +166,13 @@ class EnvKind:
     teacher: Callable[[Config], list[Trace]]
     """Writes the SFT traces: tir_math `task.train_size` TIR traces; style `task.train_size` answers of
     uniformly mixed styles; coding one reference-solution trace per training task."""
+    tools: tuple[dict, ...] = ()
+    """The tool schemas its episodes offer (`Prompt.tools`): SFT renders its traces' prompts with them."""
 
 
 ENVIRONMENTS: dict[str, EnvKind] = {
-    "tir_math": EnvKind(_tir_math, _tir_math_traces),
-    "coding": EnvKind(_coding, _coding_traces),
+    "tir_math": EnvKind(_tir_math, _tir_math_traces, TOOLS),
+    "coding": EnvKind(_coding, _coding_traces, TOOLS),
     "style": EnvKind(_style, _style_traces),
 }
 
@@ -172,6 +186,11 @@ def _kind(cfg: Config) -> EnvKind:
 def build_env(cfg: Config) -> EnvSetup:
     """The environment `cfg.env.name` names, with its training stream, held-out set and step hook."""
     return _kind(cfg).build(cfg)
+
+
+def env_tools(cfg: Config) -> tuple[dict, ...]:
+    """The tool schemas of `cfg.env.name`'s episodes (see `EnvKind.tools`)."""
+    return _kind(cfg).tools
 
 
 def sft_traces(cfg: Config) -> list[Trace]:

@@ -18,8 +18,8 @@ from typing import Protocol
 
 import httpx
 
+from components.contracts.chat import ModelTurn, Prompt
 from components.contracts.environment import StepResult
-from components.contracts.markers import END, prompt_text
 from components.contracts.task import Task
 from components.data.problem_sets import load_tasks
 
@@ -254,13 +254,14 @@ class StyleEpisode:
     def __init__(self, env: StyleEnvironment, task: Task, preferred: str) -> None:
         self.env, self.task, self.preferred = env, task, preferred
 
-    def prompt_text(self) -> str:
-        """`<|user|>{prompt}<|assistant|>`."""
-        return prompt_text(self.task.prompt)
+    def prompt(self) -> Prompt:
+        """The question; no tools."""
+        return Prompt(self.task.prompt)
 
-    async def step(self, turn_text: str, truncated: bool) -> StepResult:
-        """Score the turn (a cut-off turn too, with finish_reason `length`); a failing judge gives `tool_error`."""
-        response = turn_text[: turn_text.rfind(END)] if END in turn_text else turn_text
+    async def step(self, turn: ModelTurn, truncated: bool) -> StepResult:
+        """Score the turn's content (a cut-off turn too, with finish_reason `length`); a failing judge gives
+        `tool_error`."""
+        response = turn.content
         info: dict = {"preferred": self.preferred}
         try:
             score = float(await self.env.judge.score(self.task.prompt, response, self.preferred))

@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from components.agent.runner import AgentRunner, EpisodeLimits
+from components.chat import ChatFormat
 from components.contracts.environment import Environment
 from components.contracts.task import Task
 from components.contracts.trajectory import Trajectory
@@ -92,13 +93,12 @@ def score(greedy: list[Trajectory], sampled: list[list[Trajectory]], threshold: 
 
 def evaluate(
     engine,
-    tokenizer,
+    chat: ChatFormat,
     env: Environment,
     tasks: list[Task],
     limits: EpisodeLimits,
     samples: int = 1,
     concurrency: int = 64,
-    stop_token_ids: tuple[int, ...] = (),
     seed: int = 0,
 ) -> EvalReport:
     """Greedy episodes of every task, plus `samples` sampled ones at `limits.temperature` when samples > 1."""
@@ -112,9 +112,7 @@ def evaluate(
     start = time.perf_counter()
 
     def run(batch: list[Task], temperature: float) -> dict[str, Trajectory]:
-        runner = AgentRunner(
-            engine, tokenizer, env, replace(limits, temperature=temperature), concurrency, stop_token_ids, seed=seed
-        )
+        runner = AgentRunner(engine, chat, env, replace(limits, temperature=temperature), concurrency, seed=seed)
         return {t.prompt_id: t for t in asyncio.run(runner.run(batch))}
 
     greedy_by_id = run(tasks, 0.0)

@@ -5,6 +5,12 @@ The LM head runs on `chunk_size` positions at a time, so memory stays O(chunk_si
 O(B x T x vocab), which at a 150k vocabulary and 32k tokens would be hundreds of GB. With autograd on, each
 chunk is recomputed in the backward pass (activation checkpointing), so the backward pass holds one
 chunk's logits at a time too. Uses logsumexp, so the full log-softmax is never materialised either.
+
+With `positions` (a `(B, T)` bool mask, the action tokens) the head runs only there: every other position is 0
+(entropy 0, not the argmax). Training reads log-probs on action tokens only, and with a Qwen-sized vocabulary
+the head is most of the compute: the system prompt with its tool schemas alone is a few hundred tokens per
+episode. `head_positions` says when that pays: the gather costs more than it saves for a small vocabulary (the
+character tokenizer's 106 entries), whose numbers therefore stay bit-for-bit those of the full head.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ def token_logprobs(
     attention_mask: Tensor | None = None,
     chunk_size: int = 1024,
     return_stats: bool = False,
+    positions: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, TokenStats]:
     """Log-prob of each token given its prefix.
 
@@ -45,6 +52,7 @@ def token_logprobs(
         chunk_size: positions per LM-head chunk.
         return_stats: also return `TokenStats` (entropy, and whether the token is the argmax) of each position's
             sampling distribution, detached.
+        positions: `(B, T)` bool, optional: compute only these positions (the rest are 0 / False).
 
     Returns:
         `(B, T)` float32 log-probs (position 0 is 0); with `return_stats`, also the `TokenStats`.
@@ -57,7 +65,20 @@ def token_logprobs(
         raise ValueError(f"{type(model).__name__} soft-caps its logits; token_logprobs would not match it")
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     head = model.get_output_embeddings()
-    return chunked_head_logprobs(hidden, input_ids, head.weight, head.bias, temperature, chunk_size, return_stats)
+    return chunked_head_logprobs(
+        hidden, input_ids, head.weight, head.bias, temperature, chunk_size, return_stats, positions
+    )
+
+
+HEAD_GATHER_MIN_VOCAB = 4096
+"""From this vocabulary size on, `head_positions` has the head run on the action tokens only."""
+
+
+def head_positions(model: PreTrainedModel, action_mask: Tensor) -> Tensor | None:
+    """`positions` for `token_logprobs` when only the action tokens are read: the action mask for a large
+    vocabulary, None (every position) for a small one."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return action_mask.bool() if vocab >= HEAD_GATHER_MIN_VOCAB else None
 
 
 def chunked_head_logprobs(
@@ -68,11 +89,20 @@ def chunked_head_logprobs(
     temperature: float,
     chunk_size: int = 1024,
     return_stats: bool = False,
+    positions: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, TokenStats]:
     """The chunked LM-head part of `token_logprobs`. hidden `(B, T, H)`, input_ids `(B, T)`, weight `(V, H)`."""
     batch, length, width = hidden.shape
     flat_hidden = hidden[:, :-1].reshape(-1, width)
     targets = input_ids[:, 1:].reshape(-1)
+    if positions is not None:
+        chosen = positions[:, 1:].reshape(-1).nonzero().squeeze(1)
+        # One row of n + 1 positions whose n predictions are the chosen ones (the head reads hidden[:, :-1]).
+        rows = torch.cat([flat_hidden[chosen], flat_hidden.new_zeros(1, width)])[None]
+        result = chunked_head_logprobs(
+            rows, torch.cat([targets[:1], targets[chosen]])[None], weight, bias, temperature, chunk_size, return_stats
+        )
+        return _scatter(result, chosen, batch, length, hidden.device)
     use_checkpoint = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     logprob_chunks, entropy_chunks, argmax_chunks = [], [], []
     for start in range(0, flat_hidden.shape[0], chunk_size):
@@ -96,6 +126,20 @@ def chunked_head_logprobs(
     )
 
 
+def _scatter(result, chosen: Tensor, batch: int, length: int, device) -> Tensor | tuple[Tensor, TokenStats]:
+    """The `(1, 1 + n)` result over the chosen predictions, put back at their places in `(B, T)`."""
+
+    def place(values: Tensor) -> Tensor:
+        flat = torch.zeros(batch * (length - 1), dtype=values.dtype, device=device)
+        flat = flat.index_put((chosen,), values[0, 1:])
+        return torch.cat([torch.zeros(batch, 1, dtype=values.dtype, device=device), flat.view(batch, length - 1)], 1)
+
+    if isinstance(result, tuple):
+        logprobs, stats = result
+        return place(logprobs), TokenStats(place(stats.entropy), place(stats.is_argmax))
+    return place(result)
+
+
 def _align(chunks: list[Tensor], batch: int, length: int, dtype: torch.dtype, device) -> Tensor:
     """Per-prediction chunks (positions 1..T-1 flattened) as `(B, T)` with a zero first column."""
     zero_col = torch.zeros(batch, 1, dtype=dtype, device=device)
@@ -105,7 +149,12 @@ def _align(chunks: list[Tensor], batch: int, length: int, dtype: torch.dtype, de
 
 
 def _chunk_logprobs(h: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    logits = F.linear(h, weight, bias).float() / temperature
+    logits = F.linear(h, weight, bias).float()
+    if temperature != 1.0:  # x / 1.0 == x exactly: skipping it saves a pass over (n, V), forward and backward
+        logits = logits / temperature
+    if weight.shape[0] >= HEAD_GATHER_MIN_VOCAB:
+        # cross_entropy's fused softmax backward: 1.4x faster than gather - logsumexp at 151k entries on CPU
+        return -F.cross_entropy(logits, targets, reduction="none")
     return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 

@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from components.config import ModelConfig
-from components.models.tokenizer import build_tokenizer, load_tokenizer
+from components.models.tokenizer import config_tokenizer, load_tokenizer
 
 
 def build_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> PreTrainedModel:
@@ -70,8 +70,8 @@ def save_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, p
 
 
 def init_model_dir(cfg: ModelConfig, path: str | Path, seed: int = 0) -> Path:
-    """`sao model init`: a fresh preset model and the character tokenizer as an HF directory."""
-    tokenizer = build_tokenizer()
+    """`sao model init`: a fresh preset model and its tokenizer (`model.tokenizer`) as an HF directory."""
+    tokenizer = config_tokenizer(cfg.tokenizer)
     return save_model_dir(build_policy(cfg, tokenizer, seed), tokenizer, path)
 
 

@@ -26,9 +26,9 @@ from components.data.teacher_client import TeacherEndpoint, distill
 from components.data.traces import read_traces, write_traces
 from components.envs.grading import grade_answer
 from components.envs.python_tool import PythonTool
-from components.envs.registry import sft_traces
+from components.envs.registry import env_tools, sft_traces
 from components.envs.tir_math import tasks_from_problems
-from components.models import build_tokenizer, load_tokenizer
+from components.models import start_chat
 from components.stages.home import Log, available, publish
 from components.stages.recipes import data_recipe, dataset_key
 from components.storage import atomic_dir, write_json
@@ -80,7 +80,7 @@ def write_teacher_traces(cfg: Config, log: Log = print, progress: Progress | Non
     result = distill(
         endpoint,
         tasks,
-        PythonTool(timeout_s=cfg.rollout.tool_timeout_s),
+        PythonTool(timeout_s=cfg.rollout.tool_timeout_s, packages=cfg.rollout.tool_packages),
         cfg.distill.max_turns,
         cfg.distill.concurrency,
         progress=progress,
@@ -93,8 +93,9 @@ def write_teacher_traces(cfg: Config, log: Log = print, progress: Progress | Non
 
 def gate_traces(cfg: Config, traces: list[Trace]) -> GateReport:
     """The trace gate (components/data/gates.py) with this config's bounds."""
-    tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else build_tokenizer()
-    return check_traces(traces, tokenizer, max_tokens=cfg.rollout.max_total_tokens, grade=grade_answer)
+    return check_traces(
+        traces, start_chat(cfg.model), max_tokens=cfg.rollout.max_total_tokens, grade=grade_answer, tools=env_tools(cfg)
+    )
 
 
 def save_dataset(cfg: Config, home: Path, distilled: Distilled, report: GateReport, log: Log = print) -> Path:

@@ -20,12 +20,7 @@ from components.contracts.trajectory import write_trajectories
 from components.envs.registry import build_env
 from components.eval.benchmarks import load_benchmark
 from components.eval.evaluate import EvalReport, evaluate
-from components.models import (
-    load_policy,
-    load_tokenizer,
-    save_model_dir,
-    stop_token_ids,
-)
+from components.models import load_chat, load_policy, load_tokenizer, save_model_dir
 from components.rollout.embedded import EmbeddedEngine
 from components.stages.home import Log, existing_sft
 from components.stages.recipes import eval_task
@@ -95,18 +90,18 @@ def run_eval(
     setup = build_env(cfg)  # as a run starts: style prefers the schedule's first style
     tasks = tasks if tasks is not None else setup.eval_tasks()
     log(f"eval: {len(tasks)} {eval_set or cfg.env.name + ' held-out'} tasks x {samples} sample(s), {model_dir}")
-    tokenizer = load_tokenizer(model_dir)
+    chat = load_chat(model_dir, cfg.model.chat_format)
+    tokenizer = chat.tokenizer
     engine = EmbeddedEngine(load_policy(model_dir), tokenizer, max_batch=cfg.rollout.max_batch).start()
     try:
         report = evaluate(
             engine,
-            tokenizer,
+            chat,
             setup.env,
             tasks,
             episode_limits(cfg),
             samples,
             concurrency=cfg.rollout.max_batch,
-            stop_token_ids=tuple(stop_token_ids(tokenizer)),
             seed=cfg.task.seed,
         )
     finally:

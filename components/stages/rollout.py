@@ -18,7 +18,7 @@ from components.contracts.environment import Environment
 from components.contracts.task import Task
 from components.contracts.trajectory import Trajectory, write_trajectories
 from components.envs.registry import build_env
-from components.models import load_policy, load_tokenizer, stop_token_ids
+from components.models import load_chat, load_policy
 from components.rollout.embedded import EmbeddedEngine
 
 
@@ -29,11 +29,9 @@ def sample_episodes(
     config's episode limits and temperature, `concurrency` episodes in flight; `seed` seeds the per-request
     sampling (each request's seed depends on it, the task id and the turn, never on the concurrency).
     Returns (trajectories in finish order, seconds)."""
-    tokenizer = load_tokenizer(model_dir)
-    engine = EmbeddedEngine(load_policy(model_dir), tokenizer, max_batch=cfg.rollout.max_batch).start()
-    runner = AgentRunner(
-        engine, tokenizer, env, episode_limits(cfg), concurrency, tuple(stop_token_ids(tokenizer)), seed=seed
-    )
+    chat = load_chat(model_dir, cfg.model.chat_format)
+    engine = EmbeddedEngine(load_policy(model_dir), chat.tokenizer, max_batch=cfg.rollout.max_batch).start()
+    runner = AgentRunner(engine, chat, env, episode_limits(cfg), concurrency, seed=seed)
     start = time.perf_counter()
     try:
         trajectories = asyncio.run(runner.run(tasks))

@@ -15,12 +15,8 @@ from pathlib import Path
 
 from components.config import Config
 from components.data.traces import read_traces
-from components.models import (
-    build_policy,
-    build_tokenizer,
-    load_tokenizer,
-    save_model_dir,
-)
+from components.envs.registry import env_tools
+from components.models import build_policy, save_model_dir, start_chat
 from components.stages.distill import run_distill
 from components.stages.evaluate import run_eval
 from components.stages.home import SFT_RECIPE_FILE, Log, existing_sft, publish
@@ -40,14 +36,15 @@ def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> P
         return found
     out = Path(home) / key
     traces = read_traces(run_distill(cfg, home, log))
-    tokenizer = load_tokenizer(cfg.model.path) if cfg.model.path else build_tokenizer()
+    chat = start_chat(cfg.model)
+    tokenizer = chat.tokenizer
     model = build_policy(cfg.model, tokenizer, seed=cfg.sft.seed)
     n_params = sum(p.numel() for p in model.parameters())
     log(
         f"sft: {type(model).__name__} with {n_params / 1e6:.2f}M parameters, {len(traces)} traces, "
         f"{cfg.sft.steps} steps x {cfg.sft.batch_size}"
     )
-    result = train_sft(model, tokenizer, traces, cfg.sft, log)
+    result = train_sft(model, chat, traces, cfg.sft, log, env_tools(cfg))
     with atomic_dir(out) as tmp:
         save_model_dir(model, tokenizer, tmp)
         write_json(tmp / SFT_RECIPE_FILE, {"recipe": sft_recipe(cfg), "result": asdict(result)})

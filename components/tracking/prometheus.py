@@ -52,6 +52,7 @@ TRAINER_METRICS = (
     "rollout/engine_errors",
     "rollout/engines_live",
     "rollout/episodes_dropped",
+    "rollout/malformed_calls",
     "env/preference",
 )
 """Metric names (as logged) exported one-to-one as `sao_<name with / as _>` gauges."""

@@ -48,7 +48,7 @@ from components.algo import (
     ppo_policy_loss,
 )
 from components.config import AlgoName
-from components.models import token_logprobs
+from components.models.logprobs import head_positions, token_logprobs
 from components.training.collective import SOLO, Collective, global_moments
 from components.training.diagnostics import policy_diagnostics
 
@@ -75,8 +75,14 @@ def policy_update(
 ) -> dict:
     """One policy optimizer step: DIS (mask outside the window) or PPO clip against the rollout log-probs."""
     act = batch["action_mask"]
+    positions = head_positions(policy.module, act)
     logprobs, stats = token_logprobs(
-        policy.module, batch["input_ids"], s.temperature, batch["attention_mask"], return_stats=True
+        policy.module,
+        batch["input_ids"],
+        s.temperature,
+        batch["attention_mask"],
+        return_stats=True,
+        positions=positions,
     )
     if not all_finite(act, comm, logprobs.detach(), batch["rollout_logprobs"], advantages):
         return {"policy/grad_norm": policy.skip_update()}

@@ -22,7 +22,7 @@ from components.config import Config
 from components.contracts.environment import EnvSetup
 from components.contracts.task import Task
 from components.contracts.trajectory import Trajectory
-from components.models import load_tokenizer, stop_token_ids
+from components.models import load_chat
 from components.rollout.backends import EmbeddedRollouts, HttpRollouts, Rollouts
 from components.storage import HomeStateError, weights_fingerprint
 from components.tracking import Tracker
@@ -149,7 +149,8 @@ def build_parts(
     `resume`. `detector` is the collapse rule (default: `CollapseDetector()`); `on_checkpoint(step, uri)` is called
     after each checkpoint is complete in the store."""
     tc = cfg.train
-    tokenizer = load_tokenizer(sft_dir)
+    chat = load_chat(sft_dir, cfg.model.chat_format)  # refuses a directory whose format it cannot use, at start
+    tokenizer = chat.tokenizer
     store = checkpoint_store(cfg, home)
     guard = CollapseGuard.from_config(tc, detector)
     start = resume_from(store, learner, guard, tracker, sft_dir, resume, log)
@@ -158,13 +159,7 @@ def build_parts(
     group = learner.settings.group_size
     buffer = TrajectoryBuffer(tc.max_staleness, tc.batch_size, group, tc.admission, version=start.step)
     runner = AgentRunner(
-        rollouts.engine,
-        tokenizer,
-        setup.env,
-        episode_limits(cfg),
-        cfg.rollout.concurrency,
-        tuple(stop_token_ids(tokenizer)),
-        seed=cfg.task.seed + start.step,
+        rollouts.engine, chat, setup.env, episode_limits(cfg), cfg.rollout.concurrency, seed=cfg.task.seed + start.step
     )
     return TrainerParts(
         cfg,

@@ -16,9 +16,10 @@ import torch
 from transformers import PreTrainedModel
 
 from components.algo import masked_mean
+from components.chat import ChatFormat, render_trace
 from components.config import SFTConfig
-from components.data.traces import Trace, render_tokens
-from components.models import token_logprobs
+from components.contracts.trace import Trace
+from components.models.logprobs import head_positions, token_logprobs
 from components.training.batching import pad_batch
 from components.training.schedule import warmup_cosine
 
@@ -37,15 +38,18 @@ class SFTResult:
 
 def train_sft(
     model: PreTrainedModel,
-    tokenizer,
+    chat: ChatFormat,
     traces: list[Trace],
     cfg: SFTConfig,
     log: Callable[[str], None] = print,
+    tools: tuple[dict, ...] = (),
 ) -> SFTResult:
-    """Train `model` in place on `traces` for `cfg.steps` AdamW steps."""
+    """Train `model` in place on `traces`, rendered in the chat format `chat` with the environment's `tools`,
+    for `cfg.steps` AdamW steps."""
     if not traces:
         raise ValueError("traces: no training traces")
-    rendered = [render_tokens(t, tokenizer) for t in traces]
+    tokenizer = chat.tokenizer
+    rendered = [render_trace(chat, t, tools) for t in traces]
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -63,7 +67,7 @@ def train_sft(
         )
         for group in optimizer.param_groups:
             group["lr"] = warmup_cosine(step, cfg.steps, cfg.lr, cfg.min_lr, cfg.warmup_steps)
-        logprobs = token_logprobs(model, ids, 1.0, attention_mask=attention)
+        logprobs = token_logprobs(model, ids, 1.0, attention_mask=attention, positions=head_positions(model, action))
         loss = -masked_mean(logprobs, action)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

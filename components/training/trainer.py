@@ -407,6 +407,7 @@ def step_row(
             "rollout/turns_mean": sum(t.turns for t in batch) / len(batch),
             "rollout/length_mean": sum(len(t.token_ids) for t in batch) / len(batch),
             "rollout/action_tokens": float(tokens),
+            "rollout/malformed_calls": float(sum(t.metadata.get("malformed_calls", 0) for t in batch)),
             "rollout/trajectories_per_s": len(batch) / max(interval, 1e-9),
             "rollout/tokens_per_s": tokens / max(interval, 1e-9),
             "trainer/step_s": step_s,

@@ -8,14 +8,16 @@ import pytest
 import torch
 
 from components.agent.runner import AgentRunner, EpisodeLimits
+from components.chat import MarkerFormat
+from components.chat.markers import parse_turn
 from components.contracts.markers import observation_text, prompt_text
 from components.contracts.trajectory import read_trajectories, to_tensors, write_trajectories
 from components.data.tasks import generate_problems, make_problem
 from components.envs.grading import grade_answer
 from components.envs.latency import ToolLatency
 from components.envs.python_tool import PythonTool
-from components.envs.tir_math import TIRMathEnvironment, last_tool_code, tasks_from_problems
-from components.models import stop_token_ids, token_logprobs
+from components.envs.tir_math import TIRMathEnvironment, tasks_from_problems
+from components.models import token_logprobs
 from components.rollout.client import EngineClient
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.server import ServerThread, create_app
@@ -35,14 +37,7 @@ def _segments(trajectory):
 def test_trajectory_invariants_on_real_runs(engine, sft_policy, tmp_path):
     model, tokenizer = sft_policy
     tasks = tasks_from_problems(generate_problems(("affine",), 16, 0, 99, "eval"))
-    runner = AgentRunner(
-        engine,
-        tokenizer,
-        TIRMathEnvironment(),
-        EpisodeLimits(temperature=1.0),
-        concurrency=8,
-        stop_token_ids=tuple(stop_token_ids(tokenizer)),
-    )
+    runner = AgentRunner(engine, MarkerFormat(tokenizer), TIRMathEnvironment(), EpisodeLimits(temperature=1.0), 8)
     trajectories = asyncio.run(runner.run(tasks))
     assert sorted(t.prompt_id for t in trajectories) == sorted(t.task_id for t in tasks)
     by_id = {t.task_id: t for t in tasks}
@@ -55,7 +50,7 @@ def test_trajectory_invariants_on_real_runs(engine, sft_policy, tmp_path):
         for (_, prev), (is_action, ids) in zip(runs[1:], runs[2:]):
             if not is_action:  # an observation is exactly the sandbox's answer to the preceding tool call
                 with_tools += 1
-                code = last_tool_code(tokenizer.decode(prev))
+                code = parse_turn(tokenizer.decode(prev), False).call.arguments["code"]
                 assert tokenizer.decode(ids) == observation_text(PythonTool()(code))
         # Observations carry no log-prob or version; every action token carries both.
         for m, lp, v in zip(traj.action_mask, traj.rollout_logprobs, traj.versions):
@@ -86,12 +81,7 @@ def test_heavy_tailed_tools_hand_over_out_of_order_without_waiting(engine, sft_p
     problems = [make_problem("affine", (91 - i, 87 - i, 5 + i), f"p{i}") for i in range(12)]
     latency = ToolLatency("lognormal", mean_s=0.4, sigma=1.5, seed=3)
     runner = AgentRunner(
-        engine,
-        tokenizer,
-        TIRMathEnvironment(latency=latency),
-        EpisodeLimits(temperature=0),
-        concurrency=4,
-        stop_token_ids=tuple(stop_token_ids(tokenizer)),
+        engine, MarkerFormat(tokenizer), TIRMathEnvironment(latency=latency), EpisodeLimits(temperature=0), 4
     )
     delivered, trajectories = [], []
 
@@ -114,19 +104,17 @@ def test_heavy_tailed_tools_hand_over_out_of_order_without_waiting(engine, sft_p
 def test_engine_errors_and_timeouts_are_recorded_not_dropped(engine, sft_policy):
     model, tokenizer = sft_policy
     tasks = tasks_from_problems([make_problem("affine", (91, 87, 5), "slow"), make_problem("affine", (93, 86, 4), "x")])
-    stops = tuple(stop_token_ids(tokenizer))
+    chat = MarkerFormat(tokenizer)
 
     async def dead_engine():
         async with EngineClient("http://127.0.0.1:9", retries=0, timeout_s=2) as client:
-            return await AgentRunner(client, tokenizer, TIRMathEnvironment(), stop_token_ids=stops).run(tasks)
+            return await AgentRunner(client, chat, TIRMathEnvironment()).run(tasks)
 
     for traj in asyncio.run(dead_engine()):
         assert traj.finish_reason == "engine_error" and "ConnectError" in traj.metadata["error"]
         assert traj.num_actions == 0 and traj.reward == 0.0
     slow_tools = TIRMathEnvironment(latency=ToolLatency("fixed", mean_s=30.0))
-    runner = AgentRunner(
-        engine, tokenizer, slow_tools, EpisodeLimits(temperature=0, max_wall_s=1.0), stop_token_ids=stops
-    )
+    runner = AgentRunner(engine, chat, slow_tools, EpisodeLimits(temperature=0, max_wall_s=1.0))
     start = time.monotonic()
     trajectories = asyncio.run(runner.run(tasks))
     assert time.monotonic() - start < 10
@@ -143,9 +131,7 @@ def test_runner_over_http_and_turn_limits(sft_policy):
 
             async def go(limits):
                 async with EngineClient(url) as client:
-                    runner = AgentRunner(
-                        client, tokenizer, TIRMathEnvironment(), limits, stop_token_ids=tuple(stop_token_ids(tokenizer))
-                    )
+                    runner = AgentRunner(client, MarkerFormat(tokenizer), TIRMathEnvironment(), limits)
                     return (await runner.run(tasks))[0]
 
             full = asyncio.run(go(EpisodeLimits(temperature=0)))
@@ -187,7 +173,7 @@ def test_every_engine_down_stops_the_run_even_while_admission_waits():
             yield from tasks_from_problems([make_problem("affine", (i, 3, 4), f"t{i}")])
 
     async def run():
-        runner = AgentRunner(Down(), tokenizer, TIRMathEnvironment(), concurrency=4)
+        runner = AgentRunner(Down(), MarkerFormat(tokenizer), TIRMathEnvironment(), concurrency=4)
         return await asyncio.wait_for(runner.run(endless(), sunk.append, admit), 10)
 
     with pytest.raises(EnginesDown, match="waited 3.0 s"):

@@ -6,13 +6,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from components.chat import MarkerFormat, render_trace
 from components.data.tasks import generate_problems, make_problem
 from components.data.teacher import teacher_trace
 from components.data.traces import (
     Trace,
     Turn,
     read_traces,
-    render_tokens,
     trace_from_openai_messages,
     write_traces,
 )
@@ -39,7 +39,7 @@ def test_teacher_trace_and_rendering():
     assert [t.role for t in trace.turns] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
     assert trace.turns[1].tool_code == "print(7*35+67)" and trace.turns[2].content == "312\n"
     assert trace.turns[3].tool_code == "print(312*64)" and trace.turns[5].content == "\\boxed{19968}"
-    ids, mask = render_tokens(trace, tokenizer)
+    ids, mask = render_trace(MarkerFormat(tokenizer), trace)
     text = tokenizer.decode(ids)
     assert text == (
         "<|user|>Compute (7*35+67)*64.<|assistant|><|python|>print(7*35+67)<|/python|>"

@@ -5,6 +5,7 @@ The programmatic solver served as a chat model (`solver_server`) must come back 
 """
 
 import asyncio
+import dataclasses
 import json
 import socket
 
@@ -51,6 +52,10 @@ def solver():
         yield url
 
 
+def _without_reasoning(trace):
+    return dataclasses.replace(trace, turns=tuple(dataclasses.replace(t, reasoning=None) for t in trace.turns))
+
+
 @pytest.mark.parametrize(
     "mental_max, tool_turns",
     [
@@ -59,6 +64,8 @@ def solver():
     ],
 )
 def test_distilled_traces_are_byte_identical_to_teacher_traces(problems, mental_max, tool_turns, tmp_path):
+    """The teacher's reasoning is kept on each assistant turn (a student format with a reasoning channel trains on
+    it); the rest is the programmatic teacher's trace, byte for byte."""
     seen = []
     with running_solver(mental_max) as url:
         result = distill(
@@ -71,10 +78,13 @@ def test_distilled_traces_are_byte_identical_to_teacher_traces(problems, mental_
             grade=grade_answer,
         )
     expected = [teacher_trace(p, mental_max) for p in problems]
-    assert result.traces == expected
+    reasoning = [t.reasoning for trace in result.traces for t in trace.turns if t.role == "assistant"]
+    assert reasoning and all(r in ("Box the answer.",) or r.startswith("Run print(") for r in reasoning)
+    traces = [_without_reasoning(t) for t in result.traces]
+    assert traces == expected
     assert sum(t.role == "tool" for trace in result.traces for t in trace.turns) == tool_turns
     assert {p.kind for p in problems} == {"affine", "two_step"}
-    written = write_traces(tmp_path / "client.parquet", result.traces).read_bytes()
+    written = write_traces(tmp_path / "client.parquet", traces).read_bytes()
     assert written == write_traces(tmp_path / "teacher.parquet", expected).read_bytes()
     assert result.rejected == _no_rejections() and result.seconds > 0
     assert seen == [(k, 6) for k in range(1, 7)]  # one progress call per finished task, counting up
@@ -101,7 +111,9 @@ def test_a_teacher_still_calling_the_tool_at_the_turn_limit_is_rejected(solver):
     assert [m["role"] for m in short.messages] == ["system", "user", "assistant", "tool", "assistant", "tool"]
     assert [m["content"] for m in short.messages if m["role"] == "tool"] == ["10\n", "50\n"]
     enough = distill_task(endpoint, task, TOOL, grade=grade_answer, max_turns=3)
-    assert enough.reason == "accepted" and enough.trace.turns[-1] == Turn("assistant", "\\boxed{50}")
+    assert enough.reason == "accepted" and enough.trace.turns[-1] == Turn(
+        "assistant", "\\boxed{50}", reasoning="Box the answer."
+    )
 
 
 # ---- scripted teachers ---------------------------------------------------------------------------------------

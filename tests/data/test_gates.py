@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from components.chat import MarkerFormat, render_trace
 from components.contracts.trace import Trace, Turn
 from components.contracts.trajectory import Timings, Trajectory, read_trajectories, write_trajectories
 from components.data import gate_frames, gates
@@ -34,7 +35,7 @@ from components.data.gate_frames import (
 from components.data.gates import GateFailed, check_rollouts, check_traces, rollout_expectations, validate_frame
 from components.data.tasks import generate_problems
 from components.data.teacher import teacher_trace
-from components.data.traces import render_tokens, write_traces
+from components.data.traces import write_traces
 from components.envs.grading import grade_answer
 from components.models import build_tokenizer
 
@@ -42,8 +43,8 @@ USER = Turn("user", "Compute 3+4.")
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
+def chat():
+    return MarkerFormat(build_tokenizer())
 
 
 @pytest.fixture(scope="module")
@@ -110,26 +111,26 @@ def _call(content: str, code: str, answer: str = "\\boxed{7}") -> Trace:
         ),  # a call without a tool turn
     ],
 )
-def test_calls_balanced(trace, balanced):
-    assert calls_balanced(trace) is balanced
+def test_calls_balanced(trace, balanced, chat):
+    assert calls_balanced(trace, chat) is balanced
 
 
-def test_token_counts_by_hand_and_as_render_tokens(tokenizer, good_traces):
+def test_token_counts_by_hand_and_as_render_trace(chat, good_traces):
     trace = Trace(
         "t", (Turn("user", "Hi"), Turn("assistant", "", "1"), Turn("tool", "1\n"), Turn("assistant", "\\boxed{1}")), 1
     )
     # One token per character, one per marker: <|user|>Hi<|assistant|> = 4, <|python|>1<|/python|> = 3,
     # <|output|>1\n<|/output|> = 4, \boxed{1}<|end|> = 9 + 1 = 10; 4 + 3 + 4 + 10 = 21.
-    assert token_counts([trace], tokenizer) == [21]
-    assert token_counts(good_traces, tokenizer) == [len(render_tokens(t, tokenizer)[0]) for t in good_traces]
-    assert token_counts([], tokenizer) == []
+    assert token_counts([trace], chat) == [21]
+    assert token_counts(good_traces, chat) == [len(render_trace(chat, t)[0]) for t in good_traces]
+    assert token_counts([], chat) == []
     with pytest.raises(ValueError, match="tokenizer"):
         token_counts([trace], object())
 
 
-def test_trace_frame_columns_and_values(tokenizer):
+def test_trace_frame_columns_and_values(chat):
     traces = [_call("", "print(3+4)"), Trace("s", (USER, Turn("assistant", "seven")), None)]
-    frame = trace_frame(traces, tokenizer, grade_answer)
+    frame = trace_frame(traces, chat, grade_answer)
     assert tuple(frame.columns) == TRACE_FRAME_COLUMNS
     # answer stays a Python int beside None (object column, not float NaN); the style trace has no grade.
     assert frame["answer"].tolist() == [7, None] and type(frame.at[0, "answer"]) is int
@@ -169,7 +170,7 @@ def test_rollout_columns_by_hand():
 def test_frames_know_the_parquet_schemas(tmp_path, good_traces):
     """The gates' scalar columns are the written files' columns, less the list and nested ones."""
     traces = pq.read_schema(write_traces(tmp_path / "t.parquet", good_traces[:2])).names
-    assert set(traces) - set(TRACE_COLUMNS) == {"roles", "contents", "tool_codes"}
+    assert set(traces) - set(TRACE_COLUMNS) == {"roles", "contents", "tool_codes", "reasonings"}
     assert set(TRACE_COLUMNS) <= set(traces)
     rollouts = pq.read_schema(write_trajectories(tmp_path / "r.parquet", [trajectory("p")])).names
     assert set(rollouts) - set(ROLLOUT_COLUMNS) == {
@@ -186,8 +187,8 @@ def test_frames_know_the_parquet_schemas(tmp_path, good_traces):
 # ---- the trace gate ---------------------------------------------------------------------------------------
 
 
-def test_good_traces_pass(tokenizer, good_traces):
-    report = check_traces(good_traces, tokenizer, max_tokens=512, grade=grade_answer)
+def test_good_traces_pass(chat, good_traces):
+    report = check_traces(good_traces, chat, max_tokens=512, grade=grade_answer)
     assert report.success, report.failure_message()
     assert report.row_count == 31 and len(report.results) == 10 and report.failures == ()
     assert report.summary() == "data gate traces: passed 10 expectations on 31 rows"
@@ -195,7 +196,7 @@ def test_good_traces_pass(tokenizer, good_traces):
     assert "### Data gate `traces`: passed" in report.markdown() and "❌" not in report.markdown()
 
 
-def test_bad_traces_fail_naming_expectation_and_rows(tokenizer, good_traces):
+def test_bad_traces_fail_naming_expectation_and_rows(chat, good_traces):
     long_trace = Trace("long", (Turn("user", "Compute 1+1."), Turn("assistant", "a" * 200 + "\\boxed{2}")), 2)
     traces = good_traces[:6] + [
         Trace("empty", (USER, Turn("assistant", "  ")), 7),  # row 6: no final answer (so nothing boxed)
@@ -208,7 +209,7 @@ def test_bad_traces_fail_naming_expectation_and_rows(tokenizer, good_traces):
     traces[8] = dataclasses.replace(traces[8], problem_id="closer")
     traces[9] = dataclasses.replace(traces[9], problem_id="opener")
     first = good_traces[0].problem_id
-    report = check_traces(traces, tokenizer, max_tokens=120, grade=grade_answer)
+    report = check_traces(traces, chat, max_tokens=120, grade=grade_answer)
     assert not report.success and report.row_count == 12
     assert failures(report) == {
         "expect_column_values_to_be_unique(problem_id)": [(0, first), (11, first)],
@@ -245,8 +246,8 @@ def test_bad_traces_fail_naming_expectation_and_rows(tokenizer, good_traces):
     )
 
 
-def test_empty_traces_fail_on_the_row_count(tokenizer):
-    report = check_traces([], tokenizer, max_tokens=512, grade=grade_answer)
+def test_empty_traces_fail_on_the_row_count(chat):
+    report = check_traces([], chat, max_tokens=512, grade=grade_answer)
     assert [r.name for r in report.failures] == ["expect_table_row_count_to_be_between"]
     assert report.failures[0].observed_value == 0 and report.row_count == 0
     with pytest.raises(GateFailed, match=r"expect_table_row_count_to_be_between: observed 0"):

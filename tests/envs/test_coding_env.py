@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from components.chat.markers import parse_turn
+from components.contracts.chat import PYTHON_TOOL, Prompt
 from components.contracts.markers import CALL, CALL_END, END
 from components.contracts.task import Task
 from components.envs.coding import (
@@ -31,7 +33,7 @@ def final(code: str) -> str:
 
 def grade(code: str, env: CodingEnvironment | None = None, task: Task = ADD):
     env = env or CodingEnvironment([task], timeout_s=2.0)
-    return asyncio.run(env.start(task).step(final(code), truncated=False))
+    return asyncio.run(env.start(task).step(parse_turn(final(code), False), False))
 
 
 REFERENCE = {
@@ -139,27 +141,27 @@ def test_fake_result_marker_is_not_trusted():
 
 
 def test_extract_solution():
-    two_blocks = f"try\n```python\nx = 1\n```\nfinal\n```py\ndef f():\n    return 2\n```\nbye{END}"
+    two_blocks = "try\n```python\nx = 1\n```\nfinal\n```py\ndef f():\n    return 2\n```\nbye"
     assert extract_solution(two_blocks) == "def f():\n    return 2\n"
-    assert extract_solution(f"def f():\n    return 3{END}") == "def f():\n    return 3"
-    assert extract_solution(f"```python\ndef f():\n    return 4\n{END}") == "def f():\n    return 4\n"
+    assert extract_solution("def f():\n    return 3") == "def f():\n    return 3"
+    assert extract_solution("```python\ndef f():\n    return 4\n") == "def f():\n    return 4\n"  # an unclosed fence
 
 
 def test_tool_call_observation_then_graded_answer():
     env = CodingEnvironment([ADD], timeout_s=2.0)
     episode = env.start(ADD)
-    assert episode.prompt_text() == "<|user|>Write `def add(a, b)`.<|assistant|>"
-    first = asyncio.run(episode.step(f"Let me check.{CALL}print(2 + 3){CALL_END}", truncated=False))
-    assert (first.done, first.observation) == (False, "<|output|>5\n<|/output|>")
-    error = asyncio.run(episode.step(f"{CALL}1 / 0{CALL_END}", truncated=False))
-    assert error.observation == "<|output|>ZeroDivisionError: division by zero\n<|/output|>"
-    last = asyncio.run(episode.step(final(REFERENCE["add"]), truncated=False))
+    assert episode.prompt() == Prompt("Write `def add(a, b)`.", tools=(PYTHON_TOOL,))
+    first = asyncio.run(episode.step(parse_turn(f"Let me check.{CALL}print(2 + 3){CALL_END}", False), False))
+    assert (first.done, first.observation) == (False, "5\n")
+    error = asyncio.run(episode.step(parse_turn(f"{CALL}1 / 0{CALL_END}", False), False))
+    assert error.observation == "ZeroDivisionError: division by zero\n"
+    last = asyncio.run(episode.step(parse_turn(final(REFERENCE["add"]), False), False))
     assert (last.reward, last.info["tool_calls"]) == (1.0, 2)
 
 
 def test_truncated_turn_ends_with_length():
     episode = CodingEnvironment([ADD]).start(ADD)
-    result = asyncio.run(episode.step("```python\ndef add(a, b):\n    return a +", truncated=True))
+    result = asyncio.run(episode.step(parse_turn("```python\ndef add(a, b):\n    return a +", True), True))
     assert (result.done, result.reward, result.finish_reason) == (True, 0.0, "length")
 
 
@@ -171,7 +173,7 @@ def test_lognormal_latency_is_deterministic_and_delays_tool_calls():
     assert expected > 0.05
     episode = CodingEnvironment([ADD], latency=latency).start(ADD)
     t0 = time.monotonic()
-    asyncio.run(episode.step(f"{CALL}print(1){CALL_END}", truncated=False))
+    asyncio.run(episode.step(parse_turn(f"{CALL}print(1){CALL_END}", False), False))
     assert time.monotonic() - t0 >= expected
 
 
@@ -179,14 +181,16 @@ def test_tool_calls_run_concurrently():
     env = CodingEnvironment([ADD], latency=ToolLatency("fixed", mean_s=0.3))
 
     async def one():
-        return await env.start(ADD).step(f"{CALL}import time; time.sleep(0.5); print('ok'){CALL_END}", False)
+        return await env.start(ADD).step(
+            parse_turn(f"{CALL}import time; time.sleep(0.5); print('ok'){CALL_END}", False), False
+        )
 
     async def four():
         return await asyncio.gather(*(one() for _ in range(4)))
 
     t0 = time.monotonic()
     results = asyncio.run(four())
-    assert all(r.observation == "<|output|>ok\n<|/output|>" for r in results)
+    assert all(r.observation == "ok\n" for r in results)
     assert time.monotonic() - t0 < 4 * 0.8 / 2  # serial would take >= 3.2 s
 
 

@@ -13,12 +13,14 @@ from collections import Counter
 
 import pytest
 
+from components.chat import MarkerFormat, trace_segments
+from components.chat.markers import parse_turn
 from components.config import EnvName, load_config
 from components.contracts.environment import EnvSetup
 from components.contracts.markers import END
 from components.contracts.task import Task
 from components.data.tasks import generate_problems
-from components.data.traces import read_traces, render_segments, write_traces
+from components.data.traces import read_traces, write_traces
 from components.envs.coding import CodingEnvironment, solution_trace
 from components.envs.latency import ToolLatency
 from components.envs.registry import ENVIRONMENTS, build_env, judge_from, sft_traces
@@ -222,7 +224,7 @@ def test_coding_reference_solutions_pass_their_hidden_tests():
     assert set(traces) == {t.task_id for t in env.tasks}
     for task in env.tasks:  # the real sandbox, through the environment's own grading of a final turn
         answer = traces[task.task_id].turns[1].content
-        result = asyncio.run(env.start(task).step(answer + END, truncated=False))
+        result = asyncio.run(env.start(task).step(parse_turn(answer + END, False), False))
         assert (result.reward, result.info["passed"]) == (1.0, len(task.answer["tests"])), task.task_id
         assert "solution" not in task.metadata, "reference solutions must not reach trajectories"
     with pytest.raises(ValueError, match="task t: field 'solution'"):
@@ -242,7 +244,7 @@ def test_sft_traces_fit_the_turn_budget(name, tmp_path):
     assert len(traces) == (12 if name == "coding" else 300)
     longest = 0
     for trace in traces:
-        segments = render_segments(trace)
+        segments = trace_segments(MarkerFormat(tokenizer), trace)
         for text, is_action in segments:
             if is_action:
                 longest = max(longest, len(tokenizer(text, add_special_tokens=False)["input_ids"]))

@@ -10,6 +10,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from components.chat.markers import parse_turn
 from components.contracts.markers import END
 from components.contracts.task import Task
 from components.envs.style import STYLES, LexicalJudge, LLMJudge, StyleEnvironment, load_style_tasks
@@ -22,7 +23,7 @@ TASK = Task("style-x", "Describe your morning.")
 
 def reward(env: StyleEnvironment, text: str, truncated: bool = False):
     episode = env.start(TASK)
-    return asyncio.run(episode.step(text if truncated else text + END, truncated))
+    return asyncio.run(episode.step(parse_turn(text if truncated else text + END, truncated), truncated))
 
 
 def test_shipped_prompts():
@@ -63,7 +64,7 @@ def test_episode_keeps_the_preference_it_started_with():
     env = StyleEnvironment([TASK], preferred="cute")
     episode = env.start(TASK)
     env.set_preference("classical")
-    result = asyncio.run(episode.step(CUTE + END, False))
+    result = asyncio.run(episode.step(parse_turn(CUTE + END, False), False))
     assert result.reward > 0.9 and result.info["preferred"] == "cute"
 
 

@@ -5,12 +5,12 @@ import math
 import pytest
 
 from components.agent.runner import EpisodeLimits
+from components.chat import MarkerFormat
 from components.contracts.markers import CALL, CALL_END, OUTPUT, OUTPUT_END
 from components.contracts.trajectory import Timings, Trajectory
 from components.data.tasks import generate_problems
 from components.envs.tir_math import TIRMathEnvironment, tasks_from_problems
 from components.eval.evaluate import evaluate, score
-from components.models import stop_token_ids
 from components.sandbox.run import run_python
 
 
@@ -44,13 +44,12 @@ def test_evaluate_counts_what_the_trajectories_show(engine, sft_policy):
     env = TIRMathEnvironment()
     report = evaluate(
         engine,
-        tokenizer,
+        MarkerFormat(tokenizer),
         env,
         tasks,
         limits,
         samples=3,
         concurrency=16,
-        stop_token_ids=tuple(stop_token_ids(tokenizer)),
     )
     assert report.n == 12 and report.samples == 3
     assert [t.prompt_id for t in report.greedy] == [t.task_id for t in tasks]
@@ -74,13 +73,12 @@ def test_evaluate_counts_what_the_trajectories_show(engine, sft_policy):
     # Greedy is deterministic: the same tasks again give the same tokens.
     again = evaluate(
         engine,
-        tokenizer,
+        MarkerFormat(tokenizer),
         env,
         tasks[:4],
         limits,
         samples=1,
         concurrency=4,
-        stop_token_ids=tuple(stop_token_ids(tokenizer)),
     )
     assert [t.token_ids for t in again.greedy] == [t.token_ids for t in report.greedy[:4]]
     assert again.avg_at_k == again.pass_at_k == again.accuracy
@@ -90,6 +88,6 @@ def test_evaluate_rejects_bad_input(engine, sft_policy):
     _, tokenizer = sft_policy
     task = tasks_from_problems(generate_problems(("affine",), 1, 0, 99, "eval"))[0]
     with pytest.raises(ValueError, match="samples"):
-        evaluate(engine, tokenizer, TIRMathEnvironment(), [task], EpisodeLimits(), samples=0)
+        evaluate(engine, MarkerFormat(tokenizer), TIRMathEnvironment(), [task], EpisodeLimits(), samples=0)
     with pytest.raises(ValueError, match="unique"):
-        evaluate(engine, tokenizer, TIRMathEnvironment(), [task, task], EpisodeLimits())
+        evaluate(engine, MarkerFormat(tokenizer), TIRMathEnvironment(), [task, task], EpisodeLimits())

@@ -8,7 +8,8 @@ import builtins
 
 import pytest
 
-from components.contracts.markers import CALL, CALL_END, END, observation_text
+from components.chat.markers import parse_turn
+from components.contracts.markers import CALL, CALL_END, END
 from components.contracts.task import Task
 from components.envs.grading import extract_boxed, grade_answer, math_equal, reference_answer
 from components.envs.tir_math import TIRMathEnvironment
@@ -202,8 +203,8 @@ def _episode(answer, final: str) -> list:
 
     async def run():
         return [
-            await episode.step(f"Divide.{CALL}print(3/4){CALL_END}", truncated=False),
-            await episode.step(final, truncated=False),
+            await episode.step(parse_turn(f"Divide.{CALL}print(3/4){CALL_END}", False), False),
+            await episode.step(parse_turn(final, False), False),
         ]
 
     return asyncio.run(run())
@@ -211,7 +212,7 @@ def _episode(answer, final: str) -> list:
 
 def test_tir_math_grades_a_fraction_benchmark_answer():
     tool, answer = _episode("\\frac{3}{4}", f"So it is \\boxed{{0.75}}{END}")
-    assert tool.observation == observation_text("0.75\n") and not tool.done
+    assert tool.observation == "0.75\n" and not tool.done
     assert (answer.done, answer.reward, answer.finish_reason) == (True, 1.0, "stop")
     assert answer.info == {"correct": True, "tool_calls": 1}
     # 0.7 = 7/10 is not 3/4: reward 0.

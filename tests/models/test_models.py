@@ -86,6 +86,41 @@ def test_token_logprobs_equal_unchunked(policy, temperature):
     torch.testing.assert_close(g_chunked, g_full, atol=1e-5, rtol=1e-4)
 
 
+def test_the_head_on_action_positions_only_gives_the_same_logprobs_and_gradients():
+    """A large vocabulary (>= HEAD_GATHER_MIN_VOCAB) runs the head on the chosen positions only, through
+    cross_entropy: the same log-probs, entropies, argmax flags and gradients there, 0 / False elsewhere."""
+    from components.models.logprobs import HEAD_GATHER_MIN_VOCAB, head_positions
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=HEAD_GATHER_MIN_VOCAB + 3, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    action = torch.zeros(2, 9)
+    action[0, 3:6], action[1, 7:] = 1, 1
+    positions = head_positions(model, action)
+    assert positions is not None
+    full, full_stats = token_logprobs(model, ids, 0.7, chunk_size=3, return_stats=True)
+    part, part_stats = token_logprobs(model, ids, 0.7, chunk_size=3, return_stats=True, positions=positions)
+    torch.testing.assert_close(part[positions], full[positions], atol=1e-5, rtol=0)
+    torch.testing.assert_close(part_stats.entropy[positions], full_stats.entropy[positions], atol=1e-5, rtol=0)
+    assert torch.equal(part_stats.is_argmax[positions], full_stats.is_argmax[positions])
+    assert not part[~positions].any() and not part_stats.entropy[~positions].any()
+    assert not part_stats.is_argmax[~positions].any()
+    head = model.get_output_embeddings().weight
+    g_full = torch.autograd.grad((full * action).sum(), head)[0]
+    g_part = torch.autograd.grad(token_logprobs(model, ids, 0.7, chunk_size=3, positions=positions).sum(), head)[0]
+    torch.testing.assert_close(g_part, g_full, atol=1e-6, rtol=1e-4)
+
+
+def test_a_small_vocabulary_keeps_the_full_head(policy):
+    from components.models.logprobs import head_positions
+
+    assert head_positions(policy, torch.ones(1, 4)) is None  # the character tokenizer's 106 entries
+
+
 def test_token_logprobs_memory_is_bounded_at_large_vocab():
     # Full logits for 2 x 1024 tokens at a 262,144 vocabulary take 2.1 GB in fp32 (plus as much again for a
     # log-softmax and its gradient). Chunks of 128 positions hold ~134 MB each. Measure the child's peak RSS.

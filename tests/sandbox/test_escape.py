@@ -25,6 +25,7 @@ import time
 
 import pytest
 
+from components.chat.markers import parse_turn
 from components.contracts.task import Task
 from components.envs.coding import CodingEnvironment
 from components.sandbox import run as sandbox
@@ -298,7 +299,7 @@ GRADER_ATTACKS = {
 def test_grader_cannot_be_fooled(name, host):
     env = CodingEnvironment([SECRET_TASK], timeout_s=3.0)
     final = f"```python\n{GRADER_ATTACKS[name]}\n```<|end|>"
-    result = asyncio.run(env.start(SECRET_TASK).step(final, truncated=False))
+    result = asyncio.run(env.start(SECRET_TASK).step(parse_turn(final, False), False))
     assert (result.reward, result.info["passed"]) == (0.0, 0), (name, result.info)
 
 
@@ -310,6 +311,8 @@ def test_grader_honest_solution_still_passes():
     )
     task = Task("secret", "p", {"entry_point": "f", "tests": [*SECRET_TASK.answer["tests"], "f(3)"]})
     result = asyncio.run(
-        CodingEnvironment([task], timeout_s=3.0).start(task).step(f"```python\n{honest}\n```<|end|>", truncated=False)
+        CodingEnvironment([task], timeout_s=3.0)
+        .start(task)
+        .step(parse_turn(f"```python\n{honest}\n```<|end|>", False), False)
     )
     assert (result.info["passed"], result.info["test_errors"]) == (2, [None, None, "Bad: three"])

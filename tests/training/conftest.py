@@ -11,10 +11,10 @@ def grouped_trajectories(sft_policy):
     import copy
 
     from components.agent.runner import AgentRunner, EpisodeLimits
+    from components.chat import MarkerFormat
     from components.contracts.task import Task
     from components.data.tasks import make_problem
     from components.envs.tir_math import TIRMathEnvironment
-    from components.models import stop_token_ids
     from components.rollout.embedded import EmbeddedEngine
 
     model, tokenizer = sft_policy
@@ -27,14 +27,7 @@ def grouped_trajectories(sft_policy):
         )
         for g in range(4)
     ]
-    runner = AgentRunner(
-        engine,
-        tokenizer,
-        TIRMathEnvironment(),
-        EpisodeLimits(temperature=1.0),
-        concurrency=1,
-        stop_token_ids=tuple(stop_token_ids(tokenizer)),
-    )
+    runner = AgentRunner(engine, MarkerFormat(tokenizer), TIRMathEnvironment(), EpisodeLimits(temperature=1.0), 1)
     try:
         trajectories = asyncio.run(runner.run(tasks))
     finally:

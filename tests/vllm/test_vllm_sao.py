@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from components.chat import MarkerFormat
 from components.config import load_config
 from components.envs.registry import build_env, sft_traces
 from components.models import load_policy, save_model_dir
@@ -54,7 +55,7 @@ def dense_sft_dir(tokenizer, tmp_path_factory):
     """A dense Qwen3 after 80 SFT steps on the preset's teacher traces, as an HF directory."""
     cfg = _config([])
     model = dense_qwen3(tokenizer, seed=0)
-    train_sft(model, tokenizer, sft_traces(cfg), cfg.sft, log=lambda _: None)
+    train_sft(model, MarkerFormat(tokenizer), sft_traces(cfg), cfg.sft, log=lambda _: None)
     return save_model_dir(model.eval(), tokenizer, tmp_path_factory.mktemp("sft") / "policy")
 
 
