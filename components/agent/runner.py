@@ -196,7 +196,10 @@ class AgentRunner:
                 logprobs += result.logprobs
                 versions += result.versions
                 truncated = result.finish_reason == "length"
-                turn = self.chat.parse(self.chat.tokenizer.decode(result.token_ids), truncated)
+                text = self.chat.tokenizer.decode(
+                    result.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+                )  # exactly what was sampled: a tokenizer_config's clean-up would rewrite " ." in code
+                turn = self.chat.parse(text, truncated)
                 try:
                     step = await asyncio.wait_for(episode.step(turn, truncated), deadline - time.monotonic())
                 except TimeoutError:

