@@ -11,8 +11,8 @@ and user turns with the generation prompt; an observation is the template's rend
 assistant turn, cut right after that turn's `<|im_end|>` (the stop the engine sampled), so the bridge back to
 the next assistant turn is whatever the template writes there. An assistant turn of a trace is the template's
 render of that message alone. Each piece is one call of the template on a short conversation, and the pieces
-concatenate to the template's render of the whole conversation (tests/chat/test_token_in_token_out.py), except
-where the template itself does not extend a conversation turn by turn (`render_check` says where).
+concatenate to the template's render of the whole conversation (tests/chat/test_token_in_token_out.py, which
+lists the intended differences); a template that does not extend a conversation turn by turn is refused.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ class HermesFormat(ChatFormat):
         self._stops = (END_OF_TURN, eos)
         self.thinks = THINK_OPEN in vocab and THINK_CLOSE in vocab
         self._observation = self._bridge()
+        self._turn_prefix = self.render([_STUB_USER], generation_prompt=True)
 
     def render(self, messages: list[dict[str, Any]], tools=(), generation_prompt: bool = False) -> str:
         """The template's text for `messages` (OpenAI-style dicts)."""
@@ -119,11 +120,10 @@ class HermesFormat(ChatFormat):
 
     def action_text(self, turn: Turn) -> str:
         """The template's render of the assistant message alone, up to and including its `<|im_end|>`."""
-        prefix = self.render([_STUB_USER], generation_prompt=True)
         full = self.render([_STUB_USER, assistant_message(turn)])
-        if not full.startswith(prefix):
+        if not full.startswith(self._turn_prefix):
             raise FormatError("the chat template does not render an assistant turn after its generation prompt")
-        text = full[len(prefix) :]
+        text = full[len(self._turn_prefix) :]
         return text[: text.rindex(END_OF_TURN) + len(END_OF_TURN)]
 
 

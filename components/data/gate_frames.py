@@ -13,6 +13,7 @@ integer answer has no `answer_correct`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from itertools import compress, islice
@@ -71,10 +72,8 @@ def calls_balanced(trace: Trace, chat: ChatFormat) -> bool:
             continue
         answered = i + 1 < len(turns) and turns[i + 1].role == "tool"
         text = chat.action_text(turn)
-        plain = chat.action_text(
-            Turn("assistant", "x" if turn.content else "", "x" if answered else None, "x" if turn.reasoning else None)
-        )
-        if any(text.count(mark) != plain.count(mark) for mark in chat.markup):
+        plain = _plain_markup(chat, bool(turn.content), answered, bool(turn.reasoning))
+        if tuple(text.count(mark) for mark in chat.markup) != plain:
             return False
         parsed = chat.parse(text, truncated=False)
         if answered and (parsed.call is None or parsed.call.arguments.get("code") != turn.tool_code):
@@ -82,6 +81,14 @@ def calls_balanced(trace: Trace, chat: ChatFormat) -> bool:
         if not answered and not parsed.is_final:
             return False
     return True
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_markup(chat: ChatFormat, content: bool, answered: bool, reasoning: bool) -> tuple[int, ...]:
+    """How often each of `chat.markup` occurs in a plain assistant turn of this kind (rendered once per kind)."""
+    turn = Turn("assistant", "x" if content else "", "x" if answered else None, "x" if reasoning else None)
+    text = chat.action_text(turn)
+    return tuple(text.count(mark) for mark in chat.markup)
 
 
 def token_counts(traces: Sequence[Trace], chat: ChatFormat, tools: tuple[dict[str, Any], ...] = ()) -> list[int]:
