@@ -5,7 +5,11 @@ deployments and work pools that use them (a part of `make infra-check`).
   (`http://<statefulset>-<i>.<headless service>:<port>`), and every server is listed;
 - the servers mount the claim that holds `rollout.publish_dir` at the same path, read-only, and the training jobs of
   the `sao-gpu-k8s` pool mount it at that path too (the trainer writes there, the servers read);
-- `--max-model-len` covers the presets' `rollout.max_total_tokens`.
+- `--max-model-len` covers the presets' `rollout.max_total_tokens`;
+- what is served is what the trainer trains: `--model` is the presets' `model.path` (the SFT policy's base, whose
+  config.json the trainer loads; its weights are replaced by the trainer's version 0 before the first rollout) on a
+  read-only mount, and no flag changes the served model's config (`--hf-overrides`, rope or dtype flags): the
+  trainer loads the directory's config.json unchanged, so an override there would be a different model.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import yaml
 from components.config import load_config
 
 GPU_PRESETS = ("qwen3-30b-a3b", "qwen3-30b-a3b-coding")
+CONFIG_FLAGS = ("--hf-overrides", "--rope-scaling", "--rope-theta", "--dtype", "--quantization", "--hf-config-path")
+"""vLLM flags that make the served model differ from the directory's config.json, which is what the trainer loads."""
 
 
 def _docs(path: Path) -> list[dict]:
@@ -68,7 +74,15 @@ def check_k8s(root: Path) -> list[str]:
     port = ports[0] if ports else None
     servers = {f"http://{sts['metadata']['name']}-{i}.{svc_name}:{port}" for i in range(int(spec.get("replicas", 0)))}
     mounts = {m.get("mountPath"): m for m in container.get("volumeMounts", [])}
-    max_len = _arg([str(a) for a in container.get("args", [])], "--max-model-len")
+    args = [str(a) for a in container.get("args", [])]
+    max_len, served = _arg(args, "--max-model-len"), _arg(args, "--model")
+    for flag in CONFIG_FLAGS:
+        if any(a == flag or a.startswith(flag + "=") for a in args):
+            problems.append(
+                f"{rel}: {flag} changes the served model's config, but the trainer loads the model directory's "
+                f"config.json unchanged (rope, window, dtype): the servers would sample from another model; set it "
+                f"in the directory's config.json, where both read it"
+            )
 
     for preset in GPU_PRESETS:
         cfg = load_config(preset)
@@ -84,6 +98,13 @@ def check_k8s(root: Path) -> list[str]:
             problems.append(
                 f"{rel}: no read-only volume mount holds {where}'s rollout.publish_dir {cfg.rollout.publish_dir}"
             )
+        if served != cfg.model.path:
+            problems.append(
+                f"{rel}: --model {served} is not {where}'s model.path {cfg.model.path}, the directory whose config "
+                f"the trainer trains"
+            )
+        elif not any(m.get("readOnly") and served.startswith(p.rstrip("/") + "/") for p, m in mounts.items() if p):
+            problems.append(f"{rel}: no read-only volume mount holds --model {served}")
         if max_len is None or int(max_len) < cfg.rollout.max_total_tokens:
             problems.append(
                 f"{rel}: --max-model-len {max_len} is below {where}'s rollout.max_total_tokens "

@@ -52,6 +52,9 @@ class Rollouts(Protocol):
     version: int
     """The newest published policy version."""
 
+    async def start(self) -> None:
+        """Every engine that answers serves the trainer's starting weights (`version`) when this returns."""
+
     async def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """Every live engine serves `version` when this returns."""
 
@@ -72,6 +75,9 @@ class EmbeddedRollouts:
         ).start()
         self.version = version
 
+    async def start(self) -> None:
+        """Nothing to send: the engine runs on a copy of the trainer's own module."""
+
     async def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
         fault_point("weights.publish")
         await asyncio.wrap_future(self.engine.load_weights(weights, version))
@@ -88,9 +94,10 @@ class HttpRollouts:
     """Rollouts on external servers: `engine` is an `EnginePool` over `urls` (see the module docstring).
 
     At construction every server is asked `/health` (blocking, `probe_timeout_s` each); with no answer from
-    any, it refuses to start. A server that does not answer yet is probed again on the first requests. When
-    `version > 0` (a resumed run), the weights of `module_template` are published first as `version`, and no
-    server gets traffic before it serves them. A `sao` server that already serves a version above `version`
+    any, it refuses to start. A server that does not answer yet is probed again on the first requests. The
+    weights of `module_template` are published first as `version` (0 on a fresh start), and no server gets
+    traffic before it serves them: whatever a server was started from, the first batches come from the weights
+    the trainer holds. A `sao` server that already serves a version above `version`
     is rewound to it when it loaded that version from `publish_dir`, and refused otherwise (see the module
     docstring). `module_template` is an HF `PreTrainedModel` (saved with `save_pretrained`); a CPU copy of it
     is kept, so the caller may go on training the original.
@@ -146,20 +153,27 @@ class HttpRollouts:
         self.engine = EnginePool(
             clients, revive_after_s=revive_after_s, probe_timeout_s=probe_timeout_s, max_wait_s=max_wait_s
         )
-        if version > 0 or ahead:
-            self._remove_above(version)  # the crashed run's: never to be served again
-            weights = {k: v.detach() for k, v in module_template.state_dict().items()}
-            self.engine.latest = (str(self._write(weights, version)), version)
+        # The trainer's own weights are published as `version` before any traffic, on a fresh start too: a server
+        # started from a directory the trainer does not hold (another checkpoint, another rope or dtype) would
+        # otherwise sample the first batches, and their DIS ratios would compare two different models.
+        self._remove_above(version)  # a crashed predecessor's versions: never to be served again
+        weights = {k: v.detach() for k, v in module_template.state_dict().items()}
+        self.engine.latest = (str(self._write(weights, version)), version)
         for pool_server, (url, info) in zip(self.engine.servers, health.items()):
             if info is None:
                 self.engine.hold(pool_server, "no answer on /health at start")
             elif url in ahead:
                 pool_server.rewind = True
                 self.engine.hold(pool_server, f"rewinding from v{info['version']} to weights v{version}")
-            elif self.engine.latest is not None and info.get("version") != version:
+            elif (info.get("path"), info.get("version")) != self.engine.latest:
                 self.engine.hold(pool_server, f"waiting for weights v{version}")
             else:
-                pool_server.version = info.get("version")
+                pool_server.version, pool_server.path = version, info.get("path")
+
+    async def start(self) -> None:
+        """Send the starting weights to every server held for them (a server that does not answer gets them when a
+        probe finds it); the first request would do the same, this does it before the first rollout."""
+        await self.engine.sync()
 
     async def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
         if version <= self.version:

@@ -46,6 +46,9 @@ class Server:
     """Requests it answered."""
     version: int | None = None
     """Weights version it serves, as last reported or published (None: unknown, e.g. vLLM before a publish)."""
+    path: str | None = None
+    """Where the weights it serves were loaded from, as last reported or published (None: its starting weights,
+    or unknown). A server is in sync when (path, version) is the pool's `latest`."""
     rewind: bool = False
     """It serves a version this run's crashed predecessor published, above the resumed one: its next weights go
     with the rewind flag (which lets the version go down), once."""
@@ -126,7 +129,8 @@ class EnginePool:
         or version) is raised.
         """
         self.latest = (path, version)
-        live = [s for s in self.servers if s.up]
+        await self.sync()
+        live = [s for s in self.servers if s.up and (s.path, s.version) != self.latest]
 
         async def post(server: Server) -> None:
             epoch = server.epoch
@@ -137,12 +141,21 @@ class EnginePool:
                     raise
                 self._fail(server, epoch, f"weights v{version}: {type(exc).__name__}: {exc}")
                 return
-            server.version = version
+            server.version, server.path = version, path
 
         outcomes = await asyncio.gather(*(post(s) for s in live), return_exceptions=True)
         for server, outcome in zip(live, outcomes):
             if isinstance(outcome, BaseException):
                 raise RuntimeError(f"publish v{version} to {server.url}: {outcome}") from outcome
+
+    async def sync(self) -> None:
+        """Bring every held server (`hold`: not failed, only waiting for weights) to `latest` now, rather than on
+        its first request; one that does not answer goes down with the reason and is probed again later."""
+        for server in self.servers:
+            if not server.up and server.failures == 0 and server.revival is None:
+                server.revival = asyncio.create_task(self._revive(server))
+        held = [s.revival for s in self.servers if s.revival is not None and s.failures == 0]
+        await asyncio.gather(*held, return_exceptions=True)
 
     def hold(self, server: Server, reason: str) -> None:
         """Take `server` out of traffic until a probe (due at once) finds it alive and it has the latest weights."""
@@ -228,11 +241,15 @@ class EnginePool:
             info = await server.client.health_info(self.probe_timeout_s)
             if info is None:
                 raise ConnectionError("no answer on /health")
-            server.version = info.get("version")  # the embedded server reports it; vLLM does not
-            while self.latest is not None and server.version != self.latest[1]:
+            # The embedded server reports both; vLLM neither, so it is always sent the latest weights.
+            server.version, server.path = info.get("version"), info.get("path")
+            while self.latest is not None and (server.path, server.version) != self.latest:
                 path, version = self.latest  # again if more weights were published while these loaded
-                await server.client.publish_weights(path, version, server.rewind)
-                server.version, server.rewind = version, False
+                # Reloading the version it serves (the trainer's v0 over a server's own starting weights) is not
+                # "above the one served": it goes with the rewind flag, as a resumed run's step back does.
+                rewind = server.rewind or server.version == version
+                await server.client.publish_weights(path, version, rewind)
+                server.version, server.path, server.rewind = version, path, False
             server.up, server.last_error, revived = True, "", True
             server.epoch += 1
         except (ConnectionError, httpx.HTTPError, EngineError) as exc:

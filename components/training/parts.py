@@ -151,6 +151,13 @@ def build_parts(
     tc = cfg.train
     chat = load_chat(sft_dir, cfg.model.chat_format)  # refuses a directory whose format it cannot use, at start
     tokenizer = chat.tokenizer
+    window = getattr(learner.policy.module.config, "max_position_embeddings", None)
+    if window is not None and cfg.rollout.max_total_tokens > window:
+        raise ValueError(
+            f"rollout.max_total_tokens: {cfg.rollout.max_total_tokens} is past the policy's window, "
+            f"max_position_embeddings = {window} in {sft_dir}/config.json: the trainer would score positions its "
+            f"rope was not set for (set the window in the model directory's config.json, where the servers read it)"
+        )
     store = checkpoint_store(cfg, home)
     guard = CollapseGuard.from_config(tc, detector)
     start = resume_from(store, learner, guard, tracker, sft_dir, resume, log)

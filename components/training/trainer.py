@@ -170,6 +170,7 @@ class Trainer:
         if p.start.fresh and p.guard.active:
             self.save_checkpoint()  # the starting weights: the guard always has a checkpoint to return to
         env_row = self._task_hook(first=True)
+        await p.rollouts.start()  # every server samples the first batches from the weights the trainer holds
         stop = asyncio.Event()
         producer = None
         if not tc.sync and p.runner is not None:  # a replay has no runner: its batches are recorded

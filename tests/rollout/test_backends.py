@@ -50,12 +50,19 @@ def _teacher_forced(model, result):
 
 
 def _scripted(status: int) -> tuple[FastAPI, list[int]]:
-    """A server that is healthy but answers every completion with HTTP `status`; counts the completions."""
+    """A server that is healthy and takes weights, but answers every completion with HTTP `status`; counts the
+    completions."""
     app, calls = FastAPI(), []
+    served = {"version": 0, "path": None}
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "version": 0}
+        return {"status": "ok", **served}
+
+    @app.post("/v1/weights")
+    async def weights(body: dict) -> dict:
+        served.update(version=body["version"], path=body["path"])
+        return {"version": body["version"]}
 
     @app.post("/v1/completions")
     async def completions() -> JSONResponse:
@@ -215,6 +222,7 @@ def test_every_server_down_is_a_clear_error(tiny, serve, tmp_path):
 
     async def run():
         rollouts = HttpRollouts([a.url, b.url], model, tokenizer, tmp_path, retries=0, revive_after_s=60)
+        await rollouts.start()  # both serve the trainer's v0: the failures below are the requests'
         a.stop()
         b.stop()
         try:
@@ -237,6 +245,7 @@ def test_a_short_outage_of_every_server_costs_time_not_episodes(tiny, serve, tmp
 
     async def run():
         rollouts = HttpRollouts([a.url], model, tokenizer, tmp_path, retries=0, revive_after_s=0.2, max_wait_s=20)
+        await rollouts.start()  # it serves the trainer's v0: the failure below is the request's
         a.stop()
         restart = asyncio.get_running_loop().run_in_executor(
             None, lambda: (time.sleep(1.0), serve(model, tokenizer, port=a.port))[1]
@@ -302,3 +311,28 @@ def test_resumed_run_syncs_every_server_before_traffic(tiny, serve, tmp_path):
     # predecessor, publishing into the same directory, is rewound instead: tests/rollout/test_resume_rewind.py).
     with pytest.raises(ValueError, match=f"urls: {a.url} serves version 5, above the trainer's version 3"):
         HttpRollouts([a.url], model, tokenizer, tmp_path / "other-run", version=3)
+
+
+def test_a_fresh_run_serves_the_trainers_weights_before_the_first_rollout(tiny, serve, tmp_path):
+    """Servers started from other weights (another checkpoint, another rope setting) never sample for the run:
+    `start` sends version 0 from the trainer's own module to each, and a server missed there gets it on revival."""
+    model, tokenizer = tiny
+    other = _version(model, seed=7)
+    a, b = serve(other, tokenizer), serve(other, tokenizer)
+    published = (tmp_path / "published").resolve()
+
+    async def run():
+        rollouts = HttpRollouts([a.url, b.url], model, tokenizer, published)
+        held = [(s.up, s.last_error) for s in rollouts.engine.servers]
+        await rollouts.start()
+        health = [httpx.get(f"{url}/health").json() for url in (a.url, b.url)]
+        results = await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(4)))
+        await rollouts.close()
+        return held, health, results
+
+    held, health, results = asyncio.run(run())
+    assert held == [(False, "waiting for weights v0")] * 2
+    assert [(h["version"], h["path"]) for h in health] == [(0, str(published / "v00000000"))] * 2
+    assert a.engine.stats.weight_updates == b.engine.stats.weight_updates == 1
+    for result in results:  # the trainer's weights, not the ones the servers were started from
+        torch.testing.assert_close(torch.tensor(result.logprobs), _teacher_forced(model, result), atol=1e-4, rtol=0)

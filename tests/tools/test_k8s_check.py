@@ -53,6 +53,25 @@ def _edit(path: Path, old: str, new: str) -> None:
         ),
         (
             "infra/k8s/vllm.yaml",
+            '"/models/Qwen3-30B-A3B-Thinking-2507"',
+            '"/models/Qwen3-30B-A3B"',
+            "--model /models/Qwen3-30B-A3B is not components/presets/qwen3-30b-a3b.toml's model.path "
+            "/models/Qwen3-30B-A3B-Thinking-2507",
+        ),
+        (
+            "infra/k8s/vllm.yaml",
+            '"--max-model-len", "131072"]',
+            '"--max-model-len", "131072", "--hf-overrides", \'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}\']',
+            "--hf-overrides changes the served model's config, but the trainer loads the model directory's config.json",
+        ),
+        (
+            "infra/k8s/vllm.yaml",
+            "{name: models, mountPath: /models, readOnly: true}",
+            "{name: models, mountPath: /models}",
+            "no read-only volume mount holds --model /models/Qwen3-30B-A3B-Thinking-2507",
+        ),
+        (
+            "infra/k8s/vllm.yaml",
             "{name: shared, mountPath: /shared/sao, readOnly: true}",
             "{name: shared, mountPath: /mnt/shared, readOnly: true}",
             "no read-only volume mount holds",

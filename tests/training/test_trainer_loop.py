@@ -152,6 +152,19 @@ def test_a_home_with_checkpoints_needs_resume_and_the_same_starting_weights(tmp_
         train_env(_cfg(tiny_cfg, max_steps=2), other, tmp_path, NullTracker(), resume=True, log=lambda _: None)
 
 
+def test_a_rollout_budget_past_the_policys_window_is_refused_at_start(tmp_path, tiny_cfg, sft_dir):
+    from dataclasses import replace
+
+    cfg = _cfg(tiny_cfg, max_steps=1)
+    cfg = replace(cfg, rollout=replace(cfg.rollout, max_total_tokens=513))
+    with pytest.raises(ValueError) as refused:
+        train_env(cfg, sft_dir, tmp_path, NullTracker(), log=lambda _: None)
+    assert str(refused.value).startswith(
+        f"rollout.max_total_tokens: 513 is past the policy's window, max_position_embeddings = 512 in {sft_dir}/config.json"
+    )
+    assert not (tmp_path / "checkpoints").exists()  # refused before anything was written
+
+
 def test_sao_train_cli_refuses_to_overwrite_checkpoints(seeded_home, capsys, prefect_api):
     from components.cli import main
     from components.training.checkpoint import LocalCheckpointStore
