@@ -63,7 +63,9 @@ def dense_sft_dir(request, tokenizer, tmp_path_factory):
     """A dense Qwen3 briefly SFT-trained on the preset's teacher traces, as an HF directory: with the character
     tokenizer in the marker format, and with Qwen's vocabulary in the Hermes format (`<tool_call>` turns)."""
     preset, steps, hidden = FORMATS[request.param]
-    cfg = _config([f"sft.steps={steps}"], preset)
+    # The qwen3 count was set when the preset warmed up over 30 steps (it now does over 60, for 1200 steps).
+    warmup = ["sft.warmup_steps=30"] if request.param == "qwen3" else []
+    cfg = _config([f"sft.steps={steps}", *warmup], preset)
     chat = start_chat(cfg.model) if request.param == "qwen3" else MarkerFormat(tokenizer)
     model = dense_qwen3(chat.tokenizer, seed=0, hidden_size=hidden)
     train_sft(model, chat, sft_traces(cfg), cfg.sft, log=lambda _: None, tools=env_tools(cfg))
