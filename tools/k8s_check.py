@@ -42,6 +42,11 @@ def _arg(args: list[str], flag: str) -> str | None:
     return args[args.index(flag) + 1] if flag in args and args.index(flag) + 1 < len(args) else None
 
 
+def _mount_holding(mounts: dict[str, Any], path: str) -> dict | None:
+    """The volume mount whose mount path holds `path`, if any."""
+    return next((m for p, m in mounts.items() if p and path.startswith(p.rstrip("/") + "/")), None)
+
+
 def _urls_in(overrides: list[str]) -> list[str] | None:
     for item in overrides:
         key, _, value = item.partition("=")
@@ -91,9 +96,7 @@ def check_k8s(root: Path) -> list[str]:
             problems.append(
                 f"{where}: rollout.urls {sorted(cfg.rollout.urls)} are not the servers {rel} makes {sorted(servers)}"
             )
-        mount = next(
-            (m for p, m in mounts.items() if p and cfg.rollout.publish_dir.startswith(p.rstrip("/") + "/")), None
-        )
+        mount = _mount_holding(mounts, cfg.rollout.publish_dir)
         if mount is None or not mount.get("readOnly"):
             problems.append(
                 f"{rel}: no read-only volume mount holds {where}'s rollout.publish_dir {cfg.rollout.publish_dir}"
@@ -103,7 +106,7 @@ def check_k8s(root: Path) -> list[str]:
                 f"{rel}: --model {served} is not {where}'s model.path {cfg.model.path}, the directory whose config "
                 f"the trainer trains"
             )
-        elif not any(m.get("readOnly") and served.startswith(p.rstrip("/") + "/") for p, m in mounts.items() if p):
+        elif not (_mount_holding(mounts, served) or {}).get("readOnly"):
             problems.append(f"{rel}: no read-only volume mount holds --model {served}")
         if max_len is None or int(max_len) < cfg.rollout.max_total_tokens:
             problems.append(
