@@ -77,6 +77,9 @@ class NoRollouts:
     engine = None
     version = 0
 
+    async def start(self) -> None:
+        """Nothing serves: the recorded batches stand for the engine's samples."""
+
     async def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
         self.version = version
 
