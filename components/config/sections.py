@@ -163,6 +163,10 @@ class RolloutConfig:
     tool_packages: TupleOf[str] = ("numpy", "sympy")
     """Top-level import names model-written code may import besides the standard library (read-only in the
     sandbox, with the distributions they require); each must be installed (docs/sandbox.md)."""
+    sandbox_degraded: Literal["warn", "refuse"] = "warn"
+    """When the sandbox cannot build its namespaces (not root, no CAP_SYS_ADMIN, unshare refused: docs/sandbox.md),
+    `warn` runs model-written code degraded with a warning and a run-log line; `refuse` stops the run as its
+    environment is set up, naming the reason, and first proves one sealed call. The GPU presets refuse."""
     latency: LatencyKind = "none"
     """Simulated extra tool latency (benchmarks): none, fixed or lognormal (heavy tail)."""
     latency_mean_s: NonNegativeFloat = 0.0
@@ -246,8 +250,16 @@ class TrainConfig:
     """Rollbacks allowed before the guard stops the run instead."""
     backend: Literal["torch", "deepspeed"] = "deepspeed"
     """Training engine: DeepSpeed (ZeRO, CPU fp32 / GPU bf16) or plain torch AdamW."""
-    zero_stage: Annotated[int, Field(ge=0, le=2)] = 0
-    """DeepSpeed ZeRO stage (0-2)."""
+    zero_stage: Annotated[int, Field(ge=0, le=3)] = 0
+    """DeepSpeed ZeRO stage (0-3). Stage 3 partitions the parameters too: log-probs and values run through the
+    modules' own calls, checkpoints are DeepSpeed's per-rank files, and published weights are gathered in buckets."""
+    micro_batch_tokens: NonNegativeInt = 0
+    """Padded tokens (rows x longest row) per micro-batch on each rank: a rank's rows go through forward and backward
+    in micro-batches within this budget, their gradients accumulated into one optimizer step whose result is the
+    whole batch's (token-weighted). 0: a rank's rows in one pass."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (policy and critic):
+    about a third more compute for activation memory that no longer grows with the layers."""
     deepspeed_config: str = ""
     """DeepSpeed JSON file merged over the built-in config (`infra/deepspeed/*.json`; a relative path is taken
     from the working directory): its keys win (`zero_optimization`, whose stage replaces `zero_stage`, `bf16`,

@@ -18,8 +18,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypedDict
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 FINISH_REASONS = (
@@ -271,12 +269,20 @@ def write_trajectories(path: str | Path, trajectories: list[Trajectory]) -> Path
         rows.append(row)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # Imported here, not at the top: the GPU check (bench/gpu_check.py) runs the trainer where pyarrow is not installed.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
 
 
 def read_trajectories(path: str | Path) -> list[Trajectory]:
     """Read and validate; an unreadable file or a malformed row fails naming the file, the row and the field."""
+    # As in write_trajectories.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     where = f"{path}: " if isinstance(path, (str, Path)) else ""  # a file object: its caller names it
     try:
         records = pq.read_table(path).to_pylist()

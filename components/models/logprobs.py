@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
@@ -63,10 +63,9 @@ def token_logprobs(
         raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError(f"{type(model).__name__} soft-caps its logits; token_logprobs would not match it")
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    head = model.get_output_embeddings()
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return chunked_head_logprobs(
-        hidden, input_ids, head.weight, head.bias, temperature, chunk_size, return_stats, positions
+        hidden, input_ids, model.get_output_embeddings(), temperature, chunk_size, return_stats, positions
     )
 
 
@@ -77,21 +76,23 @@ HEAD_GATHER_MIN_VOCAB = 4096
 def head_positions(model: PreTrainedModel, action_mask: Tensor) -> Tensor | None:
     """`positions` for `token_logprobs` when only the action tokens are read: the action mask for a large
     vocabulary, None (every position) for a small one."""
-    vocab = model.get_output_embeddings().weight.shape[0]
+    weight = model.get_output_embeddings().weight
+    vocab = getattr(weight, "ds_shape", weight.shape)[0]  # a ZeRO-3 parameter holds a partition: its full shape
     return action_mask.bool() if vocab >= HEAD_GATHER_MIN_VOCAB else None
 
 
 def chunked_head_logprobs(
     hidden: Tensor,
     input_ids: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
+    head: nn.Module,
     temperature: float,
     chunk_size: int = 1024,
     return_stats: bool = False,
     positions: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, TokenStats]:
-    """The chunked LM-head part of `token_logprobs`. hidden `(B, T, H)`, input_ids `(B, T)`, weight `(V, H)`."""
+    """The chunked LM-head part of `token_logprobs`. hidden `(B, T, H)`, input_ids `(B, T)`, `head` the LM head
+    (`(H,) -> (V,)`), always called as a module, never read as a weight: under ZeRO-3 its weight is a partition
+    that DeepSpeed gathers around the call."""
     batch, length, width = hidden.shape
     flat_hidden = hidden[:, :-1].reshape(-1, width)
     targets = input_ids[:, 1:].reshape(-1)
@@ -100,21 +101,23 @@ def chunked_head_logprobs(
         # One row of n + 1 positions whose n predictions are the chosen ones (the head reads hidden[:, :-1]).
         rows = torch.cat([flat_hidden[chosen], flat_hidden.new_zeros(1, width)])[None]
         result = chunked_head_logprobs(
-            rows, torch.cat([targets[:1], targets[chosen]])[None], weight, bias, temperature, chunk_size, return_stats
+            rows, torch.cat([targets[:1], targets[chosen]])[None], head, temperature, chunk_size, return_stats
         )
         return _scatter(result, chosen, batch, length, hidden.device)
-    use_checkpoint = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    use_checkpoint = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in head.parameters())
+    )
     logprob_chunks, entropy_chunks, argmax_chunks = [], [], []
     for start in range(0, flat_hidden.shape[0], chunk_size):
         h, y = flat_hidden[start : start + chunk_size], targets[start : start + chunk_size]
         if use_checkpoint:
-            lp = checkpoint(_chunk_logprobs, h, y, weight, bias, temperature, use_reentrant=False)
+            lp = checkpoint(_chunk_logprobs, h, y, head, temperature, use_reentrant=False)
         else:
-            lp = _chunk_logprobs(h, y, weight, bias, temperature)
+            lp = _chunk_logprobs(h, y, head, temperature)
         logprob_chunks.append(lp)
         if return_stats:
             with torch.no_grad():
-                entropy, is_argmax = _chunk_stats(h, y, weight, bias, temperature)
+                entropy, is_argmax = _chunk_stats(h, y, head, temperature)
             entropy_chunks.append(entropy)
             argmax_chunks.append(is_argmax)
     logprobs = _align(logprob_chunks, batch, length, torch.float32, hidden.device)
@@ -148,19 +151,17 @@ def _align(chunks: list[Tensor], batch: int, length: int, dtype: torch.dtype, de
     return torch.cat([zero_col, torch.cat(chunks).view(batch, length - 1)], dim=1)
 
 
-def _chunk_logprobs(h: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    logits = F.linear(h, weight, bias).float()
+def _chunk_logprobs(h: Tensor, targets: Tensor, head: nn.Module, temperature: float) -> Tensor:
+    logits = head(h).float()
     if temperature != 1.0:  # x / 1.0 == x exactly: skipping it saves a pass over (n, V), forward and backward
         logits = logits / temperature
-    if weight.shape[0] >= HEAD_GATHER_MIN_VOCAB:
+    if logits.shape[-1] >= HEAD_GATHER_MIN_VOCAB:
         # cross_entropy's fused softmax backward: 1.4x faster than gather - logsumexp at 151k entries on CPU
         return -F.cross_entropy(logits, targets, reduction="none")
     return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
-def _chunk_stats(
-    h: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | None, temperature: float
-) -> tuple[Tensor, Tensor]:
-    logits = F.linear(h, weight, bias).float() / temperature
+def _chunk_stats(h: Tensor, targets: Tensor, head: nn.Module, temperature: float) -> tuple[Tensor, Tensor]:
+    logits = head(h).float() / temperature
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(dim=-1), logits.argmax(dim=-1) == targets

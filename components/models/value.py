@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import AutoModel, PreTrainedModel
+from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -34,9 +34,19 @@ class ValueModel(nn.Module):
         """Initialise from a policy (e.g. the SFT checkpoint): a copy of its decoder and a fresh head."""
         return cls(copy.deepcopy(policy.get_decoder()))
 
+    @classmethod
+    def from_policy_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> ValueModel:
+        """The decoder of the policy saved at `path` and a fresh head: `from_policy` without holding the policy
+        (under ZeRO-3 the backbone loads into its partitions). The head's initialisation draws from torch's global
+        generator as `from_policy`'s does; loading the backbone draws nothing from it."""
+        path = Path(path)
+        with torch.random.fork_rng(devices=[]):
+            policy = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        return cls(policy.get_decoder())
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """`(B, T)` ids -> `(B, T)` float32 values, `values[:, t] = head(hidden[:, t-1])`, `values[:, 0] = 0`."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         v = self.value_head(hidden).squeeze(-1).float()
         return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
@@ -48,11 +58,11 @@ class ValueModel(nn.Module):
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> ValueModel:
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> ValueModel:
         path = Path(path)
         if not (path / HEAD_FILE).exists():
             raise FileNotFoundError(f"value model directory {path} has no {HEAD_FILE}")
-        backbone = AutoModel.from_pretrained(str(path), local_files_only=True)
+        backbone = AutoModel.from_pretrained(str(path), dtype=dtype, local_files_only=True)
         head = nn.Linear(backbone.config.hidden_size, 1)
         head.load_state_dict(load_file(str(path / HEAD_FILE)))
         return cls(backbone, head)

@@ -108,6 +108,8 @@ class EmbeddedEngine:
         threads: int | None = None,
     ) -> None:
         self.model = model.eval()
+        self.device = next(model.parameters()).device
+        """Where the model lives (the host, or a GPU): batches are built on the host and moved there."""
         self.threads = threads  # torch CPU threads of the engine thread (None: torch's); the caller keeps its own
         self.tokenizer = tokenizer
         self.max_batch = max_batch
@@ -304,6 +306,7 @@ class EmbeddedEngine:
         for row, ctx in enumerate(contexts):
             ids[row, length - len(ctx) :] = torch.tensor(ctx)
             attention[row, length - len(ctx) :] = 1
+        ids, attention = ids.to(self.device), attention.to(self.device)
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(ids, attention, positions, cache)
@@ -316,9 +319,10 @@ class EmbeddedEngine:
 
     def _decode(self) -> torch.Tensor:
         """Feed each in-flight sequence's last sampled token; logits for the next one."""
-        ids = torch.tensor([[s.context[-1]] for s in self._active])
-        positions = torch.tensor([[len(s.context) - 1] for s in self._active])
-        attention = torch.cat([self._attention, torch.ones(len(self._active), 1, dtype=torch.long)], dim=1)
+        ids = torch.tensor([[s.context[-1]] for s in self._active]).to(self.device)
+        positions = torch.tensor([[len(s.context) - 1] for s in self._active]).to(self.device)
+        ones = torch.ones(len(self._active), 1, dtype=torch.long, device=self.device)
+        attention = torch.cat([self._attention, ones], dim=1)
         logits = self._forward(ids, attention, positions, self._cache)
         self._attention = attention
         return logits
@@ -329,14 +333,14 @@ class EmbeddedEngine:
         Inverse-CDF sampling: one uniform draw per sequence from its generator (so a seed reproduces a sample
         whatever else is in the batch), then one vectorised search over the cumulative distribution.
         """
-        temps = torch.tensor([s.request.temperature or 1.0 for s in self._active])
+        temps = torch.tensor([s.request.temperature or 1.0 for s in self._active]).to(logits.device)
         logprobs = F.log_softmax(logits / temps[:, None], dim=-1)
         cdf = logprobs.exp().cumsum(dim=-1)
-        draws = torch.stack([torch.rand((), generator=s.generator) for s in self._active])
+        draws = torch.stack([torch.rand((), generator=s.generator) for s in self._active]).to(logits.device)
         # right=True picks i with cdf[i-1] <= u < cdf[i]: probability p_i, never a zero-probability token.
         tokens = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).squeeze(1)
         tokens = tokens.clamp(max=logits.shape[-1] - 1)
-        greedy = torch.tensor([s.request.temperature == 0 for s in self._active])
+        greedy = torch.tensor([s.request.temperature == 0 for s in self._active]).to(logits.device)
         if greedy.any():
             tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
@@ -390,7 +394,7 @@ def _concat_batches(cache_a: DynamicCache, att_a: torch.Tensor, cache_b: Dynamic
 
 def _select_rows(cache: DynamicCache, attention: torch.Tensor, rows: list[int]):
     """Keep `rows` of the batch and drop leading positions that are padding in every remaining row."""
-    index = torch.tensor(rows)
+    index = torch.tensor(rows, device=attention.device)
     attention = attention.index_select(0, index)
     start = int((attention.sum(dim=0) > 0).nonzero()[0])
     for layer in cache.layers:

@@ -4,9 +4,10 @@ path, then the model registry.
     checkpoint step N -> HF directory (models/<name>-<algo>-step-<N>/) -> episodes (greedy + K samples)
                       -> reports/<name>.{json,parquet} -> registry `candidate`, `champion` when it wins
 
-Checkpoints hold the learner's states (`policy.pt`: module and optimizer state, components/training/checkpoint.py).
+Checkpoints hold the learner's states (`policy/`: the engine's own files, components/training/learner.py).
 Evaluation needs an HF directory: the policy is rebuilt from the SFT directory's config and tokenizer, the
-checkpoint's module weights are loaded into it, and the result is written atomically (reused when complete).
+checkpoint's module weights are loaded into it (consolidated from every rank's partition for a ZeRO-3 checkpoint),
+and the result is written atomically (reused when complete).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from components.storage import atomic_dir, is_complete, weights_fingerprint, wri
 from components.tracking.registry import Promotion, promote
 from components.training.algorithms import ALGORITHMS
 from components.training.checkpoint import checkpoint_store
+from components.training.engines import read_module_state
 
 
 def eval_tasks(cfg: Config, benchmark: str, tasks: str) -> tuple[list[Task] | None, str]:
@@ -64,9 +66,9 @@ def export_checkpoint(cfg: Config, home: Path, step: int, sft_dir: Path, log: Lo
     if is_complete(out):
         return out
     store = checkpoint_store(cfg, home)
-    payload = store.load(step)  # IncompleteArtifact / CorruptArtifact name the checkpoint
+    module = store.load(step, lambda directory: read_module_state(directory / "policy"))  # verified first
     policy = load_policy(sft_dir)
-    policy.load_state_dict(payload["policy"]["module"])
+    policy.load_state_dict(module)
     with atomic_dir(out) as tmp:
         save_model_dir(policy, load_tokenizer(sft_dir), tmp)
         write_json(tmp / "checkpoint.json", {"step": step, "source": store.store.uri(store.key(step))})
@@ -87,7 +89,7 @@ def run_eval(
     """Evaluation of `model_dir` in `cfg.env` on the episode path (greedy, plus `samples` sampled episodes per task
     when > 1): on `tasks` (a benchmark, named `eval_set`) or the environment's held-out set; writes
     `reports/<name>.json` and every trajectory to `reports/<name>.parquet`."""
-    setup = build_env(cfg)  # as a run starts: style prefers the schedule's first style
+    setup = build_env(cfg, log)  # as a run starts: style prefers the schedule's first style
     tasks = tasks if tasks is not None else setup.eval_tasks()
     log(f"eval: {len(tasks)} {eval_set or cfg.env.name + ' held-out'} tasks x {samples} sample(s), {model_dir}")
     chat = load_chat(model_dir, cfg.model.chat_format)

@@ -29,6 +29,7 @@ A non-finite loss or gradient is the engines' guard (`engines.py`). Finite input
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,10 +48,11 @@ from components.algo import (
     normalize_advantages,
     ppo_policy_loss,
 )
-from components.config import AlgoName
-from components.models.logprobs import head_positions, token_logprobs
+from components.config import AlgoName, Config
+from components.models.logprobs import TokenStats, head_positions, token_logprobs
 from components.training.collective import SOLO, Collective, global_moments
 from components.training.diagnostics import policy_diagnostics
+from components.training.micro import MicroBatches, TokenWeighted
 
 
 @dataclass(frozen=True)
@@ -68,32 +70,53 @@ class AlgoSettings:
     normalize_advantages: bool
     ppo_clip: float = 0.2
     group_size: int = 1
+    micro_batch_tokens: int = 0
+    """Padded tokens per forward/backward pass on each rank (0: a rank's rows in one pass; micro.py)."""
 
 
 def policy_update(
     policy, batch: dict[str, Tensor], advantages: Tensor, s: AlgoSettings, use_dis: bool, comm: Collective = SOLO
 ) -> dict:
-    """One policy optimizer step: DIS (mask outside the window) or PPO clip against the rollout log-probs."""
+    """One policy optimizer step: DIS (mask outside the window) or PPO clip against the rollout log-probs, over the
+    rank's micro-batches (micro.py). Non-finite advantages or rollout log-probs skip it before any pass; a
+    non-finite log-prob in any micro-batch on any rank skips it at that micro-batch."""
     act = batch["action_mask"]
-    positions = head_positions(policy.module, act)
-    logprobs, stats = token_logprobs(
-        policy.module,
-        batch["input_ids"],
-        s.temperature,
-        batch["attention_mask"],
-        return_stats=True,
-        positions=positions,
-    )
-    if not all_finite(act, comm, logprobs.detach(), batch["rollout_logprobs"], advantages):
+    if not all_finite(act, comm, batch["rollout_logprobs"], advantages):
         return {"policy/grad_norm": policy.skip_update()}
-    if use_dis:
-        loss, metrics = dis_policy_loss(logprobs, batch["rollout_logprobs"], advantages, act, s.eps_low, s.eps_high)
-    else:
-        loss, metrics = ppo_policy_loss(logprobs, batch["rollout_logprobs"], advantages, act, s.ppo_clip, s.ppo_clip)
-    metrics["policy/entropy"] = masked_mean(stats.entropy, act)
-    share, metrics = _token_weighted(metrics, act, comm)
+    micro = MicroBatches.plan(batch, s.micro_batch_tokens, comm)
+    weighted, pieces = TokenWeighted(micro), []
+    for i in range(len(micro)):
+        mb = micro.take({**batch, "advantages": advantages}, i)
+        a = mb["action_mask"]
+        logprobs, stats = token_logprobs(
+            policy.module,
+            mb["input_ids"],
+            s.temperature,
+            mb["attention_mask"],
+            return_stats=True,
+            positions=head_positions(policy.module, a),
+        )
+        finite = bool(torch.isfinite(logprobs.detach()[a.bool()]).all())
+        if use_dis:
+            loss, metrics = dis_policy_loss(
+                logprobs, mb["rollout_logprobs"], mb["advantages"], a, s.eps_low, s.eps_high
+            )
+        else:
+            loss, metrics = ppo_policy_loss(
+                logprobs, mb["rollout_logprobs"], mb["advantages"], a, s.ppo_clip, s.ppo_clip
+            )
+        metrics["policy/entropy"] = masked_mean(stats.entropy, a)
+        if not policy.accumulate(loss * micro.share(i), last=micro.last(i), finite=finite):
+            return {"policy/grad_norm": policy.apply()}
+        weighted.add(metrics, i)
+        pieces.append(None if micro.empty[i] else stats)
+    grad_norm = policy.apply()
+    metrics = weighted.result()
+    stats = TokenStats(
+        micro.assemble([p and p.entropy for p in pieces], act), micro.assemble([p and p.is_argmax for p in pieces], act)
+    )
     metrics.update(policy_diagnostics(stats, advantages, batch, comm))
-    metrics["policy/grad_norm"] = policy.backward_step(loss * share)
+    metrics["policy/grad_norm"] = grad_norm
     adv_mean, adv_var = global_moments(advantages, act, comm)
     metrics["adv/mean"], metrics["adv/std"] = adv_mean, adv_var.sqrt()
     return metrics
@@ -102,25 +125,46 @@ def policy_update(
 def critic_updates(
     critic, batch: dict[str, Tensor], s: AlgoSettings, updates: int, comm: Collective = SOLO
 ) -> tuple[Tensor, dict]:
-    """K critic steps on the clipped value loss; returns the updated critic's values and metrics. Non-finite
-    values or returns on action tokens skip all K steps and return the values as they are (the policy update
-    then skips too: its advantages are not finite)."""
-    ids, att, act, rewards = batch["input_ids"], batch["attention_mask"], batch["action_mask"], batch["rewards"]
-    # The first update's forward runs on the weights V_old comes from, so it is V_old: one forward, not two.
-    values = critic.module(ids, att)
-    old_values = values.detach()
-    _, returns = gae(rewards, old_values, act, s.gamma, s.lam_critic)
-    if not all_finite(act, comm, old_values, returns):
-        return old_values, {"critic/grad_norm": _skip_critic(critic, updates)}
+    """K critic steps on the clipped value loss, each over the rank's micro-batches (micro.py); returns the updated
+    critic's values and metrics. Non-finite values or returns on action tokens (the first update's forward) skip
+    all K steps and return NaN values (the policy update then skips too: its advantages are not finite); a
+    non-finite loss in a later update skips that update."""
+    act = batch["action_mask"]
+    micro = MicroBatches.plan(batch, s.micro_batch_tokens, comm)
+    old, targets = [None] * len(micro), [None] * len(micro)
     metrics: dict[str, Tensor] = {}
     for update in range(updates):
-        if update:
-            values = critic.module(ids, att)
-        loss, metrics = clipped_value_loss(values, old_values, returns, act, s.value_clip)
-        share, metrics = _token_weighted(metrics, act, comm)
-        metrics["critic/grad_norm"] = critic.backward_step(loss * share)
+        weighted, stopped = TokenWeighted(micro), False
+        for i in range(len(micro)):
+            mb = micro.take(batch, i)
+            a = mb["action_mask"]
+            values = critic.module(mb["input_ids"], mb["attention_mask"])
+            finite = True
+            if update == 0:
+                # The first update's forward runs on the weights V_old comes from, so it is V_old: one forward, not
+                # two. GAE runs along each row, so a micro-batch's returns need only its own rows' values.
+                old[i] = values.detach()
+                targets[i] = gae(mb["rewards"], old[i], a, s.gamma, s.lam_critic)[1]
+                keep = a.bool()
+                finite = bool(torch.isfinite(old[i][keep]).all() and torch.isfinite(targets[i][keep]).all())
+            loss, part = clipped_value_loss(values, old[i], targets[i], a, s.value_clip)
+            if not critic.accumulate(loss * micro.share(i), last=micro.last(i), finite=finite):
+                stopped = True
+                break
+            weighted.add(part, i)
+        norm = critic.apply()
+        if update == 0 and stopped:
+            rest = [critic.skip_update() for _ in range(updates - 1)]
+            return torch.full_like(act, math.nan), {"critic/grad_norm": (rest or [norm])[-1]}
+        metrics = {**weighted.result(), "critic/grad_norm": norm}
+    returns = micro.assemble([None if e else t for t, e in zip(targets, micro.empty)], act)
+    pieces = []
     with torch.no_grad():
-        new_values = critic.module(ids, att)
+        for i in range(len(micro)):  # empty passes too: every rank runs the same passes (micro.py)
+            mb = micro.take(batch, i)
+            values = critic.module(mb["input_ids"], mb["attention_mask"])
+            pieces.append(None if micro.empty[i] else values)
+    new_values = micro.assemble(pieces, act)
     metrics["critic/explained_variance"] = explained_variance(new_values, returns, act, var=_variance(comm))
     return new_values, metrics
 
@@ -153,18 +197,6 @@ def finite_inputs(step: Callable[..., dict]) -> Callable[..., dict]:
         return metrics
 
     return guarded
-
-
-def _token_weighted(metrics: dict[str, Tensor], mask: Tensor, comm: Collective) -> tuple[Tensor | float, dict]:
-    """(loss share of this rank, metrics as token-weighted means over ranks). Every metric passed in is a
-    token-mean over `mask`, so weighting by token counts gives the whole-batch value."""
-    if not comm.distributed:
-        return 1.0, metrics
-    n_local = mask.sum().to(torch.float32)
-    n_total = comm.sum(n_local).clamp(min=1)
-    keys = list(metrics)
-    summed = comm.sum(torch.stack([metrics[k].detach().float() * n_local for k in keys])) / n_total
-    return n_local * comm.world / n_total, dict(zip(keys, summed.unbind()))
 
 
 def _variance(comm: Collective):
@@ -247,3 +279,22 @@ ALGORITHMS: dict[AlgoName, Algorithm] = {
     "grpo-dis": Algorithm(grpo_dis_step, False, False, None, True),
     "ppo": Algorithm(ppo_step, True, False, 1, False),
 }
+
+
+def settings_from(cfg: Config) -> AlgoSettings:
+    """The numbers a step needs, resolved from a config once (the steps never see config objects)."""
+    algorithm = ALGORITHMS[cfg.train.algo]
+    eps_low, eps_high = cfg.algo.dis_window
+    return AlgoSettings(
+        cfg.algo.gamma,
+        cfg.algo.lam_critic,
+        cfg.algo.lam_policy,
+        eps_low,
+        eps_high,
+        cfg.algo.temperature,
+        algorithm.critic_updates or cfg.algo.critic_updates,
+        cfg.algo.value_clip,
+        cfg.algo.normalize_advantages,
+        group_size=cfg.train.group_size if algorithm.grouped else 1,
+        micro_batch_tokens=cfg.train.micro_batch_tokens,
+    )

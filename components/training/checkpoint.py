@@ -1,4 +1,5 @@
-"""Checkpoints as artifacts: `<prefix>/step-XXXXXXXX/` holds one torch.save'd `<name>.pt` per payload entry.
+"""Checkpoints as artifacts: `<prefix>/step-XXXXXXXX/` holds one torch.save'd `<name>.pt` per payload entry, and
+whatever a writer puts beside them (the learner's engines write their own directories: `policy/`, `critic/`).
 
 The artifact store (components/storage/artifacts.py) publishes the files, then a manifest with the sha256 and
 size of each, then the `_COMPLETE` marker; only complete steps count, and every file is verified on load. A
@@ -33,6 +34,10 @@ from components.storage.artifacts import (
 
 OnCheckpoint = Callable[[int, str], None]
 """Called with (step, URI) once a checkpoint is complete in the store."""
+Writer = Callable[[Path], None]
+"""Writes files into a checkpoint's local directory before it is published (`Learner.save`)."""
+Reader = Callable[[Path], Any]
+"""Reads a verified checkpoint's local directory (`Learner.load`); what it returns is what `load` returns."""
 
 _STEP = re.compile(r"step-(\d{8,})")
 
@@ -64,14 +69,17 @@ class CheckpointStore:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f".{what}-", dir=self.cache_dir))
 
-    def save(self, step: int, payload: dict[str, Any]) -> str:
-        """Each payload entry becomes `<name>.pt` (torch.save); returns the checkpoint's URI."""
+    def save(self, step: int, payload: dict[str, Any], write: Writer | None = None) -> str:
+        """Each payload entry becomes `<name>.pt` (torch.save), beside what `write(directory)` writes; returns the
+        checkpoint's URI."""
         key = self.key(step)
         for name in payload:
             if not name or "/" in name or name.startswith("."):
                 raise ValueError(f"checkpoint payload name {name!r} must be a plain file name")
         scratch = self._scratch(f"save-{step:08d}")
         try:
+            if write is not None:
+                write(scratch)
             for name, obj in payload.items():
                 torch.save(obj, scratch / f"{name}.pt")
             return self.store.put_dir(scratch, key)
@@ -87,12 +95,13 @@ class CheckpointStore:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def load(self, step: int) -> dict[str, Any]:
-        """The payload saved at `step`, every file verified; IncompleteArtifact / CorruptArtifact otherwise."""
+    def load(self, step: int, read: Reader | None = None) -> Any:
+        """The checkpoint at `step`, every file verified (IncompleteArtifact / CorruptArtifact otherwise): what
+        `read(directory)` returns, or by default the payload (`<name>.pt` files as a dict)."""
         scratch = self._scratch(f"load-{step:08d}")
         try:
             local = self.store.get_dir(self.key(step), scratch / "checkpoint")
-            return {path.stem: torch.load(path, weights_only=False) for path in sorted(local.glob("*.pt"))}
+            return (read or read_payload)(local)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -112,18 +121,30 @@ class CheckpointStore:
             log(f"checkpoint: deleted step {s} (rolled back to step {step})")
         return newer
 
-    def load_latest(self, log: Callable[[str], None], at_most: int | None = None) -> tuple[int, dict] | None:
-        """(step, payload) of the newest complete checkpoint (at step <= `at_most` when given) that loads and
-        verifies; one that is corrupt or no longer complete is skipped with a log line saying why. None when none
-        loads. Any other StoreError (the store unreachable after its retries) is raised, naming the key."""
+    def load_latest(
+        self,
+        log: Callable[[str], None],
+        at_most: int | None = None,
+        read: Reader | None = None,
+        at_least: int = 0,
+    ) -> tuple[int, Any] | None:
+        """(step, what `load(step, read)` returns) of the newest complete checkpoint (at step <= `at_most` when
+        given, and >= `at_least`) that loads and verifies; one that is corrupt or no longer complete is skipped with
+        a log line saying why. None when none loads. Any other StoreError (the store unreachable after its retries)
+        is raised, naming the key."""
         for step in reversed(self.steps()):
-            if at_most is not None and step > at_most:
+            if (at_most is not None and step > at_most) or step < at_least:
                 continue
             try:
-                return step, self.load(step)
+                return step, self.load(step, read)
             except (CorruptArtifact, IncompleteArtifact) as exc:
                 log(f"checkpoint: skipping step {step}, it does not load: {exc}")
         return None
+
+
+def read_payload(directory: Path) -> dict[str, Any]:
+    """A checkpoint's payload: its top-level `<name>.pt` files as {name: object}."""
+    return {path.stem: torch.load(path, weights_only=False) for path in sorted(Path(directory).glob("*.pt"))}
 
 
 class LocalCheckpointStore(CheckpointStore):
@@ -165,12 +186,12 @@ class Checkpointer:
         """Checkpoints this process could not store (`trainer/checkpoint_failures`)."""
         self.failed_in_a_row = 0
 
-    def save(self, step: int, payload: dict[str, Any], final: bool = False) -> str | None:
-        """Store `payload` as checkpoint `step` and call `on_checkpoint(step, uri)`; returns the URI, or None when
-        the store failed and the budget lets the run go on. Raises the `StoreError` otherwise (`final`: the run's
-        last checkpoint)."""
+    def save(self, step: int, payload: dict[str, Any], final: bool = False, write: Writer | None = None) -> str | None:
+        """Store `payload` (and what `write` writes) as checkpoint `step` and call `on_checkpoint(step, uri)`;
+        returns the URI, or None when the store failed and the budget lets the run go on. Raises the `StoreError`
+        otherwise (`final`: the run's last checkpoint)."""
         try:
-            uri = self.store.save(step, payload)
+            uri = self.store.save(step, payload, write)
         except StoreError as exc:  # the store's retries are spent: an outage, or a store that never worked
             self.failed += 1
             self.failed_in_a_row += 1

@@ -11,6 +11,11 @@ stays exact, not merely close, because every token-mean is taken over the *globa
 - reported metrics are token-weighted over ranks, so they equal the single-process values.
 
 `SOLO` (world size 1) is the identity, so single-process code paths compute exactly what they did before.
+
+Devices: on GPUs the process group carries two backends (`cpu:gloo,cuda:nccl`, `init_process_group`): tensor
+reductions go over NCCL when the tensor lives on a GPU and over gloo when it lives on the host, and object
+messages (pickled batches, the learner's commands) always go over gloo, on the host. Tensors that travel as
+objects are moved to the host first, so no rank ever unpickles another rank's GPU tensor.
 """
 
 from __future__ import annotations
@@ -41,15 +46,24 @@ class Collective:
         dist.all_reduce(out)
         return out
 
+    def max(self, x: Tensor) -> Tensor:
+        """All-reduce max (a new tensor; the input is untouched)."""
+        if not self.distributed:
+            return x
+
+        out = x.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return out
+
     def gather_rows(self, x: Tensor) -> tuple[Tensor, int]:
-        """Every rank's rows concatenated in rank order, and where this rank's rows start."""
+        """Every rank's rows concatenated in rank order (on `x`'s device), and where this rank's rows start."""
         if not self.distributed:
             return x, 0
 
         parts: list = [None] * self.world
-        dist.all_gather_object(parts, x.detach())
+        dist.all_gather_object(parts, x.detach().cpu())
         offset = sum(len(p) for p in parts[: self.rank])
-        return torch.cat(parts), offset
+        return torch.cat(parts).to(x.device), offset
 
     def scatter(self, items: list | None) -> object:
         """Rank 0 passes one item per rank and gets its own back; the other ranks pass None."""
@@ -102,6 +116,25 @@ def from_environment() -> Collective:
 def launched_world_size() -> int:
     """WORLD_SIZE set by torchrun (1 when not launched by it)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_world_size() -> int:
+    """Processes of this run on this machine (LOCAL_WORLD_SIZE set by torchrun; 1 when not launched by it)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def local_device() -> torch.device:
+    """This rank's device: its GPU (`cuda:LOCAL_RANK`) when torch sees GPUs and DeepSpeed is not told to use the
+    CPU (`DS_ACCELERATOR=cpu`), else the host."""
+    if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def process_group_backend(device: torch.device) -> str:
+    """`init_process_group`'s backend for ranks on `device`: gloo on the host; on GPUs gloo for host tensors and
+    object messages beside NCCL for GPU tensors (see the module docstring)."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def shard_rows(rows: int, world: int, group_size: int = 1) -> list[range]:

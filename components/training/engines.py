@@ -1,68 +1,76 @@
 """Training engines for the policy and the critic: plain torch, or DeepSpeed.
 
 The step functions in `algorithms.py` only need:
-- `.module`, to run forward passes;
-- `.backward_step(loss) -> grad_norm`, which does backward, clipping and an optimizer step, and skips
-  non-finite updates;
-- `.skip_update()`, which counts an update the step decided not to take (non-finite inputs);
-- `.state_dict()` / `.load_state_dict()`, which carry module and optimizer state for checkpoints.
+- `.module`, to run forward passes (always through module calls: under ZeRO-3 a parameter holds only this
+  rank's partition, and DeepSpeed's hooks gather it around each module's forward and backward);
+- `.accumulate(loss, last)`, the backward of one micro-batch, and `.apply() -> grad_norm`, the optimizer step on
+  what the step's micro-batches accumulated, clipped, with the non-finite guard; `.backward_step(loss)` is both
+  for a step of one micro-batch;
+- `.skip_update()`, which counts an update the step decided not to take (non-finite inputs).
+Checkpoints go through `.save(directory)` / `.load(directory)`: the DeepSpeed engine writes DeepSpeed's own
+per-rank files (every rank writes its partition of the optimizer state, and under ZeRO-3 of the weights; nothing
+is gathered to one rank), the torch engine one file. `.full_state()` yields the whole module's weights on rank 0,
+gathered bucket by bucket under ZeRO-3, for publishing and the HF export.
 
-The DeepSpeed engine wraps `deepspeed.initialize`. Policy and critic are two engines, each with its own
-optimizer and learning rate, as in OpenRLHF. On CPU it runs in fp32 with gloo (`DS_ACCELERATOR=cpu`).
-ZeRO stages 0-2 are supported. Stage 3 would need DeepSpeed's forward for parameter gathering, which the
-chunked log-prob path does not use yet: it reads the LM head's weight directly (`token_logprobs`).
+The DeepSpeed engine wraps `deepspeed.initialize`. Policy and critic are two engines, each with its own optimizer
+and learning rate, as in OpenRLHF. On CPU it runs in fp32 with gloo (`DS_ACCELERATOR=cpu`), on GPUs in bf16
+when the config file enables it. ZeRO stages 0-3; under ZeRO-3 a Mixture-of-Experts block is one leaf module
+(its experts' parameters gathered together: DeepSpeed's prefetch follows the order modules ran in, which dynamic
+routing changes from step to step; DeepSpeed PR #4966). The config is components/training/deepspeed_config.py's.
 
-A DeepSpeed JSON file (`train.deepspeed_config`, e.g. `infra/deepspeed/zero2-bf16.json`) is merged over the
-built-in config, the file winning key by key (`deepspeed_config`). The learner owns the batch shape (one
-optimizer step per `backward_step`) and the learning-rate schedule, so a file may not set those.
+Micro-batches: a step's micro-batches each call `accumulate`, the last with `last=True`; DeepSpeed is told where
+the accumulation boundary is (`set_gradient_accumulation_boundary`), so its gradient reduction and its step see
+one batch, whatever the number of micro-batches. The learner scales each micro-batch's loss by its share of the
+batch's tokens (algorithms.py), so the accumulated gradient is the whole batch's.
 
-Non-finite guard: an inf or NaN in the loss, or in any gradient on any rank, skips the update on every rank
-together (one rank stepping while another skips would desynchronise the replicas), leaves weights and
-optimizer state untouched, empties the gradients so the next step starts clean, and adds one to
-`skipped_steps` (saved in checkpoints; logged as `trainer/skipped_steps`, docs/metrics.md).
+Non-finite guard: an inf or NaN in a micro-batch's loss, or a micro-batch the caller reports as not finite, skips
+the whole update on every rank together (each check is one all-reduce, and every rank runs the same number of
+micro-batches, so the ranks agree at the same point); what earlier micro-batches accumulated is discarded. An inf
+or NaN in any gradient on any rank skips the update too, at `apply`. A skip leaves weights and optimizer state
+untouched, empties the gradients so the next step starts clean, and adds one to `skipped_steps` (saved in
+checkpoints; logged as `trainer/skipped_steps`, docs/metrics.md).
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import math
 import os
 import socket
 import time
-from collections.abc import Iterator, KeysView
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pydantic
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from components.training.collective import from_environment
+from components.training.collective import from_environment, local_device, process_group_backend
+from components.training.deepspeed_config import default_accelerator, resolve_deepspeed_config
+
+ENGINE_FILE = "engine.pt"
+"""The torch engine's checkpoint file in its directory."""
+PUBLISH_BUCKET_BYTES = 512 * 2**20
+"""Parameters gathered at a time under ZeRO-3 when the whole module's weights are read (`full_state`)."""
 
 
-class _Checkpointable:
-    """Module + optimizer state for checkpoints (both engines keep `module`, `optimizer`, `skipped_steps`),
-    the learning rate as a scale of the configured one (`base_lr`): schedules and rollbacks set it, and the
-    count of skipped updates."""
+class _Engine:
+    """What both engines share: the learning rate as a scale of the configured one (`base_lr`: schedules and
+    rollbacks set it), the count of skipped updates, the step's micro-batch bookkeeping, and timing."""
+
+    module: nn.Module
+    optimizer: Any
+    base_lr: float
+    skipped_steps: int = 0
+    _pending: bool = False
+    """This step has accumulated at least one micro-batch's gradients."""
+    _skipping: bool = False
+    """A micro-batch of this step was not finite: the step's remaining micro-batches and its update are skipped."""
 
     def set_lr_scale(self, scale: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = self.base_lr * scale
-
-    def state_dict(self) -> dict:
-        return {
-            "module": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "skipped_steps": self.skipped_steps,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["module"])  # first: an optimizer may pick up the module's weights
-        self._load_optimizer(state)
-        self.skipped_steps = state["skipped_steps"]
 
     busy_s: float = 0.0
     """Wall seconds of the algorithm steps' work timed with `busy()` (the critic's K updates): what the loop
@@ -82,17 +90,57 @@ class _Checkpointable:
         self.skipped_steps += 1
         return torch.tensor(math.nan)
 
-    def _load_optimizer(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+    def accumulate(self, loss: Tensor, last: bool = True, finite: bool = True) -> bool:
+        """Backward of one micro-batch's `loss` (already scaled to its share of the batch); `last`: the step's last
+        micro-batch. `finite=False` says the caller found the micro-batch's inputs not finite. Returns False when
+        the step is being skipped (this micro-batch or an earlier one was not finite, on some rank): the caller
+        stops, and `apply` skips the update."""
+        if self._skipping:
+            return False
+        if not self._all_true(finite and bool(torch.isfinite(loss))):
+            self._skipping = True
+            if self._pending:
+                self._discard()
+            return False
+        self._backward(loss, last)
+        self._pending = True
+        return True
+
+    def apply(self) -> Tensor:
+        """The optimizer step on the accumulated gradients; returns the gradient norm (NaN when skipped)."""
+        skipping, self._skipping, self._pending = self._skipping, False, False
+        if skipping:
+            return self.skip_update()
+        return self._step()
+
+    def backward_step(self, loss: Tensor) -> Tensor:
+        """Backward, clip, step: a step of one micro-batch. A non-finite loss or gradient skips it and is counted."""
+        self.accumulate(loss, last=True)
+        return self.apply()
+
+    def full_state(self, bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> Iterator[dict[str, Tensor]]:
+        """The module's whole state (weights and persistent buffers) in parts, on rank 0 (empty parts on the other
+        ranks, which must iterate too under ZeRO-3: the gathers are collective). Tensors are the live ones where
+        nothing is partitioned (valid until the next step), fresh host copies under ZeRO-3."""
+        yield {k: v.detach() for k, v in self.module.state_dict().items()}
+
+    def _all_true(self, flag: bool) -> bool:
+        return flag
 
 
-class TorchEngine(_Checkpointable):
-    """AdamW on the trainable parameters, global-norm clipping, non-finite guard."""
+class TorchEngine(_Engine):
+    """AdamW on the trainable parameters, global-norm clipping, non-finite guard; one process."""
 
     def __init__(
-        self, module: nn.Module, lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0, beta2: float = 0.95
+        self,
+        module: nn.Module,
+        lr: float,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        beta2: float = 0.95,
+        device: torch.device | str = "cpu",
     ) -> None:
-        self.module = module
+        self.module = module.to(device)
         self.params = [p for p in module.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"{type(module).__name__} has no trainable parameters")
@@ -101,175 +149,55 @@ class TorchEngine(_Checkpointable):
         self.grad_clip = grad_clip
         self.skipped_steps = 0
 
-    def backward_step(self, loss: Tensor) -> Tensor:
-        """Backward, clip, step. A non-finite loss or gradient skips the update and is counted."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if not torch.isfinite(loss):
-            self.skipped_steps += 1
-            return torch.tensor(math.nan)
+    def _backward(self, loss: Tensor, last: bool) -> None:
         loss.backward()
+
+    def _discard(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _step(self) -> Tensor:
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         if not torch.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
             return norm.detach()
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         return norm.detach()
 
+    def state_dict(self) -> dict:
+        return {
+            "module": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
 
-ONE_STEP_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-"""DeepSpeed keys that must stay 1: the learner takes one optimizer step per `backward_step`."""
-SAO_OWNED_KEYS = {
-    "train_batch_size": "train.batch_size sets the batch; the learner takes one optimizer step per backward_step",
-    "scheduler": "the learning-rate schedule is train.warmup_steps / train.min_lr_ratio (set_lr_scale)",
-}
-"""Top-level DeepSpeed keys a `train.deepspeed_config` file may not set, and why."""
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["module"])  # first: an optimizer may pick up the module's weights
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.skipped_steps = state["skipped_steps"]
 
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), directory / ENGINE_FILE)
 
-def builtin_deepspeed_config(
-    lr: float,
-    weight_decay: float = 0.0,
-    grad_clip: float = 1.0,
-    zero_stage: int = 0,
-    bf16: bool = False,
-    beta2: float = 0.95,
-) -> dict[str, Any]:
-    """The DeepSpeed config the SAO fields give: one micro-batch per step, torch's AdamW (no op to compile)."""
-    return {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": zero_stage},
-        "bf16": {"enabled": bf16},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": lr, "weight_decay": weight_decay, "betas": [0.9, beta2], "torch_adam": True},
-        },
-        "steps_per_print": 10**9,
-    }
+    def load(self, directory: Path) -> None:
+        path = directory / ENGINE_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint: {path} is missing (not a torch engine's checkpoint)")
+        self.load_state_dict(torch.load(path, weights_only=False, map_location="cpu"))
 
 
-def read_deepspeed_file(path: str | Path) -> dict[str, Any]:
-    """A `train.deepspeed_config` file as a dict; errors name the field and the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"train.deepspeed_config: no such file {path} (a relative path is taken from the "
-            f"working directory {Path.cwd()})"
-        )
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"train.deepspeed_config: {path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"train.deepspeed_config: {path} must hold a JSON object, got {type(data).__name__}")
-    return data
+def moe_leaf_classes(module: nn.Module) -> list[type]:
+    """The Mixture-of-Experts block classes in `module` (transformers names them `*SparseMoeBlock`)."""
+    found = {type(m) for m in module.modules() if type(m).__name__.endswith("SparseMoeBlock")}
+    return sorted(found, key=lambda cls: cls.__name__)
 
 
-def merge_deepspeed_config(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """`base` with `override` merged in, table by table: override's leaves win, base's other keys stay
-    (a file that sets `optimizer.params.eps` keeps the configured lr and betas)."""
-    merged = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge_deepspeed_config(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def deepspeed_file_problems(config: dict[str, Any], max_stage: int = 3) -> list[str]:
-    """What a file merged into the built-in config may not do here: set a key the learner owns, turn on fp16
-    (bf16 only: the non-finite guard has no loss scale), or ask for a ZeRO stage above `max_stage`."""
-    problems = [f"{key}: may not be set ({why})" for key, why in SAO_OWNED_KEYS.items() if key in config]
-    problems += [
-        f"{key}: must be 1 (the learner takes one optimizer step per backward_step), got {config[key]!r}"
-        for key in ONE_STEP_KEYS
-        if config.get(key, 1) != 1
-    ]
-    if (config.get("fp16") or {}).get("enabled"):
-        problems.append("fp16.enabled: fp16 is not supported (no loss scaling in the step); use bf16")
-    stage = (config.get("zero_optimization") or {}).get("stage", 0)
-    if stage not in range(max_stage + 1):
-        problems.append(
-            f"zero_optimization.stage: ZeRO stage {stage!r} is not supported here (0-{max_stage}); "
-            f"stage 3 partitions the parameters, and the chunked log-prob path, checkpoints and weight "
-            f"publishing read them outside DeepSpeed's forward"
-        )
-    return problems
-
-
-class _RecordingDict(dict):
-    """A dict that records the keys read from it (get, [], in, `in .keys()`), so that the keys DeepSpeed never
-    reads (DeepSpeed ignores unknown top-level keys) can be found. `copy.copy` shares the record."""
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.read: set[str] = set()
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __getitem__(self, key: Any) -> Any:
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def __contains__(self, key: object) -> bool:
-        self.read.add(key)
-        return super().__contains__(key)
-
-    def keys(self) -> KeysView:
-        owner = self
-
-        class _Keys(KeysView):
-            def __contains__(self, key: object) -> bool:
-                return key in owner
-
-        return _Keys(self)
-
-
-def deepspeed_schema_problems(config: dict[str, Any]) -> list[str]:
-    """DeepSpeed's own validation of a full config: its pydantic models for `zero_optimization`, `bf16` and
-    `fp16` (unknown or mistyped keys fail: extra="forbid"), then `DeepSpeedConfig` on the whole, and every
-    top-level key DeepSpeed never reads. Each problem starts with the dotted key."""
-    default_accelerator()
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.runtime.precision_config import (
-        DeepSpeedBF16Config,
-        DeepSpeedFP16Config,
-    )
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    problems = []
-    for section, model in (
-        ("zero_optimization", DeepSpeedZeroConfig),
-        ("bf16", DeepSpeedBF16Config),
-        ("fp16", DeepSpeedFP16Config),
-    ):
-        value = config.get(section)
-        if value is None:
-            continue
-        if not isinstance(value, dict):
-            problems.append(f"{section}: must be an object, got {value!r}")
-            continue
-        try:
-            model(**value)
-        except pydantic.ValidationError as exc:
-            problems += [f"{'.'.join(map(str, (section, *err['loc'])))}: {err['msg']}" for err in exc.errors()]
-    if problems:
-        return problems
-    recording = _RecordingDict(copy.deepcopy(config))  # DeepSpeed may edit nested tables
-    try:
-        DeepSpeedConfig(recording)
-    except Exception as exc:  # DeepSpeed raises assertions, ValueErrors and pydantic errors alike: report any
-        return [f"DeepSpeedConfig: {type(exc).__name__}: {exc}"]
-    return [f"{key}: unknown DeepSpeed key (DeepSpeed never reads it)" for key in sorted(set(config) - recording.read)]
-
-
-class DeepSpeedEngine(_Checkpointable):
+class DeepSpeedEngine(_Engine):
     """`deepspeed.initialize` around one model (fp32 on CPU, bf16 on GPU when `bf16` is set or the config file
-    enables it)."""
+    enables it). `config`, when given, is a config `resolve_deepspeed_config` already built (the learner resolves
+    it first: under ZeRO-3 the model is loaded into its partitions with it)."""
 
     def __init__(
         self,
@@ -281,52 +209,78 @@ class DeepSpeedEngine(_Checkpointable):
         bf16: bool = False,
         beta2: float = 0.95,
         config_file: str = "",
+        config: dict | None = None,
     ) -> None:
-        if zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage: {zero_stage} is not supported here (0, 1 or 2)")
-        config = builtin_deepspeed_config(lr, weight_decay, grad_clip, zero_stage, bf16, beta2)
-        if config_file:
-            config = merge_deepspeed_config(config, read_deepspeed_file(config_file))
-            problems = deepspeed_file_problems(config, max_stage=2) + deepspeed_schema_problems(config)
-            if problems:
-                raise ValueError(f"train.deepspeed_config: {config_file}: " + "; ".join(problems))
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage: {zero_stage} is not supported here (0-3)")
+        if config is None:
+            config = resolve_deepspeed_config(lr, weight_decay, grad_clip, zero_stage, bf16, beta2, config_file)
         init_single_process_group()
         import deepspeed
 
+        self.zero_stage = config["zero_optimization"].get("stage", 0)
+        if self.zero_stage == 3 and (leaves := moe_leaf_classes(module)):
+            deepspeed.utils.set_z3_leaf_modules(module, leaves)
         params = [p for p in module.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=config)
         self.module = self.engine.module
         self.config = config
         self.base_lr = config["optimizer"]["params"]["lr"]
-        self.zero_stage = config["zero_optimization"].get("stage", 0)
+        self.comm = from_environment()
         if self.zero_stage == 0 and self.engine.world_size == 1:
             # Stage 0 on one rank: the gradient all-reduce after each backward flattens, "averages" over one
             # rank and copies back every gradient (about 2% of the tiny preset's step); without it the
             # gradients are the same bits. ZeRO-1/2 keep it: their reduction fills the optimizer's partitions.
             self.engine.enable_backward_allreduce = False
-        if self.zero_stage:
+        if self.zero_stage in (1, 2):
             # A ZeRO-1/2 optimizer checks its gradient partition for inf/NaN before the update, all-reduces the
             # flag (`has_overflow`), and on overflow skips the update and empties its averaged-gradient buffers
             # (stage_1_and_2.py `step`), when this flag is set. DeepSpeed sets it from the precision config: off
             # in fp32 (where only a computed non-finite grad norm stops the step) and off in bf16 when a file says
-            # `bf16.check_grad_overflow: false` (then a NaN gradient is applied: test_numerical_faults.py).
+            # `bf16.check_grad_overflow: false` (then a NaN gradient is applied: test_numerical_faults.py). The
+            # ZeRO-3 optimizer treats a non-finite gradient norm as an overflow whatever the config.
             self.optimizer.check_grad_overflow = True
         self.skipped_steps = 0
 
-    def _load_optimizer(self, state: dict) -> None:
-        """ZeRO-1/2 optimizers load from the list of every rank's partition (`optimizer_ranks`, set by the
-        learner); stage 0 from this rank's own state."""
-        if self.zero_stage:
-            self.optimizer.load_state_dict(state.get("optimizer_ranks") or [state["optimizer"]])
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
+    @property
+    def partitioned(self) -> bool:
+        """The parameters themselves are partitioned over the ranks (ZeRO-3)."""
+        return self.zero_stage == 3
 
-    def backward_step(self, loss: Tensor) -> Tensor:
-        # Ranks skip together: one rank skipping its backward would leave the others in the gradient all-reduce.
-        if not from_environment().all_true(bool(torch.isfinite(loss))):
-            self.skipped_steps += 1
-            return torch.tensor(math.nan)
+    def _all_true(self, flag: bool) -> bool:
+        return self.comm.all_true(flag)
+
+    def _backward(self, loss: Tensor, last: bool) -> None:
+        # DeepSpeed's own `engine.forward` starts every micro-step this way; the learner calls the module directly
+        # (several forwards per step: the critic's V_old, the policy's log-probs), so each micro-batch is marked
+        # here. ZeRO-3 counts its micro-steps by it and, unmarked, overwrites its gradient partitions at every
+        # backward instead of accumulating them.
+        if hasattr(self.optimizer, "clear_backward_seen_flag"):
+            self.optimizer.clear_backward_seen_flag()
+        self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(loss)
+
+    def _discard(self) -> None:
+        """Drop what the step's earlier micro-batches accumulated (every rank together), as DeepSpeed's ZeRO optimizer
+        drops a step's gradients when its `step` finds an overflow (stage_1_and_2.py `step`, stage3.py
+        `_overflow_clean_up`; DeepSpeed is pinned, tests/training/test_micro.py checks each stage)."""
+        optimizer = self.optimizer
+        if self.zero_stage in (1, 2):
+            from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+            optimizer.micro_step_id = INITIAL_MICRO_STEP_ID
+            optimizer.zero_grad(set_to_none=True)
+            optimizer._release_preflattened_grad_buffers()
+            for group in [*optimizer.averaged_gradients, *optimizer.all_grad_tensors]:
+                optimizer.averaged_gradients[group] = None
+                optimizer.all_grad_tensors[group] = None  # what the micro-steps so far accumulated
+        elif self.zero_stage == 3:
+            optimizer.zero_grad(set_to_none=True)  # its micro-step count back to 0: the next backward overwrites
+            optimizer.averaged_gradients = {}
+        else:
+            self.engine.zero_grad()
+
+    def _step(self) -> Tensor:
         if self.zero_stage == 0:
             # Stage 0 keeps whole (already averaged) gradients on the parameters, and DeepSpeed's fp32 path
             # discards the norm it clips with, so measure it here; it is the same on every rank.
@@ -335,13 +289,13 @@ class DeepSpeedEngine(_Checkpointable):
             if not torch.isfinite(norm):
                 self.engine.zero_grad()
                 self.skipped_steps += 1
-                return norm.detach()
+                return norm.detach().cpu()
             self.engine.step()
-            return norm.detach()
-        # ZeRO-1/2 gradients live in per-rank partitions, so the check is the optimizer's own, inside `step`,
-        # before its update (`check_grad_overflow`, set in __init__). A skipped step still counts as DeepSpeed's
-        # step (global_steps and its own skipped_steps advance; there is no DeepSpeed lr scheduler to advance),
-        # so every backward_step is one `engine.step()`, stepped or not.
+            return norm.detach().cpu()
+        # ZeRO gradients live in per-rank partitions, so the check is the optimizer's own, inside `step`, before
+        # its update (`check_grad_overflow`, set in __init__, for ZeRO-1/2). A skipped step still counts as
+        # DeepSpeed's step (global_steps and its own skipped_steps advance; there is no DeepSpeed lr scheduler to
+        # advance), so every update is one `engine.step()`, stepped or not.
         self.engine.step()
         if not self.engine.was_step_applied():
             self.skipped_steps += 1
@@ -349,10 +303,69 @@ class DeepSpeedEngine(_Checkpointable):
         norm = self.engine.get_global_grad_norm()  # of the step just taken (read after step, never before)
         return torch.tensor(float(norm) if norm is not None else math.nan)
 
+    def save(self, directory: Path) -> None:
+        """DeepSpeed's checkpoint of this engine under `directory` (every rank calls it and writes its own files)."""
+        self.engine.save_checkpoint(
+            str(directory.parent),
+            tag=directory.name,
+            client_state={"sao_skipped_steps": self.skipped_steps},
+            save_latest=False,
+        )
 
-def default_accelerator() -> None:
-    """`DS_ACCELERATOR` for DeepSpeed, unless set: cuda when torch sees a GPU, else cpu. Before importing it."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    def load(self, directory: Path) -> None:
+        """Every rank reads its own files of the checkpoint `save` wrote."""
+        path, client = self.engine.load_checkpoint(
+            str(directory.parent), tag=directory.name, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise FileNotFoundError(f"checkpoint: {directory} holds no DeepSpeed checkpoint of this engine")
+        self.skipped_steps = client["sao_skipped_steps"]  # DeepSpeed keeps its own "skipped_steps"
+
+    def full_state(self, bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> Iterator[dict[str, Tensor]]:
+        if not self.partitioned:
+            yield from super().full_state(bucket_bytes)
+            return
+        import deepspeed
+
+        rank0 = self.comm.rank == 0
+        bucket: list[tuple[str, nn.Parameter]] = []
+        size = 0
+        named = list(self.module.named_parameters())
+        for i, (name, param) in enumerate(named):
+            bucket.append((name, param))
+            size += param.ds_numel * param.element_size()
+            if size < bucket_bytes and i + 1 < len(named):
+                continue
+            with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
+                yield {n: p.detach().to("cpu", copy=True) for n, p in bucket} if rank0 else {}
+            bucket, size = [], 0
+        yield {n: b.detach().to("cpu", copy=True) for n, b in persistent_buffers(self.module)} if rank0 else {}
+
+
+def read_module_state(directory: Path) -> dict[str, Tensor]:
+    """The whole module state an engine's `save` wrote to `directory`, in one process on the host: the torch
+    engine's file, DeepSpeed's model-states file for ZeRO 0-2, or, for ZeRO-3 (whose weights live in every rank's
+    partition), DeepSpeed's own consolidation of the fp32 partitions (`zero_to_fp32`)."""
+    directory = Path(directory)
+    if (directory / ENGINE_FILE).is_file():
+        return torch.load(directory / ENGINE_FILE, weights_only=False, map_location="cpu")["module"]
+    whole = directory / "mp_rank_00_model_states.pt"
+    if whole.is_file():
+        return torch.load(whole, weights_only=False, map_location="cpu")["module"]
+    if not any(directory.glob("zero_pp_rank_*_model_states.pt")):
+        raise FileNotFoundError(f"checkpoint: {directory} holds neither a torch nor a DeepSpeed engine's files")
+    default_accelerator()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(directory.parent), tag=directory.name)
+
+
+def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name, buffer) of the buffers `module.state_dict()` holds."""
+    for prefix, sub in module.named_modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buf
 
 
 def init_single_process_group() -> None:
@@ -367,7 +380,10 @@ def init_single_process_group() -> None:
         os.environ.update(
             {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         )
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    device = local_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(process_group_backend(device))
 
 
 ENGINES = {"torch": TorchEngine, "deepspeed": DeepSpeedEngine}

@@ -78,15 +78,14 @@ class CollapseGuard:
     def roll_back(self, collapse: Collapse, store: CheckpointStore, learner: Learner, log: Log) -> int | None:
         """Load the newest checkpoint from before the collapse's onset, and not before `floor`, into the learner
         and update the record. Returns the restored step, or None when there is none to return to."""
-        found = store.load_latest(log, at_most=collapse.last_good_step)
-        if found is None or found[0] < self.floor:
+        found = store.load_latest(log, at_most=collapse.last_good_step, read=learner.load, at_least=self.floor)
+        if found is None:
             log(
                 f"train: collapse at step {collapse.step} ({collapse.cause}) and no checkpoint between steps "
                 f"{self.floor} and {collapse.onset} to roll back to; stopping"
             )
             return None
-        restored, saved = found
-        learner.load_state_dicts(saved)
+        restored, _ = found
         self.rollbacks += 1
         if not self.ends:
             self.lr_scale *= self.rollback_lr_scale

@@ -26,16 +26,16 @@ from components.models import load_chat
 from components.rollout.backends import EmbeddedRollouts, HttpRollouts, Rollouts
 from components.storage import HomeStateError, weights_fingerprint
 from components.tracking import Tracker
-from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.buffer import TrajectoryBuffer
 from components.training.checkpoint import (
     Checkpointer,
     CheckpointStore,
     OnCheckpoint,
     checkpoint_store,
+    read_payload,
 )
 from components.training.guard import CollapseGuard
-from components.training.learner import Learner
+from components.training.learner import Learner, load_policy_config
 from components.training.stability import CollapseDetector
 
 Log = Callable[[str], None]
@@ -92,23 +92,6 @@ def thread_budget(cfg: Config, cores: int | None = None) -> tuple[int, int]:
     return engine, cfg.train.threads or max(1, cores - engine)
 
 
-def settings_from(cfg: Config) -> AlgoSettings:
-    algorithm = ALGORITHMS[cfg.train.algo]
-    eps_low, eps_high = cfg.algo.dis_window
-    return AlgoSettings(
-        cfg.algo.gamma,
-        cfg.algo.lam_critic,
-        cfg.algo.lam_policy,
-        eps_low,
-        eps_high,
-        cfg.algo.temperature,
-        algorithm.critic_updates or cfg.algo.critic_updates,
-        cfg.algo.value_clip,
-        cfg.algo.normalize_advantages,
-        group_size=cfg.train.group_size if algorithm.grouped else 1,
-    )
-
-
 def open_rollouts(
     cfg: Config, module: torch.nn.Module, tokenizer, home: Path, version: int, engine_threads: int
 ) -> Rollouts:
@@ -151,7 +134,7 @@ def build_parts(
     tc = cfg.train
     chat = load_chat(sft_dir, cfg.model.chat_format)  # refuses a directory whose format it cannot use, at start
     tokenizer = chat.tokenizer
-    window = getattr(learner.policy.module.config, "max_position_embeddings", None)
+    window = getattr(load_policy_config(sft_dir), "max_position_embeddings", None)
     if window is not None and cfg.rollout.max_total_tokens > window:
         raise ValueError(
             f"rollout.max_total_tokens: {cfg.rollout.max_total_tokens} is past the policy's window, "
@@ -162,7 +145,7 @@ def build_parts(
     guard = CollapseGuard.from_config(tc, detector)
     start = resume_from(store, learner, guard, tracker, sft_dir, resume, log)
     guard.floor = start.step  # the guard never returns to weights from before the run's start
-    rollouts = open_rollouts(cfg, learner.policy.module, tokenizer, home, start.step, engine_threads)
+    rollouts = open_rollouts(cfg, learner.serving_module(), tokenizer, home, start.step, engine_threads)
     group = learner.settings.group_size
     buffer = TrajectoryBuffer(tc.max_staleness, tc.batch_size, group, tc.admission, version=start.step)
     runner = AgentRunner(
@@ -205,19 +188,23 @@ def resume_from(
             f"{store.location} holds checkpoints up to step {latest} of an earlier run: pass "
             f"--resume to continue it, or remove them to start over"
         )
-    found = store.load_latest(log)
+
+    def read(directory: Path) -> dict:
+        state = read_payload(directory)["state"]
+        if state.get("origin") != origin:
+            raise HomeStateError(
+                f"{store.location}/step-{state['step']:08d} was trained from other starting weights than "
+                f"{sft_dir}; remove {store.location} to start over from them"
+            )
+        learner.load(directory)
+        return state
+
+    found = store.load_latest(log, read=read)
     if found is None:
         raise HomeStateError(
             f"{store.location}: no checkpoint up to step {latest} loads (see above); remove them to start over"
         )
-    latest, saved = found
-    state = saved["state"]
-    if state.get("origin") != origin:
-        raise HomeStateError(
-            f"{store.location}/step-{latest:08d} was trained from other starting weights than "
-            f"{sft_dir}; remove {store.location} to start over from them"
-        )
-    learner.load_state_dicts(saved)
+    latest, state = found
     guard.load(state.get("guard", {}))
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["py_rng"])

@@ -29,11 +29,12 @@ from components.contracts.trajectory import Trajectory
 from components.models import load_tokenizer
 from components.storage import HomeStateError, weights_fingerprint
 from components.tracking import Tracker
+from components.training.algorithms import settings_from
 from components.training.buffer import BatchesExhausted
 from components.training.checkpoint import Checkpointer, checkpoint_store
 from components.training.guard import CollapseGuard
 from components.training.learner import Learner
-from components.training.parts import Log, RunStart, TrainerParts, settings_from
+from components.training.parts import Log, RunStart, TrainerParts
 from components.training.recording import RecordedStep, Recording
 from components.training.stability import CollapseDetector
 from components.training.trainer import Trainer, TrainResult

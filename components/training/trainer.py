@@ -44,15 +44,11 @@ from components.models import save_model_dir
 from components.storage import atomic_dir
 from components.tracking import Tracker
 from components.training import memory
+from components.training.algorithms import settings_from
 from components.training.buffer import BatchesExhausted, TrajectoryBuffer
 from components.training.checkpoint import OnCheckpoint
 from components.training.learner import Learner
-from components.training.parts import (
-    TrainerParts,
-    build_parts,
-    settings_from,
-    thread_budget,
-)
+from components.training.parts import TrainerParts, build_parts, thread_budget
 from components.training.recording import BATCHES, BatchRecorder
 from components.training.schedule import warmup_cosine
 from components.training.stability import CollapseDetector
@@ -202,7 +198,7 @@ class Trainer:
                 await p.rollouts.close()
                 self._learner_thread.shutdown()
         with atomic_dir(self.out_dir) as tmp:
-            save_model_dir(p.learner.policy.module, p.tokenizer, tmp)
+            save_model_dir(p.learner.serving_module(), p.tokenizer, tmp)
         return TrainResult(
             self.updates,
             self.step,
@@ -266,8 +262,7 @@ class Trainer:
         awaits the engines, so with no lag the live weights can go as they are: nothing moves them until the next
         step. A lagged version must be a copy."""
         p, began = self.parts, time.perf_counter()
-        policy = p.learner.policy
-        self.lagged.append((self.step, _weights(policy) if self.tc.sync_lag else _live_weights(policy)))
+        self.lagged.append((self.step, p.learner.weights(copy=bool(self.tc.sync_lag))))
         if len(self.lagged) > self.tc.sync_lag:  # versions are consecutive: the oldest is `step - sync_lag`
             version, weights = self.lagged.popleft()
             await p.rollouts.publish(weights, version)
@@ -325,7 +320,7 @@ class Trainer:
             return False
         self.step += 1
         self.lagged.clear()
-        await p.rollouts.publish(_weights(p.learner.policy), self.step)
+        await p.rollouts.publish(p.learner.weights(copy=True), self.step)
         await p.buffer.set_version(self.step)
         p.tracker.log_metrics(
             {"trainer/rollbacks": float(p.guard.rollbacks), "trainer/rollback_to": restored}, self.step
@@ -344,7 +339,6 @@ class Trainer:
             p.checkpoints.save(
                 self.step,
                 {
-                    **p.learner.state_dicts(),
                     "state": {
                         "step": self.step,
                         "cursor": self.cursor,
@@ -356,19 +350,10 @@ class Trainer:
                     },
                 },
                 final=self.step >= self.tc.max_steps,
+                write=p.learner.save,
             )
         finally:  # what the steps and the checkpoint's I/O freed since the last one goes back to the OS
             memory.trim()
-
-
-def _weights(policy) -> dict[str, torch.Tensor]:
-    """A copy of the policy's weights (one that later steps do not move)."""
-    return {k: v.detach().clone() for k, v in _live_weights(policy).items()}
-
-
-def _live_weights(policy) -> dict[str, torch.Tensor]:
-    """The policy's weights as they are (no copy): valid until the next optimizer step."""
-    return {k: v.detach() for k, v in policy.module.state_dict().items()}
 
 
 async def _take(buffer: TrajectoryBuffer, n: int, producer: asyncio.Task | None) -> list[Trajectory]:

@@ -1,5 +1,6 @@
 """The stage flows one by one under the session's Prefect harness, and their task logic through `.fn()`."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -151,10 +152,16 @@ def test_the_evaluate_task_picks_the_newest_checkpoint_else_the_sft_policy(tmp_p
     (tmp_path / "models" / "sft-tir_math" / "sao_sft.json").write_text(json.dumps({"recipe": sft_recipe(tiny_cfg)}))
     directory, source, label = model_to_score.fn(tiny_cfg, tmp_path, "", None, print)
     assert (directory.name, source, label) == ("sft-tir_math", None, "sft")
-    moved = {k: v + 1.0 for k, v in model.state_dict().items()}
+    from components.training.engines import TorchEngine
+
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p += 1.0
     store = checkpoint_store(tiny_cfg, tmp_path)
-    store.save(3, {"policy": {"module": model.state_dict()}})
-    store.save(7, {"policy": {"module": moved}})
+    for step, policy in ((3, model), (7, moved)):  # the policy engine's own files, as the learner writes them
+        store.save(step, {}, write=lambda d, policy=policy: TorchEngine(copy.deepcopy(policy), 1e-3).save(d / "policy"))
+    moved = moved.state_dict()
     directory, source, label = model_to_score.fn(tiny_cfg, tmp_path, "", None, print)
     assert label == "step-7" and source.endswith("checkpoints/tiny-cpu/step-00000007")
     exported = load_policy(directory).state_dict()

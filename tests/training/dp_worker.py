@@ -1,5 +1,6 @@
-"""Run by test_distributed.py, once as a plain process and once under `torchrun --nproc-per-node 2`: two
-learner steps per algorithm on the same stored batch, then a checkpoint round trip. Rank 0 writes what it saw."""
+"""Run by test_distributed.py, once as a plain process and once under `torchrun --nproc-per-node 2`: for each case
+(an algorithm at a ZeRO stage), two learner steps on the same stored batch, a checkpoint, a third step, then the
+checkpoint restored and the third step again; rank 0 writes what it saw, and the policy as an HF directory."""
 
 import sys
 from pathlib import Path
@@ -8,19 +9,23 @@ import torch
 
 from components.config import load_config
 from components.contracts.trajectory import read_trajectories, to_tensors
-from components.models import load_tokenizer
+from components.models import load_tokenizer, save_model_dir
+from components.training.algorithms import settings_from
 from components.training.engines import init_single_process_group
 from components.training.learner import Learner
-from components.training.parts import settings_from
 
 
-def main(model_dir: str, trajectories: str, out: str, algos: str) -> None:
+def _params(learner: Learner) -> torch.Tensor:
+    return torch.cat([v.flatten().float() for k, v in sorted(learner.weights(copy=True).items())])
+
+
+def main(model_dir: str, trajectories: str, out: str, cases: str) -> None:
     init_single_process_group()
     tokenizer = load_tokenizer(model_dir)
     batch = to_tensors(read_trajectories(trajectories), tokenizer.pad_token_id)
     results = {}
-    for algo in algos.split(","):
-        zero = 2 if algo == "sao" else 0
+    for case in cases.split(","):
+        algo, zero = case.rsplit("@", 1)
         cfg = load_config(
             "tiny-cpu",
             [
@@ -36,16 +41,21 @@ def main(model_dir: str, trajectories: str, out: str, algos: str) -> None:
             learner.serve()
             continue
         metrics = [{k: float(v) for k, v in learner.step(batch).items()} for _ in range(2)]
-        saved = learner.state_dicts()
-        learner.load_state_dicts(saved)  # every rank restores its own partition
-        after_load = {k: float(v) for k, v in learner.step(batch).items()}
-        params = torch.cat([p.detach().flatten() for p in learner.policy.module.parameters()])
-        results[algo] = {
+        checkpoint = Path(out).parent / f"checkpoint-{Path(out).stem}-{case}"
+        learner.save(checkpoint)  # every rank writes its own files
+        metrics.append({k: float(v) for k, v in learner.step(batch).items()})
+        params = _params(learner)
+        learner.load(checkpoint)  # every rank restores its own partition
+        resumed = {k: float(v) for k, v in learner.step(batch).items()}
+        export = Path(out).parent / f"export-{Path(out).stem}-{case}"
+        save_model_dir(learner.serving_module(), tokenizer, export)
+        results[case] = {
             "metrics": metrics,
-            "after_load": after_load,
+            "resumed": resumed,
             "params": params,
+            "params_resumed": _params(learner),
             "world": learner.comm.world,
-            "peers": len(saved["peers"]),
+            "export": str(export),
         }
         learner.release()
     if results:

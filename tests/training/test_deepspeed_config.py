@@ -67,8 +67,8 @@ def test_the_repository_zero2_bf16_file_builds_a_bf16_zero2_engine():
     ("data", "message"),
     [
         (
-            {"zero_optimization": {"stage": 3}},
-            r"train\.deepspeed_config: .*ds\.json: zero_optimization\.stage: ZeRO stage 3 is not supported here \(0-2\)",
+            {"zero_optimization": {"stage": 4}},
+            r"train\.deepspeed_config: .*ds\.json: zero_optimization\.stage: ZeRO stage 4 is not supported here \(0-3\)",
         ),
         ({"zero_optimization": {"stagee": 2}}, r"train\.deepspeed_config: .*zero_optimization\.stagee: Extra inputs"),
         ({"bf16": {"enabeld": True}}, r"train\.deepspeed_config: .*bf16\.enabeld: Extra inputs"),
@@ -100,8 +100,8 @@ def test_the_config_field_needs_the_deepspeed_backend():
 def test_the_learner_passes_the_file_to_both_engines(tmp_path):
     """Policy and critic both get ZeRO-2 and the file's clip, each keeping its own learning rate."""
     from components.models import init_model_dir
+    from components.training.algorithms import settings_from
     from components.training.learner import Learner
-    from components.training.parts import settings_from
 
     path = _write(tmp_path, {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.25})
     cfg = load_config("tiny-cpu", [f'train.deepspeed_config="{path}"', "train.zero_stage=0"])

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from components.contracts.trajectory import write_trajectories
-from components.models import save_model_dir
+from components.models import load_policy, save_model_dir
 from components.training.collective import shard_rows
 from tests.cli_args import SMALL_TRAIN, sets
 from tests.conftest import child_env
 
-ALGOS = ("sao", "sao-running-mean", "grpo")
+CASES = ("sao@0", "sao-running-mean@0", "grpo@2", "sao@3")
+"""An algorithm at a ZeRO stage (`algo@stage`); SAO's policy and critic both at ZeRO-0 and at ZeRO-3."""
 WORKER = Path(__file__).with_name("dp_worker.py")
 
 
@@ -51,30 +52,43 @@ def _run(command: list[str], out: Path) -> dict:
 
 
 def test_two_process_deepspeed_matches_one_process(stored_batch):
+    """Each case, in one process and over two ranks: 3 steps on the same batch give the same metrics and weights;
+    a checkpoint written after step 2 and restored repeats step 3 exactly (ZeRO-3: every rank its own partition);
+    the policy exported as an HF directory (ZeRO-3: gathered) loads in transformers and holds the weights."""
     args = [str(WORKER), str(stored_batch / "policy"), str(stored_batch / "batch.parquet")]
-    one = _run([sys.executable, *args, str(stored_batch / "one.pt"), ",".join(ALGOS)], stored_batch / "one.pt")
+    one = _run([sys.executable, *args, str(stored_batch / "one.pt"), ",".join(CASES)], stored_batch / "one.pt")
     torchrun = Path(sys.executable).with_name("torchrun")
     two = _run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", *args, str(stored_batch / "two.pt"), ",".join(ALGOS)],
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", *args, str(stored_batch / "two.pt"), ",".join(CASES)],
         stored_batch / "two.pt",
     )
-    for algo in ALGOS:
-        a, b = one[algo], two[algo]
-        assert (a["world"], b["world"], b["peers"]) == (1, 2, 1)
-        for step_a, step_b in zip(a["metrics"] + [a["after_load"]], b["metrics"] + [b["after_load"]]):
+    for case in CASES:
+        a, b = one[case], two[case]
+        assert (a["world"], b["world"]) == (1, 2)
+        for step_a, step_b in zip(a["metrics"], b["metrics"]):
             assert step_a.keys() == step_b.keys()
             for key in step_a:
-                assert step_b[key] == pytest.approx(step_a[key], rel=1e-4, abs=1e-5), (algo, key)
+                assert step_b[key] == pytest.approx(step_a[key], rel=1e-4, abs=1e-5), (case, key)
         assert all(math.isfinite(m["policy/grad_norm"]) for m in a["metrics"] + b["metrics"])
         assert a["metrics"][0]["policy/loss"] != a["metrics"][1]["policy/loss"]  # the first step changed the policy
         # Adam divides by sqrt(v): a parameter whose gradient is at rounding level can step by up to lr (3e-4)
         # on rounding noise alone, so weights get an absolute tolerance below lr rather than 1e-6.
-        assert torch.allclose(a["params"], b["params"], atol=1e-4), (algo, (a["params"] - b["params"]).abs().max())
+        assert torch.allclose(a["params"], b["params"], atol=1e-4), (case, (a["params"] - b["params"]).abs().max())
+        for run in (a, b):  # the resumed step is the step, exactly
+            assert run["resumed"] == run["metrics"][2], case
+            assert torch.equal(run["params_resumed"], run["params"]), case
+            exported = load_policy(run["export"]).state_dict()
+            assert torch.equal(torch.cat([v.flatten() for _, v in sorted(exported.items())]), run["params"]), case
+    # ZeRO-3 over two ranks trains what ZeRO-0 in one process trains: partitioning changes where the numbers live,
+    # not what they are.
+    assert torch.allclose(two["sao@3"]["params"], one["sao@0"]["params"], atol=1e-4)
 
 
 def test_sao_train_under_torchrun_checkpoints_and_resumes(seeded_home, prefect_env):
-    """`torchrun --nproc-per-node 2 -m components.cli train`: rank 0 runs the agent loop; a resumed run
-    continues the version sequence; a checkpoint of 2 ranks refuses to resume in 1 process."""
+    """`torchrun --nproc-per-node 2 -m components.cli train` with ZeRO-3 for policy and critic: rank 0 runs the
+    agent loop and publishes weights gathered from both ranks' partitions; a resumed run continues the version
+    sequence from every rank's own checkpoint files; a checkpoint of 2 ranks refuses to resume in 1 process; the
+    final policy is a whole HF directory."""
     from components.tracking import DiskTracker
 
     home = seeded_home
@@ -85,7 +99,7 @@ def test_sao_train_under_torchrun_checkpoints_and_resumes(seeded_home, prefect_e
         "train",
         "--home",
         str(home),
-        *sets({**SMALL_TRAIN, "tracking.backend": '"disk"'}),
+        *sets({**SMALL_TRAIN, "tracking.backend": '"disk"', "train.zero_stage": 3}),
     ]
     env = {**prefect_env, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # rank 0 runs the train flow
     launch = [str(torchrun), "--standalone", "--nproc-per-node", "2"]
@@ -98,8 +112,15 @@ def test_sao_train_under_torchrun_checkpoints_and_resumes(seeded_home, prefect_e
     assert "resumed from" in output and "2 process(es)" in output
     records = DiskTracker.read(home / "runs" / "tiny-cpu" / "sao.jsonl")
     assert [r["step"] for r in records if "policy/loss" in r.get("metrics", {})] == [1, 2, 3, 4]
-    saved = torch.load(home / "checkpoints" / "tiny-cpu" / "step-00000004" / "state.pt", weights_only=False)
-    assert saved["world_size"] == 2
+    step4 = home / "checkpoints" / "tiny-cpu" / "step-00000004"
+    assert torch.load(step4 / "state.pt", weights_only=False)["world_size"] == 2
+    for engine in ("policy", "critic"):  # each rank's partition of weights and optimizer state, nothing gathered
+        assert sorted(p.name for p in (step4 / engine).glob("zero_pp_rank_*_model_states.pt")) == [
+            "zero_pp_rank_0_mp_rank_00_model_states.pt",
+            "zero_pp_rank_1_mp_rank_00_model_states.pt",
+        ]
+    policy = load_policy(home / "models" / "tiny-cpu-sao-policy")
+    assert all(v.numel() > 0 for v in policy.state_dict().values())  # gathered whole, not a rank's partition
     single = subprocess.run(
         [sys.executable] + args + ["--max-steps", "6", "--resume"], capture_output=True, text=True, timeout=600, env=env
     )

@@ -6,10 +6,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from components.training.algorithms import settings_from
 from components.training.checkpoint import LocalCheckpointStore
 from components.training.guard import CollapseGuard
 from components.training.learner import Learner
-from components.training.parts import settings_from
 from components.training.stability import Collapse, CollapseDetector
 
 
@@ -30,7 +30,7 @@ def store(tmp_path, learner):
     for step in (0, 10, 20):
         with torch.no_grad():
             next(learner.policy.module.parameters()).fill_(float(step))
-        store.save(step, learner.state_dicts())
+        store.save(step, {}, write=learner.save)
     return store
 
 

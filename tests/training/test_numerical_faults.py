@@ -302,5 +302,5 @@ def test_a_run_with_a_fault_at_one_step_completes_and_logs_the_skip(tmp_path, po
     ]
     assert [m["trainer/skipped_steps"] for m in logged] == [0, 1, 1]
     saved = tmp_path / "checkpoints" / cfg.name / "step-00000003"
-    assert torch.load(saved / "policy.pt", weights_only=False)["skipped_steps"] == 1
-    assert torch.load(saved / "critic.pt", weights_only=False)["skipped_steps"] == k
+    assert torch.load(saved / "policy" / "engine.pt", weights_only=False)["skipped_steps"] == 1
+    assert torch.load(saved / "critic" / "engine.pt", weights_only=False)["skipped_steps"] == k
