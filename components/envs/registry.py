@@ -1,7 +1,8 @@
 """Environments chosen by config: `build_env(cfg)` is the environment named by `cfg.env.name` with its
 training stream, held-out set and per-step hook; `sft_traces(cfg)` is its teacher's SFT data.
 
-`ENVIRONMENTS` is one plain dict keyed by the `env.name` literal (STYLE principle 12).
+`ENVIRONMENTS` is one plain dict keyed by the `env.name` literal (STYLE principle 12). Building one that runs
+model-written code (tir_math, coding) checks the sandbox first: `rollout.sandbox_degraded` (sandbox_check.py).
 
 Training streams are pure functions of (seed, start), so a run resumed from the cursor a checkpoint stores
 continues exactly:
@@ -34,6 +35,7 @@ from components.data.tasks import generate_problems
 from components.data.teacher import teacher_trace
 from components.envs.coding import CodingEnvironment, load_coding_tasks, solution_trace
 from components.envs.latency import ToolLatency
+from components.envs.sandbox_check import check_sandbox
 from components.envs.style import (
     LexicalJudge,
     LLMJudge,
@@ -168,11 +170,14 @@ class EnvKind:
     uniformly mixed styles; coding one reference-solution trace per training task."""
     tools: tuple[dict, ...] = ()
     """The tool schemas its episodes offer (`Prompt.tools`): SFT renders its traces' prompts with them."""
+    sandboxed: bool = False
+    """Its episodes run model-written code in the sandbox (tool calls, grading): `build_env` checks the sandbox
+    first (`rollout.sandbox_degraded`)."""
 
 
 ENVIRONMENTS: dict[str, EnvKind] = {
-    "tir_math": EnvKind(_tir_math, _tir_math_traces, TOOLS),
-    "coding": EnvKind(_coding, _coding_traces, TOOLS),
+    "tir_math": EnvKind(_tir_math, _tir_math_traces, TOOLS, sandboxed=True),
+    "coding": EnvKind(_coding, _coding_traces, TOOLS, sandboxed=True),
     "style": EnvKind(_style, _style_traces),
 }
 
@@ -183,9 +188,15 @@ def _kind(cfg: Config) -> EnvKind:
     return ENVIRONMENTS[cfg.env.name]
 
 
-def build_env(cfg: Config) -> EnvSetup:
-    """The environment `cfg.env.name` names, with its training stream, held-out set and step hook."""
-    return _kind(cfg).build(cfg)
+def build_env(cfg: Config, log: Callable[[str], None] = print) -> EnvSetup:
+    """The environment `cfg.env.name` names, with its training stream, held-out set and step hook. One that runs
+    model-written code checks the sandbox first (`sandbox_check.check_sandbox`): under `rollout.sandbox_degraded =
+    "refuse"` a run on a host without the sandbox's namespaces stops here, before anything else starts; under
+    "warn" it says so in `log`."""
+    kind = _kind(cfg)
+    if kind.sandboxed:
+        check_sandbox(cfg.rollout.sandbox_degraded, cfg.rollout.tool_packages, log)
+    return kind.build(cfg)
 
 
 def env_tools(cfg: Config) -> tuple[dict, ...]:

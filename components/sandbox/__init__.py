@@ -2,7 +2,8 @@
 
 `run_python(code)` (run.py) is the one entry point; docs/sandbox.md has each layer, its test and its cost.
 
-    run.py            run_python, SandboxResult: picks the zygote or the per-call path, degrades loudly
+    run.py            run_python, SandboxResult: picks the zygote or the per-call path, degrades loudly;
+                      degraded_reason: why this process's calls would run degraded (None: sealed)
     zygote.py         host side of the pre-started, pre-sealed interpreter that forks one sandbox per call
     zygote_server.py  its loop inside the sandbox (source text, never imported)
     percall.py        a fresh interpreter per call under unshare (fallback, and SAO_SANDBOX_ZYGOTE=0)
@@ -15,6 +16,6 @@
     host.py           the interpreter and the unprivileged user the sandbox runs as
 """
 
-from components.sandbox.run import SandboxError, SandboxResult, run_python
+from components.sandbox.run import SandboxError, SandboxResult, degraded_reason, run_python
 
-__all__ = ["SandboxError", "SandboxResult", "run_python"]
+__all__ = ["SandboxError", "SandboxResult", "degraded_reason", "run_python"]

@@ -85,6 +85,7 @@ __all__ = [
     "DEFAULT_PACKAGES",
     "SandboxError",
     "SandboxResult",
+    "degraded_reason",
     "run_python",
     "SANDBOX_PYTHON",
     "SANDBOX_PYTHON_REASON",
@@ -178,6 +179,13 @@ def _namespace_support() -> tuple[bool, str, str | None]:
                     result = (False, f"unshare probe failed: {exc!r}", None)
         _probe_result = result
         return result
+
+
+def degraded_reason() -> str | None:
+    """Why every call of this process runs degraded (no namespaces: the reason ``isolation`` and the warning give),
+    or None when calls run in namespaces. Probes once per process (``unshare ... true``), as the first call does."""
+    available, reason, _ = _namespace_support()
+    return None if available else reason
 
 
 def _warn_degraded(reason: str) -> None:

@@ -27,6 +27,7 @@ from components.data.traces import read_traces, write_traces
 from components.envs.grading import grade_answer
 from components.envs.python_tool import PythonTool
 from components.envs.registry import env_tools, sft_traces
+from components.envs.sandbox_check import check_sandbox
 from components.envs.tir_math import tasks_from_problems
 from components.models import start_chat
 from components.stages.home import Log, available, publish
@@ -71,6 +72,7 @@ def write_teacher_traces(cfg: Config, log: Log = print, progress: Progress | Non
         log(f"distill: programmatic {cfg.env.name} teacher wrote {len(traces)} traces")
         return Distilled(traces, {}, time.perf_counter() - start)
 
+    check_sandbox(cfg.rollout.sandbox_degraded, cfg.rollout.tool_packages, log)  # the teacher's tool calls run there
     tasks = teacher_tasks(cfg)
     endpoint = TeacherEndpoint.from_config(cfg.distill)
     log(

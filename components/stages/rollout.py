@@ -43,7 +43,7 @@ def sample_episodes(
 def run_rollout(cfg: Config, model_dir: Path, episodes: int, out: Path, log=print) -> list[Trajectory]:
     """`episodes` episodes of `cfg.env`'s training stream from its start (`sao rollout --env/--tasks` set
     `env.name` and `env.tasks`)."""
-    setup = build_env(cfg)
+    setup = build_env(cfg, log)
     tasks = list(itertools.islice(setup.train_tasks(0, 1), episodes))
     trajectories, elapsed = sample_episodes(cfg, model_dir, setup.env, tasks, cfg.task.seed, cfg.rollout.concurrency)
     write_trajectories(out, trajectories)

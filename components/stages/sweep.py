@@ -115,7 +115,13 @@ def _run_seed(
     start, failed = time.perf_counter(), True
     try:
         result = train(
-            cfg, build_env(cfg), sft_dir, seed_home, tracker, resume=True, log=_every_tenth_step(log, f"[seed {seed}] ")
+            cfg,
+            build_env(cfg, log),
+            sft_dir,
+            seed_home,
+            tracker,
+            resume=True,
+            log=_every_tenth_step(log, f"[seed {seed}] "),
         )
         accuracy = run_eval(cfg, result.policy_dir, seed_home, f"{cfg.train.algo}-eval", log=log).accuracy
         tracker.log_metrics({f"eval/{cfg.env.name}/accuracy": accuracy}, result.version)

@@ -45,7 +45,7 @@ def run_train(
     `on_checkpoint(step, uri)` is called for every complete checkpoint.
 
     Under torchrun, rank 0 does everything above while the other ranks only join the training steps."""
-    setup = build_env(cfg)
+    setup = build_env(cfg, log if is_driver() else lambda _: None)
     comm = SOLO
     if launched_world_size() > 1:
         init_single_process_group()
@@ -157,7 +157,7 @@ def run_replay(
     tracker = open_tracker(cfg.tracking, home, f"replay/{label}", replay_home / "metrics.jsonl")
     failed = True
     try:
-        result = replay(recording, cfg, build_env(cfg), replay_home, tracker, strict, stop_at, log)
+        result = replay(recording, cfg, build_env(cfg, log), replay_home, tracker, strict, stop_at, log)
         summary = {
             "home": replay_home,
             "version": result.train.version,

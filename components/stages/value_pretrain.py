@@ -132,7 +132,7 @@ def collect_rollouts(cfg: Config, sft_dir: Path, log: Log = print) -> tuple[list
     """`value_pretrain.episodes` episodes of the SFT policy on the shifted prompt stream (`prompt_config`),
     split by prompt into (training part, held-out part)."""
     vp = cfg.value_pretrain
-    setup = build_env(prompt_config(cfg))
+    setup = build_env(prompt_config(cfg), log)
     tasks = list(itertools.islice(setup.train_tasks(0, 1), vp.episodes))
     # As many in flight as the engine batches (as evaluation does): nothing trains while they run.
     trajectories, seconds = sample_episodes(cfg, sft_dir, setup.env, tasks, vp.seed, cfg.rollout.max_batch)

@@ -29,6 +29,10 @@ COPY infra/deepspeed ./infra/deepspeed
 RUN pip install --no-cache-dir . \
     && useradd --create-home --uid 10001 sao \
     && mkdir -p /data && chown sao:sao /data
+# Not root by default: `sao engine serve` and anything else run as uid 10001. The compose `worker` service runs
+# flow runs, whose model-written code runs in the sandbox, which needs root (it drops each call to nobody),
+# CAP_SYS_ADMIN and seccomp and AppArmor profiles that allow unshare, mount and pivot_root: infra/compose.yaml runs
+# it that way (docs/sandbox.md, "In a container").
 USER 10001
 ENV SAO_HOME=/data/sao PREFECT_HOME=/data/prefect
 

@@ -37,6 +37,10 @@ COPY infra/deepspeed ./infra/deepspeed
 RUN pip install --no-cache-dir . prefect-docker==0.7.4 prefect-kubernetes==0.8.0 \
     && useradd --create-home --uid 10001 sao \
     && mkdir -p /data && chown sao:sao /data
+# Not root by default: the worker and anything else run as uid 10001. The flow runs of the GPU pools run
+# model-written code in the sandbox, which needs root (it drops each call to nobody), CAP_SYS_ADMIN and seccomp and
+# AppArmor profiles that allow unshare, mount and pivot_root: the pools' job templates in infra/work-pools.yaml run
+# this image that way (docs/sandbox.md, "In a container"); without them the GPU presets refuse to start.
 USER 10001
 ENV SAO_HOME=/data/sao PREFECT_HOME=/data/prefect
 
