@@ -74,6 +74,12 @@ def _main(args: argparse.Namespace) -> int:
         serve_solver(args.host, args.port, args.mental_max)
         return 0
     cfg = load_config(args.preset, args.overrides)
+    if args.command == "plan":
+        # loaded after parsing (module docstring)
+        from components.training.plan import report
+
+        print(report(cfg, args.gpus, args.gpu_memory_gb))
+        return 0
 
     # loaded after parsing (module docstring)
     from transformers.utils import logging as hf_logging

@@ -36,6 +36,19 @@ def _int_at_least(minimum: int, maximum: int | None = None):
     return parse
 
 
+def _positive_number(text: str) -> float:
+    """An argparse type: a number > 0; argparse names the flag in the message."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+_positive_number.__name__ = "number"
+
 PORT = _int_at_least(0, 65535)
 POSITIVE = _int_at_least(1)
 NON_NEGATIVE = _int_at_least(0)
@@ -165,6 +178,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="K > 1: K sampled episodes per task besides the greedy one, for avg@K and pass@K; 1 "
         "(default): the greedy episode only",
+    )
+
+    p_plan = sub.add_parser(
+        "plan",
+        help="per-GPU memory of the preset's training (weights, gradients, optimizer, activations) for each ZeRO "
+        "stage and critic placement, and the cheapest configuration that fits (docs/gpu.md)",
+    )
+    p_plan.add_argument("--preset", default="tiny-cpu", help="preset under components/presets (default tiny-cpu)")
+    p_plan.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. --set rollout.max_total_tokens=32768 (repeatable)",
+    )
+    p_plan.add_argument("--gpus", type=POSITIVE, required=True, help="GPUs that train (the torchrun ranks)")
+    p_plan.add_argument(
+        "--gpu-memory-gb",
+        type=_positive_number,
+        default=141.0,
+        help="memory of one GPU for training, in GB of 1e9 bytes (default 141: an H200)",
     )
 
     p_model = sub.add_parser("model", help="model directories")

@@ -241,9 +241,9 @@ BREAKS = {  # name: (the break, patterns that must each match one problem)
         [r"^components/presets/qwen3-30b-a3b-coding\.toml: algo\.dis_presets: unknown field"],
     ),
     "preset naming a missing DeepSpeed file": (
-        _edit(GPU, "zero2-bf16.json", "zero2.json"),
+        _edit(GPU, "zero3-bf16.json", "zero3.json"),
         [
-            r"^components/presets/qwen3-30b-a3b\.toml: train\.deepspeed_config: infra/deepspeed/zero2\.json does not "
+            r"^components/presets/qwen3-30b-a3b\.toml: train\.deepspeed_config: infra/deepspeed/zero3\.json does not "
             r"exist"
         ],
     ),

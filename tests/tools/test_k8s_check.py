@@ -48,8 +48,8 @@ def _edit(path: Path, old: str, new: str) -> None:
         (
             "infra/k8s/vllm.yaml",
             '"131072"',
-            '"32768"',
-            "--max-model-len 32768 is below components/presets/qwen3-30b-a3b.toml's rollout.max_total_tokens 65536",
+            '"16384"',
+            "--max-model-len 16384 is below components/presets/qwen3-30b-a3b.toml's rollout.max_total_tokens 32768",
         ),
         (
             "infra/k8s/vllm.yaml",

@@ -1,0 +1,292 @@
+"""The GPU memory planner (`sao plan`, components/training/plan): model states per ZeRO stage by hand and against
+DeepSpeed's own estimators, the activation formula against what autograd saves, the placements, and the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from components.cli import main
+from components.config import load_config
+from components.models import ValueModel
+from components.training.deepspeed_config import default_accelerator
+from components.training.plan.layout import Workload, cheapest, plan, plans
+from components.training.plan.memory import (
+    Decoder,
+    ModelMemory,
+    Params,
+    Zero,
+    activation_bytes,
+    gpu_peak,
+    layer_bytes_per_token,
+    logits_bytes,
+    micro_batch_tokens,
+    model_states,
+    padded_square,
+    zero_buffers,
+)
+from components.training.plan.model import hf_config, policy_and_critic
+
+# A tiny model: 1000 parameters, 200 of them frozen, the largest module 100; 4 GPUs.
+TINY = Params(total=1000, trainable=800, largest_layer=100)
+
+
+@pytest.mark.parametrize(
+    "stage,expected",
+    [
+        # (weights, gradients, optimizer, step gradients), bf16: 2 / 2 / 12 / 4 bytes per parameter; the frozen
+        # 200 hold weights only, so gradients, optimizer and step count the 800 trainable.
+        (0, (2 * 1000, 2 * 800, 12 * 800, 4 * 800)),  # nothing partitioned
+        (1, (2 * 1000, 2 * 800, 12 * 800 / 4, 4 * 800 / 4)),  # optimizer (and its fp32 step copy) over 4
+        (2, (2 * 1000, 2 * 800 / 4, 12 * 800 / 4, 4 * 800 / 4)),  # + gradients
+        (3, (2 * 1000 / 4, 2 * 800 / 4, 12 * 800 / 4, 4 * 150)),  # + weights; the step copy is one sub-group (150)
+    ],
+)
+def test_model_states_partition_one_more_thing_per_stage(stage, expected):
+    zero = Zero(stage=stage, bf16=True, sub_group=150)
+    assert model_states(TINY, 4, zero) == expected
+
+
+def test_fp32_keeps_no_master_copy_at_stage_0_and_one_from_stage_1():
+    # fp32 weights and gradients take 4 bytes; stage 0 is plain AdamW (8: two moments, no copy, no step copy);
+    # ZeRO-1 keeps its fp32 partition (4 + 8 = 12 over 4 GPUs) and its step copy (4 x 800 / 4).
+    assert model_states(TINY, 4, Zero(stage=0, bf16=False)) == (4000, 3200, 6400, 0.0)
+    assert model_states(TINY, 4, Zero(stage=1, bf16=False)) == (4000, 3200, 2400, 800)
+
+
+def test_zero_buffers_bucket_from_stage_1_and_the_gathered_layer_at_stage_3():
+    zero = dict(bf16=True, reduce_bucket=10, prefetch_bucket=20, max_live=1000)
+    assert zero_buffers(100, Zero(stage=0, **zero)) == 0
+    assert zero_buffers(100, Zero(stage=2, **zero)) == 2 * 10  # the bf16 gradient bucket
+    # + the gathered parameters (largest 100 + prefetch 20, under max_live 1000) and the gathered layer's gradient
+    assert zero_buffers(100, Zero(stage=3, **zero)) == 2 * 10 + 2 * 120 + 2 * 100
+    # max_live caps the prefetch but never the one layer being computed
+    assert zero_buffers(100, Zero(stage=3, **{**zero, "max_live": 50})) == 2 * 10 + 2 * 100 + 2 * 100
+
+
+def test_model_states_reproduce_deepspeeds_estimators():
+    """DeepSpeed's estimators (no offload) count 2 + 18/N bytes per parameter at ZeRO-2 and 18/N + 4 x largest layer
+    at ZeRO-3. Ours: the same at ZeRO-2; at ZeRO-3 2/N more (the bf16 gradient partition stage3.py keeps in
+    `grad_partitions_flat_buffer`, which the estimator leaves out), with the gathered layer and its gradient its
+    4 x largest layer (no prefetch, no reduce bucket: the estimator has neither). Frozen parameters, which the
+    estimators do not know, save 18/N bytes each at ZeRO-2."""
+    default_accelerator()
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    total, largest, gpus = 8_000_000, 100_000, 8
+    _, theirs2 = estimate_zero2_model_states_mem_needs(total, gpus, 1, cpu_offload=False)
+    assert theirs2 == 2 * total + 18 * total // gpus == 34_000_000
+    ours2 = sum(model_states(Params(total, total, largest), gpus, Zero(stage=2, bf16=True)))
+    assert ours2 == theirs2
+    frozen = 1_000_000
+    ours2_frozen = sum(model_states(Params(total, total - frozen, largest), gpus, Zero(stage=2, bf16=True)))
+    assert ours2_frozen == theirs2 - 18 * frozen / gpus == 31_750_000
+
+    _, theirs3, layer = estimate_zero3_model_states_mem_needs(
+        total, largest, gpus, 1, cpu_offload=False, cpu_offload_params=False, zero_init=True
+    )
+    assert (theirs3, layer) == (4 * largest + 18 * total // gpus, 4 * largest) == (18_400_000, 400_000)
+    zero3 = Zero(stage=3, bf16=True, reduce_bucket=0, prefetch_bucket=0)
+    ours3 = sum(model_states(Params(total, total, largest), gpus, zero3)) + zero_buffers(largest, zero3)
+    assert ours3 == theirs3 + 2 * total / gpus == 20_400_000
+
+
+def test_parameter_counts_match_deepspeeds_on_a_real_model():
+    """`count_params` on the meta device counts what DeepSpeed's `model_to_params` counts on real weights."""
+    default_accelerator()
+    from deepspeed.runtime.zero.stage3 import model_to_params
+
+    config = _tiny_config()
+    real = Qwen3MoeForCausalLM(config)
+    counted = policy_and_critic(config, critic=False, frozen_attention=False)[0]
+    assert (counted.total, counted.largest_layer) == model_to_params(real)
+    # experts: 4 x (2 x 32 x 64 gate|up + 64 x 32 down) = 24,576 in one module, the largest
+    assert counted.largest_layer == 4 * 3 * 32 * 64 == 24_576
+
+
+def test_the_30b_architecture_counts_its_public_30_5b_parameters():
+    """Qwen3-30B-A3B from the shipped config.json: per layer attention q 2048x4096 + k, v 2048x512 + o 4096x2048 +
+    q/k norms 2x128 = 18,874,624, router 128x2048 = 262,144, experts 128 x 3 x 768 x 2048 = 603,979,776, two norms
+    4,096 (623,120,640 in all); embeddings and the untied head 2 x 151,936 x 2048, the final norm 2,048. The critic
+    drops the head, adds its value head (2,048 + 1) and freezes the 48 layers' attention."""
+    cfg = load_config("qwen3-30b-a3b")
+    policy, critic = policy_and_critic(hf_config(cfg.model), critic=True, frozen_attention=True)
+    assert policy == Params(48 * 623_120_640 + 2 * 151_936 * 2048 + 2048, 30_532_122_624, 603_979_776)
+    assert critic.total == 30_532_122_624 - 151_936 * 2048 + 2049 == 30_220_959_745
+    assert critic.trainable == critic.total - 48 * 18_874_624 == 29_314_977_793
+
+
+def test_a_layer_keeps_the_bytes_the_formula_says():
+    """The tiny decoder of `_tiny_config`: h 64, q 4x16 = 64, kv 2x16 = 32, a 4, g 2, E 4, k 2, f 32:
+    norms 16h + 8 = 1032; q/k norms 6q + 6kv + 4a + 4g = 384 + 192 + 16 + 8 = 600; attention 2q + 4q (k, v
+    repeated) + 2q + 4a = 528; router 4E + 12k + 4 = 44; experts k(4h + 8f + 26) = 2 x 538 = 1076: 3280 per token.
+    Unpadded, k and v stay at kv width: 3280 - 4q + 4kv = 3152."""
+    decoder = _tiny_decoder()
+    assert layer_bytes_per_token(decoder) == 1032 + 600 + 528 + 44 + 1076 == 3280
+    assert layer_bytes_per_token(decoder, padded=False) == 3152
+
+
+def test_the_formula_is_what_autograd_saves(monkeypatch):
+    """Every tensor the critic's bf16 forward saves for its backward (parameters aside), counted with
+    saved-tensor hooks, is the formula's: two padded rows of 12 (one holds 8 tokens), 24 padded tokens, then one
+    unpadded row of 12 (no mask, k and v unrepeated). Per layer: tokens x per-token bytes, the bf16 mask 2 x rows x
+    len^2 and grouped_mm's int32 expert offsets 4E; per model: final norm and head input 8h + 4, token ids 8,
+    rotary cos and sin 4 x head_dim x len. The boolean mask is counted by the planner (it lives through the pass)
+    but saved by no one without checkpointing."""
+    critic = ValueModel.from_policy(Qwen3MoeForCausalLM(_tiny_config())).to(torch.bfloat16)
+    decoder = _tiny_decoder()
+    ids = torch.randint(0, 50, (2, 12))
+    padded = torch.ones(2, 12, dtype=torch.long)
+    padded[1, 8:] = 0
+    per_model = 8 * 64 + 4 + 8
+    # 2 x (24 x 3280 + 576 + 16) + 24 x 524 + 768 = 171,968
+    assert _saved_bytes(critic, ids, padded) == activation_bytes(decoder, 24, 12, False) - padded_square(24, 12)
+    assert _saved_bytes(critic, ids, padded) == 2 * (24 * 3280 + 2 * 2 * 12**2 + 16) + 24 * per_model + 4 * 16 * 12
+    one_row = ids[:1].clone()  # its own storage: a view would count both rows' ids
+    assert _saved_bytes(critic, one_row, torch.ones(1, 12, dtype=torch.long)) == (
+        2 * (12 * layer_bytes_per_token(decoder, padded=False) + 16) + 12 * per_model + 4 * 16 * 12
+    )
+
+
+def test_activations_with_checkpointing_keep_each_layers_input_and_one_layer():
+    """Checkpointed: each of the 2 layers keeps its bf16 input (2h = 128 per token) and one layer is recomputed at
+    a time; the masks: 24 padded tokens in rows of 12 hold at most 2 rows x 12^2 = 288 (bool, once) and 2 x 288
+    (bf16, the recomputed layer's)."""
+    decoder = _tiny_decoder()
+    layer = 24 * 3280 + 2 * 288 + 16
+    model = 24 * (8 * 64 + 12) + 4 * 16 * 12 + 288
+    assert activation_bytes(decoder, 24, 12, checkpointing=True) == 2 * 24 * 128 + layer + model
+    assert activation_bytes(decoder, 24, 12, checkpointing=False) == 2 * layer + model
+
+
+def test_the_token_budget_and_the_lm_head_chunk():
+    # 128 trajectories over 8 ranks: 16 rows of up to 65,536 tokens in one pass, or micro-batches of the budget,
+    # never less than one whole row, never more than the rank's share.
+    assert micro_batch_tokens(128, 8, 65_536, 0) == 16 * 65_536
+    assert micro_batch_tokens(128, 8, 65_536, 32_768) == 65_536
+    assert micro_batch_tokens(128, 8, 65_536, 200_000) == 200_000
+    assert micro_batch_tokens(128, 8, 65_536, 10**9) == 16 * 65_536
+    # 16 x chunk x vocab: four fp32 (1024, 151,936) tensors; a shorter micro-batch is one shorter chunk
+    assert logits_bytes(151_936, 65_536) == 16 * 1024 * 151_936 == 2_489_319_424
+    assert logits_bytes(151_936, 100) == 16 * 100 * 151_936
+
+
+def test_a_gpus_peak_is_the_states_plus_the_largest_working_set():
+    # policy: states 10 + 5 + 20, backward 7 + 3 + 1 = 11, step 4; critic: states 8 + 4 + 16, backward 6, step 15.
+    # They update one after the other: 35 + 28 + max(11, 4, 6, 15) = 78.
+    policy = ModelMemory(10, 5, 20, 4, 7, 3, 1)
+    critic = ModelMemory(8, 4, 16, 15, 6, 0, 0)
+    assert gpu_peak([policy, critic]) == 78
+    assert gpu_peak([policy]) == 35 + 11
+
+
+def test_separate_placement_splits_the_ranks_and_the_batch():
+    """Policy on 3 of 4 GPUs, critic on 1 at ZeRO-2: the critic's GPU holds its whole optimizer and trains the
+    whole batch; the policy's GPUs a third of its optimizer each and ceil(16 / 3) = 6 rows of 12 tokens."""
+    w = _tiny_workload()
+    p = plan(w, 4, 2, "separate", capacity=1e12, critic_ranks=1)
+    assert (p.policy_ranks, p.critic_ranks, p.gpus, p.per_model) == (3, 1, 4, 3)
+    assert p.tokens == 6 * 12
+    assert p.critic.optimizer == 12 * w.critic.trainable  # ZeRO-2 over its one rank: nothing to split
+    assert p.policy.optimizer == 12 * w.policy.trainable / 3
+    assert p.peak == max(gpu_peak([p.policy]), gpu_peak([p.critic]))
+    shared = plan(w, 4, 2, "shared", capacity=1e12)
+    assert (shared.policy_ranks, shared.critic_ranks, shared.gpus, shared.per_model) == (4, 4, 4, 4)
+    assert shared.peak == gpu_peak([shared.policy, shared.critic])
+    with pytest.raises(ValueError, match="critic ranks"):
+        plan(w, 4, 2, "separate", capacity=1e12, critic_ranks=4)
+
+
+def test_the_cheapest_plan_has_the_fewest_gpus_per_model_then_the_lowest_stage():
+    w = _tiny_workload()
+    rows = plans(w, 4, capacity=1e12)
+    assert [(p.stage, p.placement) for p in rows] == [(s, pl) for s in range(4) for pl in ("shared", "separate")]
+    best = cheapest(rows)
+    assert (best.stage, best.placement, best.per_model) == (0, "separate", 2)  # 2 + 2 beats 4 shared
+    assert cheapest(plans(w, 4, capacity=1.0)) is None
+
+
+def test_sao_plan_prints_a_table_and_names_a_configuration_for_the_30b_preset(capsys):
+    assert main(["plan", "--preset", "qwen3-30b-a3b", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    table = [line.split() for line in out.splitlines() if line[:5].strip() in {"0", "1", "2", "3"}]
+    assert [(row[0], row[1]) for row in table] == [(s, pl) for s in "0123" for pl in ("shared", "separate")]
+    assert "weights" in out and "activations" in out and "does not fit" in out
+    assert "cheapest that fits: ZeRO-3, policy and critic on every GPU (8)" in out
+    assert 'settings: train.zero_stage = 3, train.deepspeed_config = "infra/deepspeed/zero3-bf16.json"' in out
+
+
+def test_sao_plan_says_what_would_fit_when_nothing_does(capsys):
+    """65,536-token rows: 15.5 GB of activations become 34.1, and 120 GB of states leave no room on 8 GPUs;
+    on 10 the states are 96 GB."""
+    argv = ["plan", "--preset", "qwen3-30b-a3b", "--gpus", "8", "--set", "rollout.max_total_tokens=65536"]
+    assert main([*argv, "--set", "train.micro_batch_tokens=65536"]) == 0
+    out = capsys.readouterr().out
+    assert "cheapest" not in out and "nothing fits on 8 GPU(s) of 141 GB" in out
+    assert "rows of 65,536 tokens fit on 10 GPUs: ZeRO-3, shared 10" in out
+    assert "on 8 GPU(s), rows of up to 32,768 tokens fit: rollout.max_total_tokens = 32768" in out
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["plan", "--preset", "qwen3-30b-a3b", "--gpus", "0"], "--gpus: must be >= 1, got 0"),
+        (["plan", "--preset", "qwen3-30b-a3b", "--gpus", "eight"], "--gpus: expected an integer, got 'eight'"),
+        (["plan", "--gpus", "8", "--gpu-memory-gb", "-1"], "--gpu-memory-gb: must be > 0, got -1"),
+        (["plan", "--gpus", "8", "--set", 'model.path="/nowhere/Unknown-7B"'], "model.path: /nowhere/Unknown-7B"),
+    ],
+)
+def test_sao_plan_refuses_bad_input_naming_it(argv, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and err.strip().splitlines()[-1].startswith("sao: ")
+
+
+def _tiny_config() -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+
+
+def _tiny_decoder() -> Decoder:
+    return Decoder(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2, intermediate=32, vocab=50)
+
+
+def _tiny_workload() -> Workload:
+    policy = Params(total=10_000, trainable=10_000, largest_layer=1_000)
+    critic = Params(total=9_000, trainable=6_000, largest_layer=1_000)
+    zero = Zero(stage=0, bf16=True, reduce_bucket=100)
+    return Workload(policy, critic, _tiny_decoder(), zero, batch_size=16, longest=12, budget=0, checkpointing=False)
+
+
+def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> int:
+    """Bytes of the distinct storages a forward saves for its backward, parameters aside."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, mask)
+    return sum(saved.values())
