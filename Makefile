@@ -20,7 +20,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export GX_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test lint format test-slow test-ops test-vllm test-reliability soak infra-check bench sweep server deploy worker prefect-ui mlflow-ui clean
+.PHONY: setup run test lint format test-slow test-ops test-vllm test-reliability soak infra-check bench gpu-check gpu-wheels sweep server deploy worker prefect-ui mlflow-ui clean
 
 setup: $(STAMP)
 
@@ -118,6 +118,25 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 SEEDS ?= 10
 sweep: $(STAMP)
 	$(VENV)/bin/sao sweep --preset $(PRESET) --home $(SAO_HOME) --seeds $(SEEDS) $(ARGS)
+
+# The GPU check (docs/gpu.md, "The GPU check"): the trainer's loop with the embedded engine on one GPU, bf16, ZeRO-0
+# and ZeRO-3; step time, tokens/s, MFU, engine tokens/s, bf16 vs fp32 log-probs, peak memory against `sao plan`.
+# Without a GPU it runs a tiny model on the host (make test runs that path).
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check $(ARGS)
+
+# make gpu-wheels: into .whl/, the wheels a bare GPU machine (Python 3.12, torch, transformers and accelerate
+# installed) needs to run the GPU check: DeepSpeed built here (a source archive; its ops compile there when used)
+# and the pure-Python or manylinux wheels of what it and the config need, at this venv's versions.
+GPU_PYTHON ?= 3.12
+GPU_WHEELS := hjson einops msgpack ninja py-cpuinfo pydantic pydantic_core annotated-types typing-inspection
+gpu-wheels: $(STAMP)
+	mkdir -p .whl
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==$$($(PY) -c 'import importlib.metadata as m; print(m.version("deepspeed"))')
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform any -d .whl \
+		$$(for w in $(GPU_WHEELS); do echo "$$w==$$($(PY) -c "import importlib.metadata as m; print(m.version('$$w'))")"; done)
 
 # make bench [BENCH=gae|engine|async|loop|sandbox]
 bench: $(STAMP)
