@@ -12,6 +12,7 @@ from components.data.teacher import teacher_trace
 from components.models import build_policy, build_tokenizer, save_model_dir
 from components.stages.sft import sft_recipe
 from components.storage import atomic_dir, write_json
+from components.training.loading import EngineSettings, open_engine
 from components.training.sft import train_sft
 
 
@@ -36,7 +37,8 @@ def sft_policy(tiny_cfg):
     tokenizer = build_tokenizer()
     model = build_policy(tiny_cfg.model, tokenizer, seed=0)
     problems = generate_problems(tiny_cfg.task.kinds, tiny_cfg.task.train_size, 0, 99, "train")
-    train_sft(model, MarkerFormat(tokenizer), [teacher_trace(p) for p in problems], tiny_cfg.sft, log=lambda _: None)
+    engine = open_engine(EngineSettings.sft(tiny_cfg), None, model)  # SFT's torch engine, as `sao sft` builds it
+    train_sft(engine, MarkerFormat(tokenizer), [teacher_trace(p) for p in problems], tiny_cfg.sft, log=lambda _: None)
     return model, tokenizer
 
 

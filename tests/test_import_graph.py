@@ -123,7 +123,7 @@ def test_the_library_imports_neither_flows_nor_tools():
 
 def test_flows_call_their_own_stage():
     """`flows/X.py` imports `components.stages.X` and the shared `home` and `recipes`, no other stage
-    (`flows/ranks.py` is the `train` flow's other ranks)."""
+    (`flows/ranks.py` runs the other ranks of a GPU job: `components.stages.ranks`)."""
     flows = ROOT.parent / "flows"
     for path in sorted(flows.glob("*.py")):
         stages = set()
@@ -132,7 +132,7 @@ def test_flows_call_their_own_stage():
                 stages |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("components.stages."):
                 stages.add(node.module.split(".")[2])
-        own = {"ranks": "train"}.get(path.stem, path.stem)
+        own = path.stem
         assert stages <= {own, "home", "recipes"}, f"{path.name} imports stages {sorted(stages)}"
 
 

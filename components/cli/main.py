@@ -99,7 +99,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.command == "train" and args.rollback_to is not None:
         args.resume = True
         # loaded after parsing (module docstring)
-        from components.stages.train import is_driver
+        from components.stages.ranks import is_driver
 
         if is_driver():  # one rank deletes, before the others are released
             _rollback(cfg, home, args.rollback_to)

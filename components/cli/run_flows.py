@@ -44,12 +44,14 @@ def run_flow(args: argparse.Namespace, home: Path) -> None:
             raise ValueError(f"{args.uri}: {exc}") from exc  # the flow reads the data as bytes, without the name
         print(f"gate: passed, {report['row_count']} rows")
     elif command == "sft":
+        follow_unless_driver(command, args, home)
         # loaded after parsing (module docstring)
         from flows.sft import sft
 
         result = sft(**params, force=args.force)
         print(f"sft: {result['uri']}, held-out accuracy {result['accuracy']:.1%}")
     elif command == "value-pretrain":
+        follow_unless_driver(command, args, home)
         # loaded after parsing (module docstring)
         from flows.value_pretrain import value_pretrain
 
@@ -59,12 +61,7 @@ def run_flow(args: argparse.Namespace, home: Path) -> None:
             f"{result['ev_best']:.3f} (pretrained)"
         )
     elif command == "train":
-        # loaded after parsing (module docstring)
-        from components.stages.train import is_driver, run_rank
-
-        if not is_driver():  # under torchrun the flow is rank 0's; the others serve its steps
-            overrides = args.overrides + ([f'train.critic_path="{args.critic}"'] if args.critic else [])
-            run_rank(load_config(args.preset, overrides), home, resume=args.resume)
+        follow_unless_driver(command, args, home)
         # loaded after parsing (module docstring)
         from flows.train import train
 
@@ -152,3 +149,16 @@ def _print_summary(summary: dict, home: Path) -> None:
             ]
         )
     )
+
+
+def follow_unless_driver(command: str, args: argparse.Namespace, home: Path) -> None:
+    """Under torchrun the flow is rank 0's: any other rank follows the stage (components/stages/ranks.py) and ends
+    its process there, never reaching the flow."""
+    # loaded after parsing (module docstring)
+    from components.stages.ranks import follow, is_driver
+
+    if is_driver():
+        return
+    critic = getattr(args, "critic", None)
+    overrides = args.overrides + ([f'train.critic_path="{critic}"'] if critic else [])
+    follow(command, load_config(args.preset, overrides), home, resume=getattr(args, "resume", False))

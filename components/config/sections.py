@@ -113,6 +113,10 @@ class SFTConfig:
     """Seed for model init and batch order."""
     log_every: PositiveInt = 100
     """Steps between progress lines."""
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """Engine of the SFT steps: plain torch AdamW in one process, or DeepSpeed on `train`'s settings (ZeRO stage,
+    DeepSpeed file, micro-batches, activation checkpointing), data-parallel under torchrun: what a 30B policy needs.
+    tiny-cpu keeps torch, whose results its figures pin."""
 
     def __post_init__(self) -> None:
         require(0 < self.min_lr <= self.lr, "sft.min_lr", f"must be in (0, lr={self.lr}], got {self.min_lr}")
@@ -321,6 +325,9 @@ class ValuePretrainConfig:
     """AdamW learning rate of the pretraining; 0: `train.critic_lr`."""
     seed: Seed = 0
     """Seed of the held-out split, the minibatch order, the value head's init and the rollout sampling."""
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """Engine of the critic's pretraining: plain torch AdamW in one process, or DeepSpeed on `train`'s settings,
+    data-parallel under torchrun (as `sft.backend`)."""
     warm_start: bool = True
     """The pipeline starts RL's critic from the pretrained one (as `train.critic_path`). tiny-cpu sets false: there
     the pretrained critic slowed learning (docs/benchmarks.md, "Value-model pretraining"); the stage still runs and reports."""

@@ -21,11 +21,9 @@ from components.config import ModelConfig
 from components.models.tokenizer import config_tokenizer, load_tokenizer
 
 
-def build_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> PreTrainedModel:
-    """A freshly initialised Qwen3-MoE sized by `cfg`, or the model at `cfg.path` when set."""
-    if cfg.path is not None:
-        return load_policy(cfg.path)
-    hf_config = Qwen3MoeConfig(
+def policy_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Qwen3MoeConfig:
+    """The Qwen3-MoE architecture the `[model]` fields describe, on `tokenizer`'s vocabulary."""
+    return Qwen3MoeConfig(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.moe_intermediate_size * cfg.experts_per_token,
@@ -46,10 +44,19 @@ def build_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
+
+
+def build_policy(
+    cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """A freshly initialised Qwen3-MoE sized by `cfg` (initialised in fp32, then cast to `dtype`), or the model at
+    `cfg.path` when set, loaded in `dtype`."""
+    if cfg.path is not None:
+        return load_policy(cfg.path, dtype)
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(hf_config)
+    model = Qwen3MoeForCausalLM(policy_config(cfg, tokenizer))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
+    return model.to(dtype)
 
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -75,4 +82,4 @@ def init_model_dir(cfg: ModelConfig, path: str | Path, seed: int = 0) -> Path:
     return save_model_dir(build_policy(cfg, tokenizer, seed), tokenizer, path)
 
 
-__all__ = ["build_policy", "init_model_dir", "load_policy", "load_tokenizer", "save_model_dir"]
+__all__ = ["build_policy", "init_model_dir", "load_policy", "load_tokenizer", "policy_config", "save_model_dir"]

@@ -2,7 +2,7 @@
 evaluated before and after on the held-out set unless the caller evaluates.
 
 Metrics go to `runs/<preset>/<algo>.jsonl` under the home and to MLflow; checkpoints to the artifact store. Under
-torchrun rank 0 does all of this while the other ranks only join the training steps (`run_rank`).
+torchrun rank 0 does all of this while the other ranks only join the SFT and training steps (stages/ranks.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from components.envs.registry import build_env
 from components.stages.evaluate import run_eval
 from components.stages.home import Log, publish
 from components.stages.recipes import fingerprint
-from components.stages.sft import run_sft, sft_eval
+from components.stages.sft import join_sft, run_sft, sft_eval
 from components.tracking import DiskTracker, NullTracker, mlflow_uri, open_tracker
 from components.training.checkpoint import checkpoint_store
 from components.training.collective import SOLO, from_environment, launched_world_size
@@ -45,17 +44,16 @@ def run_train(
     `on_checkpoint(step, uri)` is called for every complete checkpoint.
 
     Under torchrun, rank 0 does everything above while the other ranks only join the training steps."""
-    setup = build_env(cfg, log if is_driver() else lambda _: None)
+    setup = build_env(cfg, log if int(os.environ.get("RANK", "0")) == 0 else lambda _: None)
     comm = SOLO
     if launched_world_size() > 1:
         init_single_process_group()
         comm = from_environment()
     if comm.rank != 0:
-        sft_dir = Path(comm.broadcast(None))  # waits for rank 0's SFT policy
+        sft_dir = join_sft(cfg, home)  # rank 0's SFT policy (its steps too, with sft.backend = "deepspeed")
         train(cfg, setup, sft_dir, home, NullTracker(), resume=resume, log=lambda _: None)
         return {}
-    sft_dir = run_sft(cfg, home, force=force_sft, log=log)
-    comm.broadcast(str(sft_dir))  # releases the other ranks (a no-op in one process)
+    sft_dir = run_sft(cfg, home, force=force_sft, log=log)  # tells the other ranks where it is
     before = sft_eval(cfg, sft_dir, home, log) if evaluate else None
     log(
         f"train: {cfg.train.algo}, {cfg.train.max_steps} steps x {cfg.train.batch_size} trajectories, "
@@ -114,23 +112,6 @@ def _summary(result, tracker, jsonl: Path, batch_size: int) -> dict:
 def latest_checkpoint(cfg: Config, home: Path) -> int | None:
     """The step of this config's newest complete checkpoint in the store (None: none yet)."""
     return checkpoint_store(cfg, home).latest_step()
-
-
-def is_driver() -> bool:
-    """True in the process that drives a run: the only one, or rank 0 under torchrun."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def run_rank(cfg: Config, home: Path, resume: bool = False) -> None:
-    """A non-zero torchrun rank of a training run: join rank 0's training steps, then end the process.
-
-    Nothing is left for this rank once training returns, and the interpreter's teardown can abort in C++ (gloo or
-    DeepSpeed threads still joinable: "terminate called without an active exception"), which torchrun reports as
-    the job failing; so the rank flushes and leaves with `os._exit(0)` (docs/reliability.md)."""
-    run_train(cfg, home, resume=resume)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_replay(

@@ -4,9 +4,10 @@ by its recipe and reused when the recipe matches.
     SFT policy --rollouts--> split by prompt --> fit_critic (components/training/value_pretrain.py)
                --> models/critic-<env>-<hash>/  ValueModel.save (backbone + value_head.safetensors), value_pretrain.json
 
-The critic starts as training would start it (`ValueModel.from_policy`, attention frozen when `train.algo`
+The critic starts as training would start it (`ValueModel.from_policy_dir`, attention frozen when `train.algo`
 freezes it) and learns with training's loss and optimizer settings (`train.weight_decay`, `grad_clip`,
-`adam_beta2`; `value_pretrain.lr`, else `train.critic_lr`). Prompts come from the environment's training stream
+`adam_beta2`; `value_pretrain.lr`, else `train.critic_lr`) on the engine `value_pretrain.backend` names; under
+torchrun rank 0 rolls out and every rank fits its rows when that is DeepSpeed (`join_value_pretrain`). Prompts come from the environment's training stream
 with `train.task_seed + PROMPT_SEED_SHIFT`, so the critic is not pretrained on RL's own first prompts. The
 built-in coding and style sets are small and cycled: there the shifted seed only reorders them and the same
 tasks recur.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,16 +25,17 @@ from pathlib import Path
 import torch
 
 from components.config import Config
-from components.contracts.trajectory import Trajectory
+from components.contracts.trajectory import Trajectory, read_trajectories, write_trajectories
 from components.envs.registry import build_env
-from components.models import ValueModel, freeze_attention, load_policy, load_tokenizer
+from components.models import ValueModel, freeze_attention, load_tokenizer
 from components.stages.home import Log, available, publish
 from components.stages.recipes import critic_key, prompt_config, value_pretrain_recipe
 from components.stages.rollout import sample_episodes
-from components.stages.sft import run_sft
+from components.stages.sft import join_sft, run_sft, world
 from components.storage import atomic_dir, write_json
 from components.training.algorithms import ALGORITHMS
-from components.training.engines import TorchEngine
+from components.training.collective import SOLO, Collective
+from components.training.loading import EngineSettings, load_model, open_engine, whole_module
 from components.training.value_pretrain import FitSettings, fit_critic, split_by_prompt
 
 SUMMARY_FILE = "value_pretrain.json"
@@ -65,67 +68,114 @@ def sft_policy(cfg: Config, home: Path, log: Log = print) -> Path:
 
 
 def run_value_pretrain(cfg: Config, home: Path, sft_dir: Path, log: Log = print) -> tuple[Path, dict]:
-    """(critic directory, its summary): the complete critic pretrained from these inputs, or a new one."""
+    """(critic directory, its summary): the complete critic pretrained from these inputs, or a new one. Under
+    torchrun this is rank 0's part; the other ranks follow it (`join_value_pretrain`)."""
+    comm = world()
     key = critic_key(cfg, sft_dir)
     out = Path(home) / key
     if available(cfg, home, key, log):
         log(f"value_pretrain: reusing the complete critic at {out}")
         publish(cfg, home, key, log, again=False)
-        return out, json.loads((out / SUMMARY_FILE).read_text())["result"]
-    pretrain_value(cfg, sft_dir, out, log)
-    publish(cfg, home, key, log)
+    else:
+        pretrain_value(cfg, sft_dir, out, log, comm)
+        publish(cfg, home, key, log)
+    comm.broadcast(("done", str(out)))
     return out, json.loads((out / SUMMARY_FILE).read_text())["result"]
 
 
-def pretrain_value(cfg: Config, sft_dir: Path, out_dir: Path, log: Log = print) -> ValuePretrainResult:
+def join_value_pretrain(cfg: Config, home: Path) -> Path:
+    """A non-zero torchrun rank's part of the SFT policy and the critic's pretraining (`run_sft`, then
+    `run_value_pretrain`): its rows of the fitting when rank 0 fits with DeepSpeed; the critic's directory."""
+    sft_dir = join_sft(cfg, home)
+    comm = world()
+    kind, value = comm.broadcast(None)
+    if kind == "fit":
+        train_part, held_out = (read_trajectories(value[name]) for name in ("train", "held_out"))
+        _fit(cfg, sft_dir, train_part, held_out, Path(value["best"]), comm, lambda _: None)
+        kind, value = comm.broadcast(None)
+    return Path(value)
+
+
+def pretrain_value(
+    cfg: Config, sft_dir: Path, out_dir: Path, log: Log = print, comm: Collective = SOLO
+) -> ValuePretrainResult:
     """Roll out the SFT policy at `sft_dir`, pretrain a critic on the rollouts (`cfg.value_pretrain`) and save
-    the best epoch's critic to `out_dir` (written atomically, with `value_pretrain.json` inside)."""
+    the best epoch's critic to `out_dir` (written atomically, with `value_pretrain.json` inside). With
+    `value_pretrain.backend = "deepspeed"` under torchrun every rank of `comm` fits its rows (rank 0 rolls out and
+    hands the rollouts over as Parquet beside `out_dir`, where every rank reads them)."""
     algorithm = ALGORITHMS[cfg.train.algo]
     if not algorithm.uses_critic:
         users = sorted(name for name, a in ALGORITHMS.items() if a.uses_critic)
         raise ValueError(f"train.algo: {cfg.train.algo!r} trains no critic; value pretraining is for {users}")
-    vp, tc = cfg.value_pretrain, cfg.train
     start = time.perf_counter()
     train_part, held_out = collect_rollouts(cfg, sft_dir, log)
-
-    torch.manual_seed(vp.seed)  # the fresh value head
-    critic = ValueModel.from_policy(load_policy(sft_dir))
-    if algorithm.freeze_critic_attention:
-        freeze_attention(critic)
-    engine = TorchEngine(
-        critic, vp.lr or tc.critic_lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip, beta2=tc.adam_beta2
+    scratch = Path(out_dir).parent / f".{Path(out_dir).name}-fit"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    together = comm.distributed and cfg.value_pretrain.backend == "deepspeed"
+    try:
+        if together:
+            parts = {"train": scratch / "train.parquet", "held_out": scratch / "held_out.parquet"}
+            write_trajectories(parts["train"], train_part)
+            write_trajectories(parts["held_out"], held_out)
+            comm.broadcast(("fit", {**{k: str(v) for k, v in parts.items()}, "best": str(scratch / "best")}))
+        critic, history, best_epoch = _fit(
+            cfg, sft_dir, train_part, held_out, scratch / "best", comm if together else SOLO, log
+        )
+        result = ValuePretrainResult(
+            history[0],
+            history,
+            best_epoch,
+            history[best_epoch],
+            len(train_part) + len(held_out),
+            len(held_out),
+            time.perf_counter() - start,
+            Path(out_dir),
+        )
+        summary = {k: v for k, v in asdict(result).items() if k != "out_dir"}
+        with atomic_dir(out_dir) as tmp:
+            critic.save(tmp)
+            write_json(tmp / SUMMARY_FILE, {"recipe": value_pretrain_recipe(cfg, sft_dir), "result": summary})
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    log(
+        f"value-pretrain: kept epoch {best_epoch} (held-out EV {result.ev_cold:.3f} -> {result.ev_best:.3f}), "
+        f"{result.seconds:.1f}s; saved {out_dir}"
     )
-    settings = FitSettings(
+    return result
+
+
+def _fit(cfg: Config, sft_dir: Path, train_part, held_out, best_dir: Path, comm: Collective, log: Log):
+    """(the critic whole on the host in the driving process, else None; held-out EV per epoch; the best epoch):
+    this rank's part of the fitting."""
+    vp, tc = cfg.value_pretrain, cfg.train
+    settings = EngineSettings.value_pretrain(cfg)
+    ds_config = settings.deepspeed()
+    torch.manual_seed(vp.seed)  # the fresh value head
+    critic = load_model(ds_config, lambda dtype: ValueModel.from_policy_dir(sft_dir, dtype))
+    if ALGORITHMS[tc.algo].freeze_critic_attention:
+        freeze_attention(critic)
+    engine = open_engine(settings, ds_config, critic)
+    fit = FitSettings(
         cfg.algo.gamma, cfg.algo.lam_critic, cfg.algo.value_clip, vp.batch_size, vp.max_epochs, vp.patience, vp.seed
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(tc.threads or threads)  # train.threads = 0: every core (nothing else runs now)
     try:
         history, best_epoch = fit_critic(
-            engine, train_part, held_out, load_tokenizer(sft_dir).pad_token_id, settings, log
+            engine,
+            train_part,
+            held_out,
+            load_tokenizer(sft_dir).pad_token_id,
+            fit,
+            best_dir,
+            log,
+            comm,
+            tc.micro_batch_tokens,
         )
     finally:
         torch.set_num_threads(threads)
-
-    result = ValuePretrainResult(
-        history[0],
-        history,
-        best_epoch,
-        history[best_epoch],
-        len(train_part) + len(held_out),
-        len(held_out),
-        time.perf_counter() - start,
-        Path(out_dir),
-    )
-    summary = {k: v for k, v in asdict(result).items() if k != "out_dir"}
-    with atomic_dir(out_dir) as tmp:
-        critic.save(tmp)
-        write_json(tmp / SUMMARY_FILE, {"recipe": value_pretrain_recipe(cfg, sft_dir), "result": summary})
-    log(
-        f"value-pretrain: kept epoch {best_epoch} (held-out EV {result.ev_cold:.3f} -> {result.ev_best:.3f}), "
-        f"{result.seconds:.1f}s; saved {out_dir}"
-    )
-    return result
+    return whole_module(engine, driver=comm.rank == 0), history, best_epoch
 
 
 def collect_rollouts(cfg: Config, sft_dir: Path, log: Log = print) -> tuple[list[Trajectory], list[Trajectory]]:

@@ -69,8 +69,12 @@ class _Engine:
     """A micro-batch of this step was not finite: the step's remaining micro-batches and its update are skipped."""
 
     def set_lr_scale(self, scale: float) -> None:
+        self.set_lr(self.base_lr * scale)
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate itself (SFT's schedule gives it absolutely)."""
         for group in self.optimizer.param_groups:
-            group["lr"] = self.base_lr * scale
+            group["lr"] = lr
 
     busy_s: float = 0.0
     """Wall seconds of the algorithm steps' work timed with `busy()` (the critic's K updates): what the loop

@@ -14,10 +14,8 @@ With one process there is no messaging at all; the learner just runs the step.
 Devices: each rank trains on its own device (`local_device`: its GPU, else the host). Batches are built on the
 host and scattered as objects; a rank moves its rows to its device, and returns detached host metrics.
 
-Loading: under ZeRO-3 both models load straight into their partitions, in the engines' dtype (bf16 when the
-DeepSpeed config enables it): transformers' `from_pretrained` runs under `deepspeed.zero.Init` while a
-`HfDeepSpeedConfig` of the engine's config is alive, so no rank ever holds a whole fp32 copy. The critic's
-backbone is loaded from the same directory as the policy, not copied from it.
+Loading (components/training/loading.py): under ZeRO-3 both models load straight into their partitions, in the
+engines' dtype; the critic's backbone is loaded from the SFT directory, not copied from the policy.
 
 Checkpoints are directories: `policy/` and `critic/` hold each engine's own files (DeepSpeed's per-rank files,
 written by every rank: nothing is gathered), `learner.pt` the algorithm's state and the world size. Rank 0 and
@@ -27,17 +25,14 @@ filesystem every node mounts (a rank that cannot see it fails the checkpoint nam
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
 
 from components.config import Config
-from components.models import ValueModel, freeze_attention, load_policy
-from components.models.value import HEAD_FILE
+from components.models import freeze_attention, load_policy
 from components.storage import HomeStateError
 from components.training.algorithms import ALGORITHMS, AlgoSettings
 from components.training.collective import (
@@ -47,77 +42,10 @@ from components.training.collective import (
     shard_rows,
     take_rows,
 )
-from components.training.deepspeed_config import resolve_deepspeed_config
-from components.training.engines import ENGINES, init_single_process_group
+from components.training.loading import EngineSettings, initial_critic, load_model, open_engine, train_dtype
 
 LEARNER_FILE = "learner.pt"
 """The learner's own part of a checkpoint directory: the algorithm's state and the world size."""
-
-
-def initial_critic(sft_dir: Path, critic_path: str, dtype: torch.dtype = torch.float32) -> ValueModel:
-    """The critic RL starts from: the pretrained one at `critic_path` (`train.critic_path`, a `ValueModel.save`
-    directory), which must match the policy's hidden and vocabulary sizes; or, when the path is empty, the
-    decoder of the policy at `sft_dir` with a fresh head. A resumed run then restores the critic from its
-    checkpoint."""
-    if not critic_path:
-        return ValueModel.from_policy_dir(sft_dir, dtype)
-    path = Path(critic_path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"train.critic_path: {path} is not a directory")
-    if not (path / HEAD_FILE).is_file():
-        raise FileNotFoundError(f"train.critic_path: {path} has no {HEAD_FILE} (not a ValueModel.save directory)")
-    critic = ValueModel.load(path, dtype)
-    policy_config = load_policy_config(sft_dir)
-    for name in ("hidden_size", "vocab_size"):
-        theirs, ours = getattr(critic.backbone.config, name), getattr(policy_config, name)
-        if theirs != ours:
-            raise ValueError(
-                f"train.critic_path: the critic at {path} has {name}={theirs}, the policy has {name}={ours}"
-            )
-    return critic
-
-
-def load_policy_config(path: Path) -> PretrainedConfig:
-    """The config.json of the model directory at `path`, without its weights."""
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
-
-
-@contextlib.contextmanager
-def loading_into_partitions(ds_config: dict | None) -> Iterator[None]:
-    """While inside, transformers' `from_pretrained` loads into ZeRO-3 partitions (`ds_config` a ZeRO-3 config);
-    with None, or another stage, it loads whole models as usual."""
-    if ds_config is None or ds_config["zero_optimization"].get("stage", 0) != 3:
-        yield
-        return
-    # Imported here: transformers' DeepSpeed integration imports deepspeed, which only ZeRO-3 runs need to load.
-    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
-
-    keep = HfDeepSpeedConfig(ds_config)  # transformers holds a weak reference: alive exactly while we load
-    try:
-        yield
-    finally:
-        del keep
-        unset_hf_deepspeed_config()
-
-
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute every decoder layer's activations in the backward pass (transformers' own mechanism, which runs
-    in training mode). Training mode must change nothing else, so a model with dropout is refused: RL's
-    log-probs must be those of the sampling distribution."""
-    config = getattr(model, "config", None) or model.backbone.config
-    dropouts = {k: v for k, v in config.to_dict().items() if "dropout" in k and isinstance(v, float) and v}
-    if dropouts:
-        raise ValueError(
-            f"train.activation_checkpointing: the model has dropout {dropouts}; training mode would change "
-            f"its log-probs (set them to 0 in config.json, or turn activation checkpointing off)"
-        )
-    target = model.backbone if isinstance(model, ValueModel) else model
-    kwargs = {"use_reentrant": False}
-    if hasattr(target, "activation_checkpointing_enable"):  # transformers >= 5.2x; before, the older name
-        target.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model.train()
 
 
 class Learner:
@@ -132,47 +60,23 @@ class Learner:
         self.sft_dir = Path(sft_dir)
         self.state: dict = {}  # the algorithm's own state (the running-mean baseline), the same on every rank
         self.device = local_device()
-        if tc.backend == "deepspeed":
-            init_single_process_group()  # before loading: ZeRO-3 partitions over the process group
-        configs = {
-            "policy": self._deepspeed_config(tc, tc.policy_lr),
-            "critic": self._deepspeed_config(tc, tc.critic_lr),
-        }
-        self.dtype = torch.bfloat16 if (configs["policy"] or {}).get("bf16", {}).get("enabled") else torch.float32
-        dtype = self.dtype
+        settings = {"policy": EngineSettings.rl(tc, tc.policy_lr), "critic": EngineSettings.rl(tc, tc.critic_lr)}
+        configs = {name: s.deepspeed() for name, s in settings.items()}
+        self.dtype = train_dtype(configs["policy"])
         torch.manual_seed(cfg.sft.seed)
-        with loading_into_partitions(configs["policy"]):
-            policy_model = load_policy(sft_dir, dtype)
+        policy_model = load_model(configs["policy"], lambda dtype: load_policy(sft_dir, dtype))
         self.critic = None
         critic_model = None
         if self.algorithm.uses_critic:
-            with loading_into_partitions(configs["critic"]):
-                critic_model = initial_critic(self.sft_dir, tc.critic_path, dtype)
+            critic_model = load_model(
+                configs["critic"], lambda dtype: initial_critic(self.sft_dir, tc.critic_path, dtype)
+            )
             if self.algorithm.freeze_critic_attention:
                 freeze_attention(critic_model)
-        if tc.activation_checkpointing:
-            for model in (policy_model, critic_model):
-                if model is not None:
-                    enable_activation_checkpointing(model)
-        kwargs = {"weight_decay": tc.weight_decay, "grad_clip": tc.grad_clip, "beta2": tc.adam_beta2}
-        make_engine = ENGINES[tc.backend]
-        if critic_model is not None:
-            self.critic = make_engine(critic_model, tc.critic_lr, **kwargs, **self._placement(configs["critic"]))
-        self.policy = make_engine(policy_model, tc.policy_lr, **kwargs, **self._placement(configs["policy"]))
+        if critic_model is not None:  # the critic's engine first, as it always was (the runs' numbers stay)
+            self.critic = open_engine(settings["critic"], configs["critic"], critic_model, self.device)
+        self.policy = open_engine(settings["policy"], configs["policy"], policy_model, self.device)
         self.comm = from_environment()  # the DeepSpeed engines initialised torch.distributed
-
-    @staticmethod
-    def _deepspeed_config(tc, lr: float) -> dict | None:
-        if tc.backend != "deepspeed":
-            return None
-        return resolve_deepspeed_config(
-            lr, tc.weight_decay, tc.grad_clip, tc.zero_stage, beta2=tc.adam_beta2, config_file=tc.deepspeed_config
-        )
-
-    def _placement(self, ds_config: dict | None) -> dict:
-        """Where an engine lives: a resolved DeepSpeed config (DeepSpeed moves the module to the rank's device),
-        or the device for the torch engine."""
-        return {"device": self.device} if ds_config is None else {"config": ds_config}
 
     @property
     def is_driver(self) -> bool:

@@ -59,6 +59,19 @@ def spread(parts: list[range], count: int) -> list[range]:
     return parts
 
 
+def rank_share(batch: dict[str, Tensor], comm: Collective = SOLO) -> tuple[dict[str, Tensor], bool]:
+    """(this rank's contiguous share of a whole batch's rows, idle): every rank holding the whole batch (SFT, value
+    pretraining) takes rows `[n r / W, n (r + 1) / W)`; a rank left without rows gets the first row to run its
+    empty passes on, and `idle` (see `MicroBatches.plan`)."""
+    if not comm.distributed:
+        return batch, False
+    rows = len(batch["input_ids"])
+    start, stop = rows * comm.rank // comm.world, rows * (comm.rank + 1) // comm.world
+    if start == stop:
+        return {k: v[:1] for k, v in batch.items()}, True
+    return {k: v[start:stop] for k, v in batch.items()}, False
+
+
 @dataclass
 class MicroBatches:
     """A rank's rows as micro-batches; see the module docstring."""
@@ -75,16 +88,19 @@ class MicroBatches:
     """One part of every row in one process: the unsplit step."""
 
     @classmethod
-    def plan(cls, batch: dict[str, Tensor], budget: int, comm: Collective = SOLO) -> MicroBatches:
+    def plan(cls, batch: dict[str, Tensor], budget: int, comm: Collective = SOLO, idle: bool = False) -> MicroBatches:
+        """`batch`: this rank's rows. `idle`: the rank has no rows of this batch (`rank_share`), and `batch` is a
+        row to run its empty passes on."""
         act = batch["action_mask"]
         lengths = batch["attention_mask"].sum(dim=1).tolist()
-        parts = split_rows(lengths, budget)
-        count = int(comm.max(torch.tensor([len(parts)])).item())
+        parts = [] if idle else split_rows(lengths, budget)
+        count = max(1, int(comm.max(torch.tensor([len(parts)])).item()))
         parts = spread(parts, count)
         empty = [False] * len(parts) + [True] * (count - len(parts))
         parts += [range(0, 1)] * (count - len(parts))
         n_tokens = [act[p.start : p.stop].sum().to(torch.float32) * (0.0 if e else 1.0) for p, e in zip(parts, empty)]
-        n_total = comm.sum(act.sum().to(torch.float32)).clamp(min=1)
+        mine = act.sum().to(torch.float32) * (0.0 if idle else 1.0)
+        n_total = comm.sum(mine).clamp(min=1)
         return cls(parts, empty, n_tokens, n_total, comm, whole=count == 1 and not comm.distributed)
 
     def __len__(self) -> int:

@@ -35,7 +35,8 @@ from components.training.checkpoint import (
     read_payload,
 )
 from components.training.guard import CollapseGuard
-from components.training.learner import Learner, load_policy_config
+from components.training.learner import Learner
+from components.training.loading import load_policy_config
 from components.training.stability import CollapseDetector
 
 Log = Callable[[str], None]

@@ -14,7 +14,7 @@ from components.contracts.trajectory import to_tensors
 from components.models import ValueModel, freeze_attention
 from components.training.algorithms import sao_step
 from components.training.engines import DeepSpeedEngine, TorchEngine
-from components.training.learner import enable_activation_checkpointing
+from components.training.loading import enable_activation_checkpointing
 from components.training.micro import MicroBatches, split_rows, spread
 from tests.training.test_algorithms import SETTINGS
 

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Qwe
 
 from components.config import ModelConfig
 from components.models import ValueModel, freeze_attention
+from components.models.policy import policy_config
 from components.models.tokenizer import config_tokenizer
 from components.training.plan.memory import Decoder, Params
 
@@ -46,23 +47,7 @@ def hf_config(model: ModelConfig) -> PretrainedConfig:
 
 def _config_from_fields(model: ModelConfig) -> Qwen3MoeConfig:
     """`build_policy`'s config for a model built from the preset's fields (its vocabulary is the tokenizer's)."""
-    return Qwen3MoeConfig(
-        vocab_size=len(config_tokenizer(model.tokenizer)),
-        hidden_size=model.hidden_size,
-        intermediate_size=model.moe_intermediate_size * model.experts_per_token,
-        moe_intermediate_size=model.moe_intermediate_size,
-        num_hidden_layers=model.num_layers,
-        num_attention_heads=model.num_heads,
-        num_key_value_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        num_experts=model.num_experts,
-        num_experts_per_tok=model.experts_per_token,
-        decoder_sparse_step=1,
-        norm_topk_prob=True,
-        max_position_embeddings=model.max_position_embeddings,
-        rope_theta=model.rope_theta,
-        tie_word_embeddings=False,
-    )
+    return policy_config(model, config_tokenizer(model.tokenizer))
 
 
 def count_params(model: nn.Module) -> Params:
