@@ -261,6 +261,10 @@ class TrainConfig:
     """Padded tokens (rows x longest row) per micro-batch on each rank: a rank's rows go through forward and backward
     in micro-batches within this budget, their gradients accumulated into one optimizer step whose result is the
     whole batch's (token-weighted). 0: a rank's rows in one pass."""
+    critic_ranks: NonNegativeInt = 0
+    """Ranks of their own for the critic, the last of the torchrun world (the policy on the others), each model
+    data-parallel over its own ranks (components/training/placement.py); 0: both models on every rank. `sao plan`
+    prices either."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them (policy and critic):
     about a third more compute for activation memory that no longer grows with the layers."""

@@ -187,9 +187,7 @@ def finite_inputs(step: Callable[..., dict]) -> Callable[..., dict]:
 
     @functools.wraps(step)
     def guarded(policy, critic, batch, s: AlgoSettings, state: dict, comm: Collective = SOLO) -> dict:
-        acting = batch["action_mask"].bool()
-        rewards_ok = torch.isfinite(batch["rewards"]).all()
-        if comm.all_true(bool(rewards_ok & torch.isfinite(batch["rollout_logprobs"][acting]).all())):
+        if inputs_finite(batch, comm):
             return step(policy, critic, batch, s, state, comm)
         metrics = {"policy/grad_norm": policy.skip_update()}
         if critic is not None:
@@ -206,12 +204,26 @@ def _variance(comm: Collective):
 def _critic_step(policy, critic, batch, s: AlgoSettings, use_dis: bool, comm: Collective) -> dict:
     with critic.busy():  # the K updates and the updated critic's values (the loop benchmark's split)
         values, metrics = critic_updates(critic, batch, s, s.critic_updates, comm)
+    metrics.update(policy_update(policy, batch, policy_advantages(batch, values, s, comm), s, use_dis, comm))
+    return metrics
+
+
+def policy_advantages(batch: dict[str, Tensor], values: Tensor, s: AlgoSettings, comm: Collective = SOLO) -> Tensor:
+    """The policy's advantages from the updated critic's `(B, T)` values: skip-observation GAE at `lam_policy`,
+    whitened over every rank's action tokens when `normalize_advantages`."""
     act = batch["action_mask"]
     advantages, _ = gae(batch["rewards"], values, act, s.gamma, s.lam_policy)
     if s.normalize_advantages:
         advantages = normalize_advantages(advantages, act, moments=lambda x, m: global_moments(x, m, comm))
-    metrics.update(policy_update(policy, batch, advantages, s, use_dis, comm))
-    return metrics
+    return advantages
+
+
+def inputs_finite(batch: dict[str, Tensor], comm: Collective = SOLO) -> bool:
+    """Every reward and every rollout log-prob on an action token finite, on every rank of `comm` (`finite_inputs`'
+    check, decided together)."""
+    acting = batch["action_mask"].bool()
+    rewards_ok = torch.isfinite(batch["rewards"]).all()
+    return comm.all_true(bool(rewards_ok & torch.isfinite(batch["rollout_logprobs"][acting]).all()))
 
 
 @finite_inputs
@@ -268,6 +280,9 @@ class Algorithm:
     """Overrides the configured K (None keeps it)."""
     grouped: bool
     """One prompt is sampled `group_size` times and trained as a group (GRPO's barrier)."""
+    dis: bool = True
+    """The policy loss is DIS (else PPO's clip): what a critic algorithm's policy ranks run when the critic sits
+    on ranks of its own (`train.critic_ranks`, components/training/learner.py)."""
 
 
 ALGORITHMS: dict[AlgoName, Algorithm] = {
@@ -277,7 +292,7 @@ ALGORITHMS: dict[AlgoName, Algorithm] = {
     "sao-running-mean": Algorithm(running_mean_step, False, False, None, False),
     "grpo": Algorithm(grpo_step, False, False, None, True),
     "grpo-dis": Algorithm(grpo_dis_step, False, False, None, True),
-    "ppo": Algorithm(ppo_step, True, False, 1, False),
+    "ppo": Algorithm(ppo_step, True, False, 1, False, dis=False),
 }
 
 

@@ -31,7 +31,12 @@ from torch import Tensor
 @dataclass(frozen=True)
 class Collective:
     rank: int = 0
+    """This process's rank in `group`."""
     world: int = 1
+    """Ranks in `group`."""
+    group: object = None
+    """The process group (None: every rank). The critic on ranks of its own (`train.critic_ranks`) reduces over its
+    group, the policy over the rest; the learner's messages always go to every rank."""
 
     @property
     def distributed(self) -> bool:
@@ -43,7 +48,7 @@ class Collective:
             return x
 
         out = x.detach().clone()
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=self.group)
         return out
 
     def max(self, x: Tensor) -> Tensor:
@@ -52,7 +57,7 @@ class Collective:
             return x
 
         out = x.detach().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
         return out
 
     def gather_rows(self, x: Tensor) -> tuple[Tensor, int]:
@@ -61,7 +66,7 @@ class Collective:
             return x, 0
 
         parts: list = [None] * self.world
-        dist.all_gather_object(parts, x.detach().cpu())
+        dist.all_gather_object(parts, x.detach().cpu(), group=self.group)
         offset = sum(len(p) for p in parts[: self.rank])
         return torch.cat(parts).to(x.device), offset
 
@@ -111,6 +116,14 @@ def from_environment() -> Collective:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return Collective(dist.get_rank(), dist.get_world_size())
     return SOLO
+
+
+def subgroup(ranks: list[int]) -> Collective | None:
+    """A `Collective` over `ranks` for the ranks among them (None for the others). Every rank must call it, with the
+    same `ranks`, in the same order (torch creates groups collectively)."""
+    group = dist.new_group(ranks)
+    rank = dist.get_rank()
+    return Collective(ranks.index(rank), len(ranks), group) if rank in ranks else None
 
 
 def launched_world_size() -> int:

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from components.training.collective import from_environment, local_device, process_group_backend
+from components.training.collective import Collective, from_environment, local_device, process_group_backend
 from components.training.deepspeed_config import default_accelerator, resolve_deepspeed_config
 
 ENGINE_FILE = "engine.pt"
@@ -214,6 +214,7 @@ class DeepSpeedEngine(_Engine):
         beta2: float = 0.95,
         config_file: str = "",
         config: dict | None = None,
+        comm: Collective | None = None,
     ) -> None:
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage: {zero_stage} is not supported here (0-3)")
@@ -226,11 +227,14 @@ class DeepSpeedEngine(_Engine):
         if self.zero_stage == 3 and (leaves := moe_leaf_classes(module)):
             deepspeed.utils.set_z3_leaf_modules(module, leaves)
         params = [p for p in module.parameters() if p.requires_grad]
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=config)
+        self.comm = comm or from_environment()
+        mpu = GroupMPU(self.comm) if self.comm.group is not None else None
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=module, model_parameters=params, config=config, mpu=mpu
+        )
         self.module = self.engine.module
         self.config = config
         self.base_lr = config["optimizer"]["params"]["lr"]
-        self.comm = from_environment()
         if self.zero_stage == 0 and self.engine.world_size == 1:
             # Stage 0 on one rank: the gradient all-reduce after each backward flattens, "averages" over one
             # rank and copies back every gradient (about 2% of the tiny preset's step); without it the
@@ -344,6 +348,34 @@ class DeepSpeedEngine(_Engine):
                 yield {n: p.detach().to("cpu", copy=True) for n, p in bucket} if rank0 else {}
             bucket, size = [], 0
         yield {n: b.detach().to("cpu", copy=True) for n, b in persistent_buffers(self.module)} if rank0 else {}
+
+
+class GroupMPU:
+    """DeepSpeed's "model parallel unit" for an engine on some of the ranks (the critic on ranks of its own,
+    `train.critic_ranks`): its data-parallel group is `comm`'s group; there is no model parallelism (each rank's
+    model-parallel group is itself)."""
+
+    def __init__(self, comm: Collective) -> None:
+        self.comm = comm
+        self.alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+    def get_data_parallel_group(self):
+        return self.comm.group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.comm.world
+
+    def get_data_parallel_rank(self) -> int:
+        return self.comm.rank
+
+    def get_model_parallel_group(self):
+        return self.alone
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
 
 
 def read_module_state(directory: Path) -> dict[str, Tensor]:

@@ -42,7 +42,9 @@ from components.training.collective import (
     shard_rows,
     take_rows,
 )
+from components.training.engines import init_single_process_group
 from components.training.loading import EngineSettings, initial_critic, load_model, open_engine, train_dtype
+from components.training.placement import Placement, split_step
 
 LEARNER_FILE = "learner.pt"
 """The learner's own part of a checkpoint directory: the algorithm's state and the world size."""
@@ -63,20 +65,49 @@ class Learner:
         settings = {"policy": EngineSettings.rl(tc, tc.policy_lr), "critic": EngineSettings.rl(tc, tc.critic_lr)}
         configs = {name: s.deepspeed() for name, s in settings.items()}
         self.dtype = train_dtype(configs["policy"])
+        self.placement = self._placement(tc)
+        roles = {"policy", "critic"} if self.placement is None else {self.placement.role}
+        whole = self.placement is None
+        groups = {name: None if whole else self.placement.group for name in ("policy", "critic")}
         torch.manual_seed(cfg.sft.seed)
-        policy_model = load_model(configs["policy"], lambda dtype: load_policy(sft_dir, dtype))
-        self.critic = None
-        critic_model = None
-        if self.algorithm.uses_critic:
+        policy_model = critic_model = None
+        if "policy" in roles:
+            policy_model = load_model(configs["policy"], lambda dtype: load_policy(sft_dir, dtype), whole)
+        self.policy = self.critic = None
+        if self.algorithm.uses_critic and "critic" in roles:
             critic_model = load_model(
-                configs["critic"], lambda dtype: initial_critic(self.sft_dir, tc.critic_path, dtype)
+                configs["critic"], lambda dtype: initial_critic(self.sft_dir, tc.critic_path, dtype), whole
             )
             if self.algorithm.freeze_critic_attention:
                 freeze_attention(critic_model)
         if critic_model is not None:  # the critic's engine first, as it always was (the runs' numbers stay)
-            self.critic = open_engine(settings["critic"], configs["critic"], critic_model, self.device)
-        self.policy = open_engine(settings["policy"], configs["policy"], policy_model, self.device)
+            self.critic = open_engine(
+                settings["critic"], configs["critic"], critic_model, self.device, groups["critic"]
+            )
+        if policy_model is not None:
+            self.policy = open_engine(
+                settings["policy"], configs["policy"], policy_model, self.device, groups["policy"]
+            )
         self.comm = from_environment()  # the DeepSpeed engines initialised torch.distributed
+
+    def _placement(self, tc) -> Placement | None:
+        """The critic on ranks of its own (`train.critic_ranks`), or None: both models on every rank."""
+        if not tc.critic_ranks:
+            return None
+        if not self.algorithm.uses_critic or tc.backend != "deepspeed":
+            raise ValueError(
+                f"train.critic_ranks: {tc.critic_ranks} places a critic on ranks of its own, which needs an algorithm "
+                f"with a critic and the deepspeed backend (train.algo = {tc.algo!r}, train.backend = {tc.backend!r})"
+            )
+        stage = (EngineSettings.rl(tc, tc.critic_lr).deepspeed() or {})["zero_optimization"].get("stage", 0)
+        if stage == 3:
+            raise ValueError(
+                f"train.critic_ranks: {tc.critic_ranks} needs ZeRO stage 0-2, got 3: DeepSpeed 0.19's ZeRO-3 checks "
+                f"its parameter trace with broadcasts over every rank (partitioned_param_coordinator.reset_step), "
+                f"which an engine on part of the ranks cannot match"
+            )
+        init_single_process_group()
+        return Placement.split(from_environment(), tc.critic_ranks)
 
     @property
     def is_driver(self) -> bool:
@@ -87,6 +118,8 @@ class Learner:
     def step(self, batch: dict[str, torch.Tensor], lr_scale: float = 1.0) -> dict:
         """One algorithm step on the whole batch (each rank takes its rows), both learning rates at `lr_scale`
         times the configured ones. Returns whole-batch metrics."""
+        if self.placement is not None:
+            return self._step(self.comm.scatter(self.placement.work(batch, lr_scale))[1])
         if self.comm.distributed:
             rows = shard_rows(len(batch["input_ids"]), self.comm.world, self.settings.group_size)
             batch, lr_scale = self.comm.scatter([("step", (take_rows(batch, r), lr_scale)) for r in rows])[1]
@@ -162,7 +195,7 @@ class Learner:
             "step": self._step,
             "save": lambda directory: self.comm.gather(self._handle("save", directory)),
             "load": lambda directory: self.comm.gather(self._handle("load", directory)),
-            "weights": lambda _: [None for _ in self.policy.full_state()],
+            "weights": lambda _: [None for _ in (self.policy.full_state() if self.policy is not None else ())],
         }
         while True:
             kind, data = self.comm.scatter(None)
@@ -170,14 +203,22 @@ class Learner:
                 return
             handlers[kind](data)
 
-    def _step(self, work: tuple[dict[str, torch.Tensor], float]) -> dict:
-        rows, lr_scale = work
+    def _step(self, work: tuple) -> dict:
+        """This rank's part of a step: (rows, lr scale), or with the critic on ranks of its own (role, rows, lr
+        scale, the whole batch on rank 0)."""
+        rows, lr_scale = work[-3:-1] if self.placement is not None else work
         torch.set_num_threads(self.threads)  # per thread: the engine thread keeps its own budget
         rows = {k: v.to(self.device) for k, v in rows.items()}
         for engine in (self.policy, self.critic):
             if engine is not None:
                 engine.set_lr_scale(lr_scale)
-        metrics = self.algorithm.step(self.policy, self.critic, rows, self.settings, self.state, self.comm)
+        if self.placement is not None:
+            whole = None if work[-1] is None else {k: v.to(self.device) for k, v in work[-1].items()}
+            metrics = split_step(
+                self.placement, self.policy, self.critic, rows, whole, self.settings, self.algorithm.dis
+            )
+        else:
+            metrics = self.algorithm.step(self.policy, self.critic, rows, self.settings, self.state, self.comm)
         return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
 
     def _handle(self, kind: str, directory: Path) -> str:

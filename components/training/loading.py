@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Pretrained
 from components.config import Config, TrainConfig
 from components.models import ValueModel
 from components.models.value import HEAD_FILE
-from components.training.collective import local_device
+from components.training.collective import Collective, local_device
 from components.training.deepspeed_config import resolve_deepspeed_config
 from components.training.engines import ENGINES, init_single_process_group
 
@@ -89,24 +89,34 @@ def train_dtype(ds_config: dict | None) -> torch.dtype:
     return torch.bfloat16 if (ds_config or {}).get("bf16", {}).get("enabled") else torch.float32
 
 
-def load_model(ds_config: dict | None, load: Callable[[torch.dtype], nn.Module]) -> nn.Module:
-    """`load(dtype)` in the engine's dtype, into ZeRO-3 partitions when `ds_config` is a ZeRO-3 config (the process
-    group must exist: `init_single_process_group`)."""
+def load_model(
+    ds_config: dict | None, load: Callable[[torch.dtype], nn.Module], into_partitions: bool = True
+) -> nn.Module:
+    """`load(dtype)` in the engine's dtype, into ZeRO-3 partitions over every rank when `ds_config` is a ZeRO-3
+    config and `into_partitions` (the process group must exist: `init_single_process_group`). An engine on some of
+    the ranks only (`train.critic_ranks`) loads its model whole and DeepSpeed partitions it over its group as it
+    starts: transformers' `from_pretrained` partitions over every rank."""
     if ds_config is not None:
         init_single_process_group()
-    with loading_into_partitions(ds_config):
+    with loading_into_partitions(ds_config if into_partitions else None):
         return load(train_dtype(ds_config))
 
 
-def open_engine(settings: EngineSettings, ds_config: dict | None, model: nn.Module, device: torch.device | None = None):
+def open_engine(
+    settings: EngineSettings,
+    ds_config: dict | None,
+    model: nn.Module,
+    device: torch.device | None = None,
+    comm: Collective | None = None,
+):
     """The engine training `model` (`ds_config` = `settings.deepspeed()`): activation checkpointing as set, on this
-    rank's device."""
+    rank's device, data-parallel over `comm`'s ranks (default: every rank)."""
     if settings.activation_checkpointing:
         enable_activation_checkpointing(model)
     kwargs = {"weight_decay": settings.weight_decay, "grad_clip": settings.grad_clip, "beta2": settings.beta2}
     if ds_config is None:
         return ENGINES["torch"](model, settings.lr, **kwargs, device=device or local_device())
-    return ENGINES["deepspeed"](model, settings.lr, **kwargs, config=ds_config)
+    return ENGINES["deepspeed"](model, settings.lr, **kwargs, config=ds_config, comm=comm)
 
 
 def initial_critic(sft_dir: Path, critic_path: str, dtype: torch.dtype = torch.float32) -> ValueModel:

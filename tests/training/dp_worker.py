@@ -1,5 +1,5 @@
-"""Run by test_distributed.py, once as a plain process and once under `torchrun --nproc-per-node 2`: for each case
-(an algorithm at a ZeRO stage), two learner steps on the same stored batch, a checkpoint, a third step, then the
+"""Run by test_distributed.py, as a plain process and under torchrun: for each case (an algorithm at a ZeRO stage,
+with the critic on ranks of its own when the case says `/cN`), two learner steps on the same stored batch, a checkpoint, a third step, then the
 checkpoint restored and the third step again; rank 0 writes what it saw, and the policy as an HF directory."""
 
 import sys
@@ -25,13 +25,15 @@ def main(model_dir: str, trajectories: str, out: str, cases: str) -> None:
     batch = to_tensors(read_trajectories(trajectories), tokenizer.pad_token_id)
     results = {}
     for case in cases.split(","):
-        algo, zero = case.rsplit("@", 1)
+        algo, placement = case.rsplit("@", 1)
+        zero, _, critic_ranks = placement.partition("/c")  # `algo@stage/cN`: the critic on the last N ranks
         cfg = load_config(
             "tiny-cpu",
             [
                 f'train.algo="{algo}"',
                 'train.backend="deepspeed"',
                 f"train.zero_stage={zero}",
+                f"train.critic_ranks={critic_ranks or 0}",
                 "train.batch_size=8",
                 "train.group_size=4",
             ],

@@ -84,6 +84,35 @@ def test_two_process_deepspeed_matches_one_process(stored_batch):
     assert torch.allclose(two["sao@3"]["params"], one["sao@0"]["params"], atol=1e-4)
 
 
+def test_the_critic_on_ranks_of_its_own_trains_what_the_shared_placement_trains(stored_batch):
+    """`train.critic_ranks = 2` on 4 gloo ranks (policy on 0-1, critic on 2-3), at ZeRO-0 and at ZeRO-2: the same
+    metrics and policy weights as one process holding both, step by step; a checkpoint restored repeats the third
+    step exactly; the critic's skipped updates still reach rank 0's metrics."""
+    args = [str(WORKER), str(stored_batch / "policy"), str(stored_batch / "batch.parquet")]
+    one = _run([sys.executable, *args, str(stored_batch / "shared.pt"), "sao@0"], stored_batch / "shared.pt")["sao@0"]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cases = ("sao@0/c2", "sao@2/c2")
+    four = _run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "4", *args, str(stored_batch / "four.pt"), ",".join(cases)],
+        stored_batch / "four.pt",
+    )
+    for case in cases:
+        run = four[case]
+        assert run["world"] == 4
+        for shared, split in zip(one["metrics"], run["metrics"]):
+            assert (
+                set(split) - set(shared) == {"trainer/critic_skipped_steps"}
+                and split["trainer/critic_skipped_steps"] == 0
+            )
+            for key in shared:
+                assert split[key] == pytest.approx(shared[key], rel=1e-4, abs=1e-5), (case, key)
+        assert torch.allclose(run["params"], one["params"], atol=1e-4), (
+            case,
+            (run["params"] - one["params"]).abs().max(),
+        )
+        assert run["resumed"] == run["metrics"][2] and torch.equal(run["params_resumed"], run["params"]), case
+
+
 def test_sao_train_under_torchrun_checkpoints_and_resumes(seeded_home, prefect_env):
     """`torchrun --nproc-per-node 2 -m components.cli train` with ZeRO-3 for policy and critic: rank 0 runs the
     agent loop and publishes weights gathered from both ranks' partitions; a resumed run continues the version
@@ -125,3 +154,24 @@ def test_sao_train_under_torchrun_checkpoints_and_resumes(seeded_home, prefect_e
         [sys.executable] + args + ["--max-steps", "6", "--resume"], capture_output=True, text=True, timeout=600, env=env
     )
     assert single.returncode != 0 and "written by 2 rank(s), this run has 1" in single.stderr
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["train.critic_ranks=1", "train.zero_stage=3"], r"train\.critic_ranks: 1 needs ZeRO stage 0-2, got 3"),
+        (
+            ["train.critic_ranks=1", 'train.algo="grpo"'],
+            r"train\.critic_ranks: 1 places a critic .*train\.algo = 'grpo'",
+        ),
+        (["train.critic_ranks=1"], r"train\.critic_ranks: 1 leaves no rank for the policy .* of the 1 ranks"),
+    ],
+)
+def test_a_critic_placement_that_cannot_work_is_refused_naming_the_field(sft_dir, sets, message):
+    from components.config import load_config
+    from components.training.algorithms import settings_from
+    from components.training.learner import Learner
+
+    cfg = load_config("tiny-cpu", ['train.backend="deepspeed"', "train.batch_size=8", "train.group_size=4", *sets])
+    with pytest.raises(ValueError, match=message):
+        Learner(cfg, sft_dir, settings_from(cfg), threads=1)

@@ -202,7 +202,8 @@ def test_separate_placement_splits_the_ranks_and_the_batch():
 def test_the_cheapest_plan_has_the_fewest_gpus_per_model_then_the_lowest_stage():
     w = _tiny_workload()
     rows = plans(w, 4, capacity=1e12)
-    assert [(p.stage, p.placement) for p in rows] == [(s, pl) for s in range(4) for pl in ("shared", "separate")]
+    # The separate placement at ZeRO stages 0-2 only (the learner refuses ZeRO-3 on part of the ranks).
+    assert [(p.stage, p.placement) for p in rows] == [(s, pl) for s in range(4) for pl in ("shared", "separate")][:-1]
     best = cheapest(rows)
     assert (best.stage, best.placement, best.per_model) == (0, "separate", 2)  # 2 + 2 beats 4 shared
     assert cheapest(plans(w, 4, capacity=1.0)) is None
@@ -212,7 +213,7 @@ def test_sao_plan_prints_a_table_and_names_a_configuration_for_the_30b_preset(ca
     assert main(["plan", "--preset", "qwen3-30b-a3b", "--gpus", "8"]) == 0
     out = capsys.readouterr().out
     table = [line.split() for line in out.splitlines() if line[:5].strip() in {"0", "1", "2", "3"}]
-    assert [(row[0], row[1]) for row in table] == [(s, pl) for s in "0123" for pl in ("shared", "separate")]
+    assert [(row[0], row[1]) for row in table] == [(s, pl) for s in "0123" for pl in ("shared", "separate")][:-1]
     assert "weights" in out and "activations" in out and "does not fit" in out
     assert "cheapest that fits: ZeRO-3, policy and critic on every GPU (8)" in out
     assert 'settings: train.zero_stage = 3, train.deepspeed_config = "infra/deepspeed/zero3-bf16.json"' in out

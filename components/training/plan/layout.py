@@ -2,9 +2,10 @@
 that fits, and, when none does, how many GPUs or how short the rows would have to be. Numbers in, numbers out
 (`planner.py` reads them from a config); the bytes come from memory.py.
 
-Placements: `shared` puts the policy and the critic on every rank (the trainer's only placement today); `separate`
-puts the policy on `gpus - c` ranks and the critic on `c` (a future `train.critic_ranks`). Each model's ranks split
-the batch evenly. A separate plan is the split whose fuller GPU holds the least.
+Placements: `shared` puts the policy and the critic on every rank; `separate` puts the policy on `gpus - c` ranks and
+the critic on `c` (`train.critic_ranks`, components/training/placement.py), at ZeRO stages 0-2 (the learner refuses
+ZeRO-3 there). Each model's ranks split the batch evenly. A separate plan is the split whose fuller GPU holds the
+least.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def plans(w: Workload, gpus: int, capacity: float, placements: tuple[Placement, 
     for stage in range(4):
         if "shared" in placements:
             rows.append(plan(w, gpus, stage, "shared", capacity))
-        if "separate" in placements and w.critic is not None and gpus >= 2:
+        if "separate" in placements and w.critic is not None and gpus >= 2 and stage < 3:
             splits = [plan(w, gpus, stage, "separate", capacity, c) for c in range(1, gpus)]
             rows.append(min(splits, key=lambda p: (p.peak, p.critic_ranks)))
     return rows

@@ -198,7 +198,7 @@ def _settings(title: str, p: GpuPlan, cfg: Config, changed: dict[str, str]) -> l
         settings.append(f'train.deepspeed_config = "{file}"')
     settings += [f"{key} = {value}" for key, value in changed.items()]
     if p.placement == "separate":
-        settings.append(f"the critic on {p.critic_ranks} ranks of its own (a future train.critic_ranks)")
+        settings.append(f"train.critic_ranks = {p.critic_ranks}")
     return [*lines, "  settings: " + ", ".join(settings)]
 
 
