@@ -17,6 +17,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 from components.config import Config
 from components.data.traces import read_traces
 from components.envs.registry import env_tools
@@ -26,7 +28,7 @@ from components.stages.evaluate import run_eval
 from components.stages.home import SFT_RECIPE_FILE, Log, existing_sft, publish
 from components.stages.recipes import eval_task, sft_key, sft_recipe
 from components.storage import atomic_dir, weights_fingerprint, write_json
-from components.training.collective import SOLO, Collective, from_environment, launched_world_size
+from components.training.collective import SOLO, Collective, from_environment, launched_world_size, rank_cores
 from components.training.engines import init_single_process_group
 from components.training.loading import EngineSettings, load_model, open_engine, whole_module
 from components.training.sft import train_sft
@@ -91,6 +93,8 @@ def _train(cfg: Config, traces_path: Path, comm: Collective, log: Log):
         f"sft: {type(model).__name__} with {n_params / 1e6:.2f}M parameters, {len(traces)} traces, "
         f"{cfg.sft.steps} steps x {cfg.sft.batch_size}, backend {settings.backend} on {comm.world} rank(s)"
     )
+    if comm.distributed:  # one process keeps torch's own count, as it always has
+        torch.set_num_threads(cfg.train.threads or rank_cores())
     engine = open_engine(settings, ds_config, model)
     result = train_sft(
         engine, chat, traces, cfg.sft, log, env_tools(cfg), comm=comm, micro_batch_tokens=cfg.train.micro_batch_tokens

@@ -34,7 +34,7 @@ from components.stages.rollout import sample_episodes
 from components.stages.sft import join_sft, run_sft, world
 from components.storage import atomic_dir, write_json
 from components.training.algorithms import ALGORITHMS
-from components.training.collective import SOLO, Collective
+from components.training.collective import SOLO, Collective, rank_cores
 from components.training.loading import EngineSettings, load_model, open_engine, whole_module
 from components.training.value_pretrain import FitSettings, fit_critic, split_by_prompt
 
@@ -160,7 +160,7 @@ def _fit(cfg: Config, sft_dir: Path, train_part, held_out, best_dir: Path, comm:
         cfg.algo.gamma, cfg.algo.lam_critic, cfg.algo.value_clip, vp.batch_size, vp.max_epochs, vp.patience, vp.seed
     )
     threads = torch.get_num_threads()
-    torch.set_num_threads(tc.threads or threads)  # train.threads = 0: every core (nothing else runs now)
+    torch.set_num_threads(tc.threads or rank_cores())  # 0: this rank's share of the cores (nothing else runs now)
     try:
         history, best_epoch = fit_critic(
             engine,

@@ -136,6 +136,12 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+def rank_cores() -> int:
+    """This rank's share of the machine's cores (those this process may run on, split among the run's processes on
+    this machine): torch's thread count is per process, and ranks that each took every core would fight for them."""
+    return max(1, len(os.sched_getaffinity(0)) // local_world_size())
+
+
 def local_device() -> torch.device:
     """This rank's device: its GPU (`cuda:LOCAL_RANK`) when torch sees GPUs and DeepSpeed is not told to use the
     CPU (`DS_ACCELERATOR=cpu`), else the host."""

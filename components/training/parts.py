@@ -9,7 +9,6 @@ trained from other starting weights is refused as well: a resume never mixes two
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from components.training.checkpoint import (
     checkpoint_store,
     read_payload,
 )
+from components.training.collective import rank_cores
 from components.training.guard import CollapseGuard
 from components.training.learner import Learner
 from components.training.loading import load_policy_config
@@ -84,7 +84,7 @@ def thread_budget(cfg: Config, cores: int | None = None) -> tuple[int, int]:
     The trainer gets the rest in async mode, where both run at once, and every core in sync mode, where they
     take turns; with external engines (`rollout.backend = "http"`) it has them all. Explicit
     `rollout.engine_threads` / `train.threads` win."""
-    cores = cores or len(os.sched_getaffinity(0))
+    cores = cores or rank_cores()  # this rank's share under torchrun
     if cfg.rollout.backend == "http":
         return cfg.rollout.engine_threads or cores, cfg.train.threads or cores
     engine = cfg.rollout.engine_threads or max(1, cores // 2)

@@ -47,7 +47,7 @@ def _edit(path: Path, old: str, new: str) -> None:
         ("infra/k8s/vllm.yaml", "clusterIP: None", "clusterIP: 10.0.0.1", "must be headless"),
         (
             "infra/k8s/vllm.yaml",
-            '"131072"',
+            '"32768"',
             '"16384"',
             "--max-model-len 16384 is below components/presets/qwen3-30b-a3b.toml's rollout.max_total_tokens 32768",
         ),
@@ -60,8 +60,8 @@ def _edit(path: Path, old: str, new: str) -> None:
         ),
         (
             "infra/k8s/vllm.yaml",
-            '"--max-model-len", "131072"]',
-            '"--max-model-len", "131072", "--hf-overrides", \'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}\']',
+            '"--max-model-len", "32768"]',
+            '"--max-model-len", "32768", "--hf-overrides", \'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}\']',
             "--hf-overrides changes the served model's config, but the trainer loads the model directory's config.json",
         ),
         (

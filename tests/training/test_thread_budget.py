@@ -21,3 +21,14 @@ from components.training.parts import thread_budget
 )
 def test_default_thread_split(overrides, cores, split):
     assert thread_budget(load_config("tiny-cpu", overrides), cores=cores) == split
+
+
+def test_each_torchrun_rank_takes_its_share_of_the_machines_cores(monkeypatch):
+    """16 cores, 8 ranks on this machine (torchrun's LOCAL_WORLD_SIZE): 2 cores a rank, so the trainer of an http
+    run gets 2 threads, not 16 (eight ranks of 16 threads each would fight for the same cores)."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = load_config("tiny-cpu", ['rollout.backend="http"', 'rollout.urls=["http://a:1"]'])
+    assert thread_budget(cfg) == (2, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")  # more ranks than cores: never zero threads
+    assert thread_budget(cfg) == (1, 1)
