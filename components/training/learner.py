@@ -4,6 +4,7 @@ Rank 0 runs the agent loop (components/training/trainer.py) and drives the other
 scattered so that each rank receives only its own part:
 
     ("step", (rows, lr scale))    every rank runs the algorithm step on its rows; DeepSpeed averages grads
+                                  (with the critic on ranks of its own, (role, rows, lr scale, batch): placement.py)
     ("save", directory)           every rank writes its own checkpoint files under the directory
     ("load", directory)           every rank restores its own states from them
     ("weights", None)             every rank joins the gathers of the policy's whole weights (ZeRO-3)
