@@ -13,13 +13,12 @@ scatters its steps), so the followers here call the stages in exactly the order 
 
 Nothing is left for a rank once its part returns, and the interpreter's teardown can abort in C++ (gloo or
 DeepSpeed threads still joinable: "terminate called without an active exception"), which torchrun reports as the
-job failing; so the rank flushes and leaves with `os._exit(0)` (docs/reliability.md).
+job failing; so the rank flushes and leaves with `os._exit(0)` (`end_rank_process`, docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +29,7 @@ from components.stages.pipeline import uses_critic
 from components.stages.sft import join_sft
 from components.stages.train import run_train
 from components.stages.value_pretrain import join_value_pretrain
+from components.training.collective import end_rank_process
 
 
 def follow_pipeline(cfg: Config, home: Path, resume: bool) -> None:
@@ -63,6 +63,4 @@ def follow(stage: str, cfg: Config, home: Path, resume: bool = False) -> NoRetur
     if stage not in FOLLOWERS:
         raise ValueError(f"stage: {stage!r} does not run on several ranks (those that do: {sorted(FOLLOWERS)})")
     FOLLOWERS[stage](cfg, home, resume)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_rank_process()

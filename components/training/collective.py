@@ -21,7 +21,9 @@ objects are moved to the host first, so no rank ever unpickles another rank's GP
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -154,6 +156,15 @@ def process_group_backend(device: torch.device) -> str:
     """`init_process_group`'s backend for ranks on `device`: gloo on the host; on GPUs gloo for host tensors and
     object messages beside NCCL for GPU tensors (see the module docstring)."""
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def end_rank_process() -> NoReturn:
+    """End a rank's process once its part of a run has returned: flush, then `os._exit(0)`. The interpreter's own
+    teardown can abort in C++ when gloo or DeepSpeed threads are still joinable ("terminate called without an
+    active exception", SIGABRT), which torchrun reports as the job failing although every rank's work is done."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def shard_rows(rows: int, world: int, group_size: int = 1) -> list[range]:

@@ -9,6 +9,7 @@ from components.config import load_config
 from components.stages.ranks import follow, is_driver
 from components.stages.sft import run_sft
 from components.stages.value_pretrain import run_value_pretrain
+from components.training.collective import end_rank_process
 
 
 def main(home: str, stage: str, out: str, *overrides: str) -> None:
@@ -25,3 +26,4 @@ def main(home: str, stage: str, out: str, *overrides: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    end_rank_process()  # every rank's work is written: the interpreter's teardown may abort in gloo's threads

@@ -11,6 +11,7 @@ from components.config import load_config
 from components.contracts.trajectory import read_trajectories, to_tensors
 from components.models import load_tokenizer, save_model_dir
 from components.training.algorithms import settings_from
+from components.training.collective import end_rank_process
 from components.training.engines import init_single_process_group
 from components.training.learner import Learner
 
@@ -66,3 +67,4 @@ def main(model_dir: str, trajectories: str, out: str, cases: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    end_rank_process()  # every rank's work is written: the interpreter's teardown may abort in gloo's threads

@@ -10,7 +10,7 @@ import torch
 
 from components.config import load_config
 from components.models import ValueModel, build_policy, build_tokenizer, freeze_attention, token_logprobs
-from components.training.collective import from_environment, take_rows
+from components.training.collective import end_rank_process, from_environment, take_rows
 from components.training.engines import DeepSpeedEngine, init_single_process_group
 from tests.training.test_numerical_faults import SETTINGS, K, OneShot, make_batch, same, weights
 
@@ -78,3 +78,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    end_rank_process()  # every rank's work is written: the interpreter's teardown may abort in gloo's threads
