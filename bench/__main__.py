@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from bench import async_bench, engine_bench, gae_bench, loop_bench, sandbox_bench
+from bench import async_bench, engine_bench, gae_bench, loop_bench, placement_bench, sandbox_bench
 
 BENCHES = {
     "gae": gae_bench.run,
@@ -12,6 +12,7 @@ BENCHES = {
     "async": async_bench.run,
     "loop": loop_bench.run,
     "sandbox": sandbox_bench.run,
+    "placement": placement_bench.run,
 }
 
 

@@ -74,52 +74,79 @@ class AlgoSettings:
     """Padded tokens per forward/backward pass on each rank (0: a rank's rows in one pass; micro.py)."""
 
 
+class PolicyPasses:
+    """A policy update's micro-batches (micro.py) and their forward passes, which need only the batch: the
+    advantages join at the loss. `PolicyPasses(...)` plans the micro-batches (collectively over `comm`) and runs the
+    first one's forward, keeping its graph, so a caller can begin the update before the advantages exist (the
+    policy ranks do while the critic on ranks of its own runs its K updates: placement.py); `finish` runs the losses,
+    backwards and the optimizer step. The same passes in the same order as one call, so the same numbers, and at
+    most one micro-batch's graph alive at a time, as without the early start."""
+
+    def __init__(self, policy, batch: dict[str, Tensor], s: AlgoSettings, comm: Collective = SOLO) -> None:
+        self.policy, self.batch, self.s, self.comm = policy, batch, s, comm
+        self.micro = MicroBatches.plan(batch, s.micro_batch_tokens, comm)
+        self.first = self._forward(0)
+
+    def _forward(self, i: int) -> tuple[dict[str, Tensor], Tensor, TokenStats]:
+        mb = self.micro.take(self.batch, i)
+        logprobs, stats = token_logprobs(
+            self.policy.module,
+            mb["input_ids"],
+            self.s.temperature,
+            mb["attention_mask"],
+            return_stats=True,
+            positions=head_positions(self.policy.module, mb["action_mask"]),
+        )
+        return mb, logprobs, stats
+
+    def finish(self, advantages: Tensor, use_dis: bool) -> dict:
+        """The loss of every micro-batch against `advantages` (the rank's rows), accumulated into one step."""
+        policy, micro, s, act = self.policy, self.micro, self.s, self.batch["action_mask"]
+        weighted, pieces = TokenWeighted(micro), []
+        for i in range(len(micro)):
+            mb, logprobs, stats = self.first if i == 0 else self._forward(i)
+            self.first = None  # its graph goes with its backward
+            a, adv = mb["action_mask"], micro.take({**self.batch, "advantages": advantages}, i)["advantages"]
+            finite = bool(torch.isfinite(logprobs.detach()[a.bool()]).all())
+            if use_dis:
+                loss, metrics = dis_policy_loss(logprobs, mb["rollout_logprobs"], adv, a, s.eps_low, s.eps_high)
+            else:
+                loss, metrics = ppo_policy_loss(logprobs, mb["rollout_logprobs"], adv, a, s.ppo_clip, s.ppo_clip)
+            metrics["policy/entropy"] = masked_mean(stats.entropy, a)
+            if not policy.accumulate(loss * micro.share(i), last=micro.last(i), finite=finite):
+                return {"policy/grad_norm": policy.apply()}
+            weighted.add(metrics, i)
+            pieces.append(None if micro.empty[i] else stats)
+        grad_norm = policy.apply()
+        metrics = weighted.result()
+        stats = TokenStats(
+            micro.assemble([p and p.entropy for p in pieces], act),
+            micro.assemble([p and p.is_argmax for p in pieces], act),
+        )
+        metrics.update(policy_diagnostics(stats, advantages, self.batch, self.comm))
+        metrics["policy/grad_norm"] = grad_norm
+        adv_mean, adv_var = global_moments(advantages, act, self.comm)
+        metrics["adv/mean"], metrics["adv/std"] = adv_mean, adv_var.sqrt()
+        return metrics
+
+
 def policy_update(
-    policy, batch: dict[str, Tensor], advantages: Tensor, s: AlgoSettings, use_dis: bool, comm: Collective = SOLO
+    policy,
+    batch: dict[str, Tensor],
+    advantages: Tensor,
+    s: AlgoSettings,
+    use_dis: bool,
+    comm: Collective = SOLO,
+    begun: PolicyPasses | None = None,
 ) -> dict:
     """One policy optimizer step: DIS (mask outside the window) or PPO clip against the rollout log-probs, over the
-    rank's micro-batches (micro.py). Non-finite advantages or rollout log-probs skip it before any pass; a
-    non-finite log-prob in any micro-batch on any rank skips it at that micro-batch."""
+    rank's micro-batches (micro.py). Non-finite advantages or rollout log-probs skip it before any backward; a
+    non-finite log-prob in any micro-batch on any rank skips it at that micro-batch. `begun`: the update's
+    `PolicyPasses`, started on `batch` before the advantages were known (a skipped update drops its graph)."""
     act = batch["action_mask"]
     if not all_finite(act, comm, batch["rollout_logprobs"], advantages):
         return {"policy/grad_norm": policy.skip_update()}
-    micro = MicroBatches.plan(batch, s.micro_batch_tokens, comm)
-    weighted, pieces = TokenWeighted(micro), []
-    for i in range(len(micro)):
-        mb = micro.take({**batch, "advantages": advantages}, i)
-        a = mb["action_mask"]
-        logprobs, stats = token_logprobs(
-            policy.module,
-            mb["input_ids"],
-            s.temperature,
-            mb["attention_mask"],
-            return_stats=True,
-            positions=head_positions(policy.module, a),
-        )
-        finite = bool(torch.isfinite(logprobs.detach()[a.bool()]).all())
-        if use_dis:
-            loss, metrics = dis_policy_loss(
-                logprobs, mb["rollout_logprobs"], mb["advantages"], a, s.eps_low, s.eps_high
-            )
-        else:
-            loss, metrics = ppo_policy_loss(
-                logprobs, mb["rollout_logprobs"], mb["advantages"], a, s.ppo_clip, s.ppo_clip
-            )
-        metrics["policy/entropy"] = masked_mean(stats.entropy, a)
-        if not policy.accumulate(loss * micro.share(i), last=micro.last(i), finite=finite):
-            return {"policy/grad_norm": policy.apply()}
-        weighted.add(metrics, i)
-        pieces.append(None if micro.empty[i] else stats)
-    grad_norm = policy.apply()
-    metrics = weighted.result()
-    stats = TokenStats(
-        micro.assemble([p and p.entropy for p in pieces], act), micro.assemble([p and p.is_argmax for p in pieces], act)
-    )
-    metrics.update(policy_diagnostics(stats, advantages, batch, comm))
-    metrics["policy/grad_norm"] = grad_norm
-    adv_mean, adv_var = global_moments(advantages, act, comm)
-    metrics["adv/mean"], metrics["adv/std"] = adv_mean, adv_var.sqrt()
-    return metrics
+    return (begun or PolicyPasses(policy, batch, s, comm)).finish(advantages, use_dis)
 
 
 def critic_updates(

@@ -5,11 +5,13 @@ engines.py `GroupMPU`). A step:
     rank 0 scatters      each policy rank its rows of the batch, each critic rank its rows (each side splits the
                          batch over its own ranks), and itself the whole batch
     every rank           the batch guard, decided together: a non-finite reward or rollout log-prob skips the step
-    critic ranks         K updates on their rows and the updated critic's values (reducing over the critic's group)
+    critic ranks         K updates on their rows and the updated critic's values (reducing over the critic's group);
+    policy ranks         meanwhile, their micro-batches planned and the first one's forward pass (algorithms.py
+                         `PolicyPasses`: it needs no advantage)
     rank 0 gathers       every critic rank's values; the advantages of the whole batch (skip-observation GAE at
                          lam_policy, whitened over the whole batch when asked)
     rank 0 scatters      each policy rank its rows' advantages
-    policy ranks         the policy update (reducing over the policy's group)
+    policy ranks         the policy update from that forward pass on (reducing over the policy's group)
 
 Every sum is the whole batch's, as in the shared placement (collective.py), so both give the same step; a test runs
 2 + 2 gloo ranks against one process holding both. What this placement buys is memory (a GPU holds one model;
@@ -17,8 +19,8 @@ Every sum is the whole batch's, as in the shared placement (collective.py), so b
 
 Limits: ZeRO stages 0-2 only (DeepSpeed 0.19's ZeRO-3 validates its parameter trace with broadcasts over every rank,
 which an engine on part of the ranks cannot match; the learner refuses it), and each model loads whole on its
-ranks' hosts before DeepSpeed partitions it. The policy ranks wait while the critic trains: overlapping the two (the
-policy's forward pass during the critic's updates) is not done.
+ranks' hosts before DeepSpeed partitions it. The overlap is one forward pass: the policy's backward needs the
+advantages, which need the critic's updated values, so the rest of the policy's step waits for the critic's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from components.training.algorithms import (
+    PolicyPasses,
     critic_updates,
     inputs_finite,
     policy_advantages,
@@ -74,10 +77,13 @@ class Placement:
         return items
 
 
-def split_step(placement: Placement, policy, critic, rows: dict, whole: dict | None, s, dis: bool) -> dict:
+def split_step(
+    placement: Placement, policy, critic, rows: dict, whole: dict | None, s, dis: bool, overlap: bool = True
+) -> dict:
     """This rank's part of one step (see the module docstring); whole-batch metrics on rank 0, {} elsewhere.
     `whole` is the whole batch on rank 0 (None elsewhere); `s` the `AlgoSettings`; `dis`: the policy loss is DIS
-    (else PPO's clip)."""
+    (else PPO's clip). `overlap=False` waits for the critic before the policy's first forward pass (the same
+    numbers; the placement benchmark's baseline)."""
     world = placement.world
     if not inputs_finite(rows, world):
         engine = policy if placement.role == "policy" else critic
@@ -91,6 +97,7 @@ def split_step(placement: Placement, policy, critic, rows: dict, whole: dict | N
         world.gather((values.detach().cpu(), metrics if placement.group.rank == 0 else None))
         world.scatter(None)
         return {}
+    begun = PolicyPasses(policy, rows, s, placement.group) if overlap else None  # during the critic's K updates
     parts = world.gather(None)
     advantages = None
     if world.rank == 0:
@@ -100,7 +107,8 @@ def split_step(placement: Placement, policy, critic, rows: dict, whole: dict | N
         advantages = world.scatter(split + [None] * placement.critic_ranks)
     else:
         advantages = world.scatter(None)
-    metrics = policy_update(policy, rows, advantages.to(rows["rewards"].device), s, dis, placement.group)
+    advantages = advantages.to(rows["rewards"].device)
+    metrics = policy_update(policy, rows, advantages, s, dis, placement.group, begun=begun)
     if world.rank == 0:
         metrics.update(_critic_part(parts, placement))
     return metrics

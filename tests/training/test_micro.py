@@ -12,7 +12,7 @@ import torch
 
 from components.contracts.trajectory import to_tensors
 from components.models import ValueModel, freeze_attention
-from components.training.algorithms import sao_step
+from components.training.algorithms import PolicyPasses, critic_updates, policy_update, sao_step
 from components.training.engines import DeepSpeedEngine, TorchEngine
 from components.training.loading import enable_activation_checkpointing
 from components.training.micro import MicroBatches, split_rows, spread
@@ -185,3 +185,34 @@ def test_a_model_with_dropout_is_refused_for_activation_checkpointing(sft_policy
     model.config.attention_dropout = 0.1
     with pytest.raises(ValueError, match=r"train\.activation_checkpointing: the model has dropout .*attention_dropout"):
         enable_activation_checkpointing(model)
+
+
+@pytest.mark.parametrize("tokens", [0, "two rows"])
+def test_a_policy_update_begun_before_its_advantages_is_the_update_begun_after(tokens, sft_policy, batch):
+    """The overlap with a critic on ranks of its own (placement.py): the policy's micro-batches planned and its first
+    forward pass run, then the critic's K updates, then the advantages and the rest of the update, give the weights
+    and metrics of the update run in one go, bit for bit; non-finite advantages skip a begun update and leave the
+    weights as they were."""
+    budget = 2 * int(batch["attention_mask"].sum(dim=1).max()) if tokens else 0
+    s = replace(SETTINGS, micro_batch_tokens=budget)
+    torch.manual_seed(3)
+    advantages = torch.randn(batch["action_mask"].shape) * batch["action_mask"]
+    runs = []
+    for early in (False, True):
+        policy, critic = _engines(ENGINES["torch"], sft_policy[0])
+        begun = PolicyPasses(policy, batch, s) if early else None
+        critic_updates(critic, batch, s, s.critic_updates)  # what the critic ranks do meanwhile
+        runs.append((policy_update(policy, batch, advantages, s, True, begun=begun), _weights(policy)))
+    (metrics, weights), (early_metrics, early_weights) = runs
+    assert torch.equal(weights, early_weights)
+    assert metrics.keys() == early_metrics.keys()
+    assert all(torch.equal(torch.as_tensor(metrics[k]), torch.as_tensor(early_metrics[k])) for k in metrics)
+    assert len(PolicyPasses(policy, batch, s).micro) == (4 if tokens else 1)
+
+    policy, _ = _engines(ENGINES["torch"], sft_policy[0])
+    before, begun = _weights(policy), PolicyPasses(policy, batch, s)
+    skipped = policy_update(
+        policy, batch, advantages.masked_fill(batch["action_mask"].bool(), math.nan), s, True, begun=begun
+    )
+    assert math.isnan(float(skipped["policy/grad_norm"])) and policy.skipped_steps == 1
+    assert torch.equal(_weights(policy), before)
