@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import statistics
 import time
 
@@ -27,15 +26,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from components.rollout.engine_process import free_port
+
 WARMUP = 2
+ROWS, LENGTH = 16, 256
 
 
 def _steps() -> int:
     """Measured steps an arm (`BENCH_PLACEMENT_STEPS`, default 12)."""
     return int(os.environ.get("BENCH_PLACEMENT_STEPS", "12"))
-
-
-ROWS, LENGTH = 16, 256
 
 
 def _batch(model, vocab: int) -> dict[str, torch.Tensor]:
@@ -100,12 +99,8 @@ def _rank(rank: int, port: int, results) -> None:
 
 
 def run() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    mp.spawn(_rank, args=(port, results), nprocs=2, join=True)
+    results = mp.get_context("spawn").Queue()
+    mp.spawn(_rank, args=(free_port(), results), nprocs=2, join=True)
     times = results.get()
     off, on = statistics.median(times[False]), statistics.median(times[True])
     print(f"\n== critic on a rank of its own: 1 + 1 gloo ranks, {ROWS} x {LENGTH} tokens, {_steps()} steps an arm ==")
