@@ -5,8 +5,9 @@ No Docker engine and no GPU here, so the real tools check what they can: Compose
 DeepSpeed JSON, the config loader the presets. The rest are cross-references no tool sees: compose variables against
 `infra/.env.example`, scrape targets against compose services, alert series against the exporters' list, Grafana's
 provisioning against compose's mounts, COPY sources against the repository, what the sandbox needs against the
-containers that run model-written code (tools/container_check.py). `check_infra(root)` returns the
-problems, each starting with the file it is about; empty means OK (infra/README.md lists every check).
+containers that run model-written code (tools/container_check.py), who may drive the rollout engines (compose's
+`sao engine serve` here, the vLLM servers in tools/k8s_check.py). `check_infra(root)` returns the problems, each
+starting with the file it is about; empty means OK (infra/README.md lists every check).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import yaml
 
 from components.config import Config, ConfigError
+from components.rollout.access import API_KEY_ENV, WEIGHTS_TOKEN_ENV, Access, check_bind
 from components.tracking.prometheus import EXPORTED
 from components.training.deepspeed_config import (
     builtin_deepspeed_config,
@@ -239,6 +241,80 @@ def check_compose(root: Path, model: dict | None) -> list[str]:
             if key in published:
                 problems.append(f"{where}: host port {key[0]} is also published by service {published[key]!r}")
             published.setdefault(key, name)
+    return problems
+
+
+def _engine_serve_args(service: dict) -> list[str] | None:
+    """The arguments after `engine serve` in a service's command (a list, or a shell line inside it, up to the
+    line's next `;`, `&` or `|`); None when the service runs no `sao engine serve`."""
+    command = service.get("command") or []
+    text = " ".join(str(word) for word in command) if isinstance(command, list) else str(command)
+    found = re.search(r"\bengine\s+serve\b", text)
+    return shlex.split(re.split(r"[;&|\n]", text[found.end() :], maxsplit=1)[0]) if found else None
+
+
+def _flag(args: list[str], flag: str, default: str | None = None) -> str | None:
+    """The value of `flag` (`--flag V` or `--flag=V`; the last one wins, as argparse has it)."""
+    value = default
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.partition("=")[2]
+    return value
+
+
+def _holding_mount(service: dict, path: str) -> dict | None:
+    """The volume or bind mount of a compose service whose container path holds `path`."""
+    mounts = [v for v in service.get("volumes") or [] if path == v["target"] or path.startswith(v["target"] + "/")]
+    return max(mounts, key=lambda v: len(v["target"]), default=None)
+
+
+def check_engine_access(root: Path, model: dict | None) -> list[str]:
+    """Who may drive the compose engines (components/rollout/access.py): a `sao engine serve` beyond loopback has
+    $SAO_WEIGHTS_TOKEN and --publish-root (the rule the server itself enforces at start, `check_bind`); the
+    trainer's service (the one serving the `sao-process` pool: flow runs execute in it) carries the same token and
+    API key, and mounts the volume that holds the publish root at the same path, where it writes the versions."""
+    services = (model or {}).get("services", {})
+    trainers = {name: svc for name, svc in services.items() if "sao-process" in (svc.get("command") or [])}
+    problems = []
+    for name, svc in sorted(services.items()):
+        args = _engine_serve_args(svc)
+        if args is None:
+            continue
+        where, env = f"infra/compose.yaml: service {name!r}", svc.get("environment") or {}
+        publish_root = _flag(args, "--publish-root")
+        access = Access.from_environment(publish_root, environ=env)  # as the server reads it
+        try:
+            check_bind(_flag(args, "--host", "127.0.0.1"), access)
+        except ValueError as exc:
+            problems.append(f"{where}: `sao engine serve` {exc}")
+        for trainer, tsvc in sorted(trainers.items()):
+            problems += _trainer_reaches(where, access, publish_root, svc, trainer, tsvc)
+    return problems
+
+
+def _trainer_reaches(
+    where: str, access: Access, publish_root: str | None, engine: dict, name: str, trainer: dict
+) -> list[str]:
+    """What the trainer's service needs to publish to an engine that requires `access`."""
+    problems, env = [], trainer.get("environment") or {}
+    for var, secret in ((WEIGHTS_TOKEN_ENV, access.weights_token), (API_KEY_ENV, access.api_key)):
+        if secret is not None and (env.get(var) or "").strip() != secret:
+            problems.append(
+                f"{where} requires {var}, but service {name!r} (the trainer: it runs the sao-process pool's flow "
+                f"runs) {'has another' if env.get(var) else 'has none'}: the engine would refuse it (401)"
+            )
+    held = _holding_mount(engine, publish_root) if publish_root else None
+    shared = held is not None and any(
+        (v["type"], v.get("source"), v["target"]) == (held["type"], held.get("source"), held["target"])
+        for v in trainer.get("volumes") or []
+    )
+    if publish_root and not shared:
+        problems.append(
+            f"{where}: --publish-root {publish_root} is on no volume that service {name!r} (the trainer) mounts at "
+            "the same path: the trainer could not write the versions the engine is allowed to read"
+        )
     return problems
 
 
@@ -553,7 +629,7 @@ def check_infra(root: Path) -> list[str]:
     """Every check on the tree at `root`; the problems found, each naming its file (empty: OK)."""
     root = Path(root).resolve()
     model, compose_problems = compose_model(root)
-    with_model = (check_compose, check_prometheus, check_grafana, check_dockerfiles)
+    with_model = (check_compose, check_engine_access, check_prometheus, check_grafana, check_dockerfiles)
 
     return (
         check_parse(root)

@@ -240,7 +240,9 @@ def _dispatch(args: argparse.Namespace, cfg, home: Path) -> None:
         run_rollout(cfg, model_dir, args.episodes, args.out)
     elif args.command == "engine":
         # loaded after parsing (module docstring)
+        from components.rollout.access import Access, check_bind
         from components.rollout.server import serve
 
+        check_bind(args.host, Access.from_environment(args.publish_root))
         _check_port(args.host, args.port)
-        serve(args.model, args.host, args.port, args.max_batch, args.threads)
+        serve(args.model, args.host, args.port, args.max_batch, args.threads, args.publish_root)

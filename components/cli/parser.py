@@ -271,4 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch CPU threads (default: torch's); leave cores free for clients on the same host",
     )
+    p_serve.add_argument(
+        "--publish-root",
+        type=Path,
+        default=None,
+        help="load posted weights only from inside this directory (required, with $SAO_WEIGHTS_TOKEN, beyond loopback)",
+    )
     return parser

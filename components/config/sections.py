@@ -199,6 +199,28 @@ class RolloutConfig:
     engine_wait_s: NonNegativeFloat = 180.0
     """When every engine server is down, how long rollouts wait for one to come back (probing each) before the
     run stops with an error naming them; `--resume` continues once they are back. A restart costs time only."""
+    weight_transfer: Literal["filesystem", "collective"] = "filesystem"
+    """How each version reaches the servers (components/rollout/transports.py): `filesystem` writes an HF directory
+    under `publish_dir` for them to read; `collective` broadcasts the tensors in buckets over a process group
+    with each server (gloo on CPU, NCCL on GPU; `sao engine serve` servers only) and writes nothing."""
+    transfer_bucket_mb: PositiveInt = 512
+    """Size of one bucket of the collective transfer (tensors are packed up to it; a larger one goes alone)."""
+    transfer_address: str = "127.0.0.1"
+    """The address the servers reach the trainer's process at for the collective transfer's rendezvous."""
+    transfer_timeout_s: PositiveFloat = 60.0
+    """How long one collective transfer (or forming its group) may take before the server counts as failed."""
+    transfer_fallback: bool = True
+    """A collective transfer that fails twice (retried once on a new group) goes through the filesystem path
+    instead, counted in `rollout/transfer_fallbacks`; the servers must then read `publish_dir`."""
+    probe_every: NonNegativeInt = 1
+    """After every N-th version (0: never), each server's log-probs of a fixed sample are checked against the
+    trainer's (components/rollout/probe.py); a server off by more than `probe_tolerance` leaves the pool."""
+    probe_tolerance: PositiveFloat = 1e-4
+    """Largest |log-prob| difference the probe accepts: fp32 servers agree to ~1e-6; bf16 ones (vLLM) need ~0.05."""
+    publish_overlap: bool = False
+    """HTTP servers: the trainer goes on to its next step once a version is staged (a host copy), while the transfer
+    runs; the step after waits for it. Rollouts sample the previous version meanwhile (their tokens say so). Sync
+    mode (`train.sync`) always waits before generating a batch."""
 
     def __post_init__(self) -> None:
         if self.backend == "http":

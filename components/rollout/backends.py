@@ -1,10 +1,10 @@
 """Where rollouts run: one small interface the trainer uses for the in-process engine and for external servers.
 
 - `EmbeddedRollouts`: the embedded engine in this process; publishing loads the tensors between decode steps.
-- `HttpRollouts`: `sao engine serve` or vLLM servers over HTTP (`EnginePool`). Publishing writes the weights
-  as an HF model directory `publish_dir/v{version:08d}` (atomically), posts its path to every server, and
-  keeps the last two directories (a server that is reviving may still be loading the previous one). The
-  servers must read `publish_dir` at the same path (same machine or a shared filesystem).
+- `HttpRollouts`: `sao engine serve` or vLLM servers over HTTP (`EnginePool`). Publishing stages the weights
+  in a host copy and brings every server to them through `rollout.weight_transfer` (transports.py): an HF
+  directory `publish_dir/v{version:08d}` the servers read (`filesystem`), or buckets over a process group
+  (`collective`, no file). A probe then checks that the servers really serve them (probe.py).
 
 Resuming after a crash: the crashed trainer may have published versions past its last checkpoint, and its
 servers still serve one. A `sao` server reports the path it loaded (`/health`); one ahead of the resumed
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import re
-import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -31,17 +31,24 @@ import torch
 from torch import nn
 
 from components.faults import fault_point
-from components.models import save_model_dir
-from components.rollout.client import EngineClient, health_json
+from components.rollout.access import OPEN, Access
+from components.rollout.client import EngineClient, health_json, server_failed
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.pool import EnginePool
+from components.rollout.probe import WeightsMismatch, compare, probe_request
+from components.rollout.transports import (
+    PUBLISHED,
+    CollectiveTransport,
+    FilesystemTransport,
+    Transport,
+    assign_weights,
+)
 from components.rollout.weights import validate_weights
-from components.storage import MARKER, atomic_dir
 
 ServerKind = Literal["sao", "vllm"]
+TransferName = Literal["filesystem", "collective"]
+TRANSFERS = ("filesystem", "collective")
 _CLIENT_BACKEND: dict[str, str] = {"sao": "embedded", "vllm": "vllm"}
-_PUBLISHED = re.compile(r"v\d{8}")
-KEEP_PUBLISHED = 2
 
 
 class Rollouts(Protocol):
@@ -51,12 +58,17 @@ class Rollouts(Protocol):
     """What the agent runner calls: `async generate(SamplingRequest) -> SamplingResult`."""
     version: int
     """The newest published policy version."""
+    keeps_weights: bool
+    """Whether `publish` keeps the `weights` it is given after it returns (the caller then passes a copy)."""
 
     async def start(self) -> None:
         """Every engine that answers serves the trainer's starting weights (`version`) when this returns."""
 
     async def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        """Every live engine serves `version` when this returns."""
+        """Every live engine serves `version` when this returns, or (an overlapped transfer) once `settle` has."""
+
+    async def settle(self) -> None:
+        """Wait for a transfer still running after `publish` returned; raises what it raised."""
 
     def metrics(self) -> dict[str, float]:
         """At least `rollout/engine_errors`: requests that failed on a dead or crashing engine (cumulative)."""
@@ -75,6 +87,8 @@ class EmbeddedRollouts:
         ).start()
         self.version = version
 
+    keeps_weights = False  # loaded (copied into the engine's module) before `publish` returns
+
     async def start(self) -> None:
         """Nothing to send: the engine runs on a copy of the trainer's own module."""
 
@@ -82,6 +96,9 @@ class EmbeddedRollouts:
         fault_point("weights.publish")
         await asyncio.wrap_future(self.engine.load_weights(weights, version))
         self.version = version
+
+    async def settle(self) -> None:
+        """Nothing runs on: `publish` returns once the engine has loaded the weights."""
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/engine_errors": 0.0}
@@ -100,7 +117,9 @@ class HttpRollouts:
     the trainer holds. A `sao` server that already serves a version above `version`
     is rewound to it when it loaded that version from `publish_dir`, and refused otherwise (see the module
     docstring). `module_template` is an HF `PreTrainedModel` (saved with `save_pretrained`); a CPU copy of it
-    is kept, so the caller may go on training the original.
+    is kept, so the caller may go on training the original: every version is staged into it and sent from it
+    by the `transfer` transport (components/rollout/transports.py). Every `probe_every` versions (0: never)
+    each server's log-probs of a fixed sample are checked against the copy's (components/rollout/probe.py).
     """
 
     def __init__(
@@ -116,11 +135,23 @@ class HttpRollouts:
         revive_after_s: float = 2.0,
         probe_timeout_s: float = 5.0,
         max_wait_s: float = 30.0,
+        transfer: TransferName = "filesystem",
+        bucket_mb: int = 512,
+        transfer_address: str = "127.0.0.1",
+        transfer_timeout_s: float = 60.0,
+        transfer_fallback: bool = True,
+        probe_every: int = 0,
+        probe_tolerance: float = 1e-4,
+        overlap: bool = False,
+        access: Access = OPEN,
+        log: Callable[[str], None] = print,
     ) -> None:
         if not urls:
             raise ValueError("urls: at least one engine server URL is needed")
         if server not in _CLIENT_BACKEND:
             raise ValueError(f"server: expected one of {sorted(_CLIENT_BACKEND)}, got {server!r}")
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer: expected one of {list(TRANSFERS)}, got {transfer!r}")
         health = {url: _probe(url, probe_timeout_s) for url in urls}
         if all(info is None for info in health.values()):
             raise ConnectionError(f"urls: no engine server answers /health at {', '.join(urls)}")
@@ -140,25 +171,53 @@ class HttpRollouts:
                 )
         self.tokenizer = tokenizer
         self.version = version
-        # A CPU copy: publishing loads each version into it and saves it as an HF directory.
+        self.probe_every, self.probe_tolerance, self.log = probe_every, probe_tolerance, log
+        self.overlap = overlap
+        self.keeps_weights = True
+        """`publish` keeps `weights` (staged versions are sent from them later): the caller passes a copy."""
+        self.probe_diff = 0.0
+        self.probe_failures = 0
+        self.transfer_s = self.publish_bytes = 0.0
+        self._pending: asyncio.Task | None = None
+        # A host copy of the model: the filesystem path saves it, the probe computes the reference log-probs on it.
         self._template = copy.deepcopy(module_template).to("cpu").eval()
-        self._published: list[Path] = []
+        files = FilesystemTransport(self._template, tokenizer, self.publish_dir)
+        self.transport: Transport = files
+        if transfer == "collective":
+            # the fallback writes a version a reviving server asks for while the host copy may hold the next one
+            fallback = FilesystemTransport(_meta_copy(self._template), tokenizer, self.publish_dir)
+            fallback = fallback if transfer_fallback else None
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            self.transport = CollectiveTransport(
+                self.publish_dir, bucket_mb * 2**20, transfer_address, transfer_timeout_s, fallback, log, backend
+            )
         self._lock = asyncio.Lock()
         clients = [
             EngineClient(
-                url, timeout_s=timeout_s, retries=retries, backend=_CLIENT_BACKEND[server], default_version=version
+                url,
+                timeout_s=timeout_s,
+                retries=retries,
+                backend=_CLIENT_BACKEND[server],
+                default_version=version,
+                weights_token=access.weights_token,
+                api_key=access.api_key,
             )
             for url in urls
         ]
         self.engine = EnginePool(
-            clients, revive_after_s=revive_after_s, probe_timeout_s=probe_timeout_s, max_wait_s=max_wait_s
+            clients,
+            revive_after_s=revive_after_s,
+            probe_timeout_s=probe_timeout_s,
+            max_wait_s=max_wait_s,
+            load=self.transport.load,
         )
         # The trainer's own weights are published as `version` before any traffic, on a fresh start too: a server
         # started from a directory the trainer does not hold (another checkpoint, another rope or dtype) would
         # otherwise sample the first batches, and their DIS ratios would compare two different models.
-        self._remove_above(version)  # a crashed predecessor's versions: never to be served again
-        weights = {k: v.detach() for k, v in module_template.state_dict().items()}
-        self.engine.latest = (str(self._write(weights, version)), version)
+        files.remove_above(version)  # a crashed predecessor's versions: never to be served again
+        weights = _host_copy(module_template.state_dict())
+        validate_weights(self._template, weights)
+        self.engine.latest = (self._stage(weights, version), version)
         for pool_server, (url, info) in zip(self.engine.servers, health.items()):
             if info is None:
                 self.engine.hold(pool_server, "no answer on /health at start")
@@ -174,56 +233,119 @@ class HttpRollouts:
         """Send the starting weights to every server held for them (a server that does not answer gets them when a
         probe finds it); the first request would do the same, this does it before the first rollout."""
         await self.engine.sync()
+        if self.probe_every:
+            await self.check(self.version)
 
     async def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Stage `weights` as `version` and bring every live server to it. With `overlap` this returns once they
+        are staged (a host copy taken), and the transfer runs on while the caller trains the next version; the
+        next `publish`, `settle` or `close` waits for it and raises what it raised."""
         if version <= self.version:
             raise ValueError(f"version: {version} must be greater than the published version {self.version}")
         async with self._lock:
-            path = await asyncio.to_thread(self._write, weights, version)
-            fault_point("weights.publish")  # written for the servers, not yet loaded by them
-            await self.engine.publish(str(path), version)
+            await self.settle()  # one version in transfer at a time: the staged copies are kept per version
+            began = time.perf_counter()
+            validate_weights(self._template, weights)
             self.version = version
-            await asyncio.to_thread(self._prune)
+            self._pending = asyncio.create_task(self._send(weights, version, began))
+            if not self.overlap:
+                await self.settle()
+
+    async def settle(self) -> None:
+        """Wait for the version in transfer (if any) to reach every live server; raises what the transfer raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            await pending
+
+    async def _send(self, weights: dict[str, torch.Tensor], version: int, began: float) -> None:
+        moved = self.transport.bytes
+        label = await asyncio.to_thread(self._stage, weights, version)
+        fault_point("weights.publish")  # staged for the servers, not yet loaded by them
+        await self.engine.publish(label, version)
+        self.transfer_s, self.publish_bytes = time.perf_counter() - began, float(self.transport.bytes - moved)
+        if self.probe_every and version % self.probe_every == 0:
+            await self.check(version)
+
+    async def check(self, version: int) -> None:
+        """Probe every live server that serves `version` (probe.py); one that answers with other weights is taken
+        out of the pool for good, and `WeightsMismatch` is raised when none is left."""
+        request = probe_request(self._template.config.vocab_size)
+        for server in [s for s in self.engine.servers if s.up and s.version == version]:
+            try:
+                result = await server.client.generate(request)
+            except Exception as exc:
+                if not server_failed(exc):
+                    raise
+                continue  # a dead server: the pool finds it on its next request and revives it with the weights
+            found = await asyncio.to_thread(compare, server.url, self._template, result, version)
+            self.probe_diff = max(self.probe_diff, found.max_abs_diff) if found.versions_ok else self.probe_diff
+            if not found.ok(self.probe_tolerance):
+                self.probe_failures += 1
+                reason = (
+                    f"weights probe after v{version}: its log-probs differ from the trainer's by "
+                    f"{found.max_abs_diff:.3g} (rollout.probe_tolerance = {self.probe_tolerance:g})"
+                    + ("" if found.versions_ok else f", and its tokens are tagged {sorted(set(result.versions))}")
+                )
+                self.log(f"rollout: {server.url} taken out of the pool: {reason}")
+                self.engine.exclude(server, reason)
+        if not self.engine.live():
+            raise WeightsMismatch(
+                "every engine server failed the weights probe: "
+                + "; ".join(f"{s.url} ({s.last_error})" for s in self.engine.servers)
+            )
 
     def metrics(self) -> dict[str, float]:
-        return {"rollout/engine_errors": float(self.engine.errors), "rollout/engines_live": float(self.engine.live())}
+        row = {
+            "rollout/engine_errors": float(self.engine.errors),
+            "rollout/engines_live": float(self.engine.live()),
+            "rollout/transfer_s": self.transfer_s,
+            "rollout/publish_bytes": self.publish_bytes,
+            **self.transport.metrics(),
+        }
+        if self.probe_every:
+            row.update(
+                {"rollout/probe_max_abs_diff": self.probe_diff, "rollout/probe_failures": float(self.probe_failures)}
+            )
+        return row
 
     async def close(self) -> None:
-        await self.engine.aclose()
+        try:
+            await self.settle()
+        finally:
+            await self.engine.aclose()
 
-    def _write(self, weights: dict[str, torch.Tensor], version: int) -> Path:
-        """Save `weights` as the HF model directory `publish_dir/v{version:08d}` (complete or absent)."""
-        validate_weights(self._template, weights)
-        with torch.no_grad():
-            self._template.load_state_dict(weights, strict=False)
-        path = self.publish_dir / f"v{version:08d}"
-        with atomic_dir(path) as tmp:
-            save_model_dir(self._template, self.tokenizer, tmp)
-        self._published.append(path)
-        return path
+    def _stage(self, weights: dict[str, torch.Tensor], version: int) -> str:
+        """Load `weights` into the host copy (the probe's reference) and stage them as `version` with the transport;
+        returns the label the servers report."""
+        assign_weights(self._template, weights)
+        return self.transport.stage(weights, version)
 
     def _published_here(self, path: str | None) -> bool:
         """Whether `path` (as a server reports it) is one of `publish_dir`'s version directories."""
         if path is None:
             return False
         resolved = Path(path).resolve()
-        return resolved.parent == self.publish_dir and _PUBLISHED.fullmatch(resolved.name) is not None
+        return resolved.parent == self.publish_dir and PUBLISHED.fullmatch(resolved.name) is not None
 
-    def _remove_above(self, version: int) -> None:
-        """Remove the published directories of versions above `version`."""
-        if self.publish_dir.is_dir():
-            for path in self.publish_dir.iterdir():
-                if _PUBLISHED.fullmatch(path.name) and int(path.name[1:]) > version:
-                    (path / MARKER).unlink(missing_ok=True)  # as `atomic_fill` does: never half-deleted yet complete
-                    shutil.rmtree(path)
 
-    def _prune(self) -> None:
-        """Remove every published directory but the last `KEEP_PUBLISHED` this object wrote."""
-        keep = set(self._published[-KEEP_PUBLISHED:])
-        self._published = self._published[-KEEP_PUBLISHED:]
-        for path in self.publish_dir.iterdir():
-            if _PUBLISHED.fullmatch(path.name) and path not in keep:
-                shutil.rmtree(path, ignore_errors=True)
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose tensors have no storage (it is given those of each version it writes)."""
+    memo: dict[int, torch.Tensor] = {id(b): torch.empty_like(b, device="meta") for b in module.buffers()}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    return copy.deepcopy(module, memo)
+
+
+def _host_copy(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached host copies of `weights`, tied names still sharing one tensor."""
+    copies: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, tensor in weights.items():
+        key = tensor.data_ptr()
+        if key not in copies or tensor.numel() == 0:
+            copies[key] = tensor.detach().to("cpu", copy=True)
+        out[name] = copies[key]
+    return out
 
 
 def _probe(url: str, timeout_s: float) -> dict | None:

@@ -1,13 +1,21 @@
 """Async client for OpenAI-compatible completion servers: the embedded server and `vllm serve` alike.
 
 vLLM must be started with `--logprobs-mode processed_logprobs`. Its default, `raw_logprobs`, ignores the
-temperature, and DIS would then divide by the wrong distribution (docs/design.md section 7). vLLM does not return
-per-token versions, so for vLLM every token of a response is tagged with the version the client last
-published (`default_version`). Weight publishing differs between the two servers:
+temperature, and DIS would then divide by the wrong distribution (docs/design.md section 7). Weight updates
+differ between the two servers, and so does what a token's version means:
 
-- the embedded server: `POST /v1/weights`;
-- vLLM: the dev-mode `POST /collective_rpc`, which calls the worker extension in
-  `components.rollout.vllm_worker`.
+- `sao engine serve` (backend="embedded"): `POST /v1/weights` (a directory) or `/v1/weights/group` +
+  `/v1/weights/receive` (the collective transport, components/rollout/transfer.py). The server loads new weights
+  between two decode steps, recomputes the KV cache of the requests in flight, continues them, and tags each
+  token with the version that sampled it; a response can hold several versions.
+- vLLM (backend="vllm"): the same calls go through the dev-mode `POST /collective_rpc` to the worker extension
+  in `components.rollout.vllm_worker` (`sao_reload_weights`, `sao_join_group`, `sao_receive_weights`), then
+  `POST /reset_prefix_cache`. vLLM returns no per-token versions and reloads under running requests, so an update
+  is pause, load, resume (components/rollout/gate.py): new `generate` calls are held while an update is pending,
+  the load waits until this client's requests in flight have been answered, and each response is tagged with
+  the version that was loaded when its request was sent, which is then the version that sampled every token.
+  An update costs the time of the longest request in flight. Requests of other clients of the same server are
+  not held (the trainer's rollouts must be the only ones on it).
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from typing import Literal
 
 import httpx
 
+from components.rollout.access import bearer
+from components.rollout.gate import VersionGate
 from components.rollout.protocol import SamplingRequest, SamplingResult
 
 _RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
@@ -25,9 +35,11 @@ _RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ConnectTimeou
 class EngineError(RuntimeError):
     """The server answered with an error (the message is the server's)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, weights_unchanged: bool = False) -> None:
         super().__init__(f"engine returned HTTP {status}: {message}")
         self.status = status
+        self.weights_unchanged = weights_unchanged
+        """The server refused a weight update before it touched its weights (components/rollout/gate.py)."""
 
 
 class EngineClient:
@@ -42,12 +54,19 @@ class EngineClient:
         backend: Literal["embedded", "vllm"] = "embedded",
         default_version: int = 0,
         max_connections: int = 256,
+        weights_token: str | None = None,
+        api_key: str | None = None,
     ) -> None:
+        """`weights_token` goes with the weight routes, `api_key` with the completions (components/rollout/access.py).
+        vLLM has one key, its `--api-key`, for whatever it guards, so its weight routes get `api_key` too (0.32
+        guards only `/v1`, but a vLLM that also guards its dev routes wants that key there, not ours)."""
         self.base_url = base_url.rstrip("/")
+        self._api_headers = bearer(api_key)
+        self._weights_headers = self._api_headers if backend == "vllm" else bearer(weights_token)
         self.model = model
         self.retries = retries
         self.backend = backend
-        self.default_version = default_version
+        self._gate = VersionGate(default_version)  # vLLM's requests and updates go through it (module docstring)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, limits=limits)
 
@@ -59,6 +78,26 @@ class EngineClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    @property
+    def default_version(self) -> int:
+        """The version this client last loaded: what a token without a version of its own is tagged with."""
+        return self._gate.version
+
+    @default_version.setter
+    def default_version(self, version: int) -> None:
+        self._gate.version = version
+
+    @property
+    def updating(self) -> bool:
+        """A vLLM weight update is pending or loading: new `generate` calls wait for it (module docstring)."""
+        return self._gate.pending > 0
+
+    @property
+    def draining(self) -> bool:
+        """A vLLM weight update waits for this client's requests in flight: the server has not been asked yet (a
+        transport's deadline for the server's answer should not run meanwhile)."""
+        return self._gate.draining
 
     async def generate(self, request: SamplingRequest) -> SamplingResult:
         body = {
@@ -82,21 +121,45 @@ class EngineClient:
             # vLLM drops stop tokens from the output unless asked; the trajectory needs them as action tokens.
             body["include_stop_str_in_output"] = True
             body["skip_special_tokens"] = False
-        data = await self._post("/v1/completions", body)
+            async with self._gate.request() as version:  # held while an update is pending
+                data = await self._post("/v1/completions", body, self._api_headers)
+            return parse_completion(data, request.prompt_ids, version)
+        data = await self._post("/v1/completions", body, self._api_headers)
         return parse_completion(data, request.prompt_ids, self.default_version)
 
     async def publish_weights(self, path: str, version: int, rewind: bool = False) -> None:
         """Load the weights at `path` as `version`; `rewind` lets the embedded server go back to a version not
         above the one it serves (vLLM keeps no version, so it needs no flag)."""
         if self.backend == "vllm":
-            await self._post("/collective_rpc", {"method": "sao_reload_weights", "kwargs": {"path": path}})
-            await self._post("/reset_prefix_cache", {})
-        else:
-            body = {"path": path, "version": version}
-            if rewind:  # sent only when set: a server that predates the flag refuses unknown fields
-                body["rewind"] = True
-            await self._post("/v1/weights", body)
+            async with self._gate.update(version):
+                await self._rpc("sao_reload_weights", {"path": path})
+                await self._reset_prefix_cache()
+            return
+        body = {"path": path, "version": version}
+        if rewind:  # sent only when set: a server that predates the flag refuses unknown fields
+            body["rewind"] = True
+        await self._post("/v1/weights", body, self._weights_headers)
         self.default_version = version
+
+    async def join_group(self, body: dict) -> dict:
+        """Ask the server to join a weight-transfer group (components/rollout/transfer.py); returns once it has.
+        vLLM's engine stops stepping while its worker joins (the rpc blocks it), its weights untouched."""
+        if self.backend == "vllm":
+            return await self._rpc("sao_join_group", body)
+        return await self._post("/v1/weights/group", body, self._weights_headers)
+
+    async def receive_weights(self, body: dict) -> dict:
+        """Ask the server to receive the buckets the trainer broadcasts next, and load them as `body["version"]`.
+        On vLLM the post waits for this client's requests in flight first (the server sets the ready key only
+        then), and new requests wait for the load (module docstring)."""
+        if self.backend == "vllm":
+            async with self._gate.update(body["version"]):
+                data = await self._rpc("sao_receive_weights", body)
+                await self._reset_prefix_cache()
+            return data
+        data = await self._post("/v1/weights/receive", body, self._weights_headers)
+        self.default_version = body["version"]
+        return data
 
     async def health(self) -> bool:
         return await self.health_info() is not None
@@ -109,11 +172,34 @@ class EngineClient:
         except httpx.HTTPError:
             return None
 
-    async def _post(self, route: str, body: dict) -> dict:
+    async def _rpc(self, method: str, kwargs: dict) -> dict:
+        """Call the worker extension's `method` on every vLLM worker; its answer (the first worker's), or EngineError
+        with the worker's message when one refused (`{"error", "param", "status", "weights_unchanged"}`)."""
+        data = await self._post("/collective_rpc", {"method": method, "kwargs": kwargs}, self._weights_headers)
+        results = data.get("results")
+        if not isinstance(results, list) or not results:
+            raise EngineError(502, f"collective_rpc {method}: expected a list of results, got {data!r:.200}")
+        for result in results:  # one per worker
+            if isinstance(result, dict) and "error" in result:
+                status, unchanged = result.get("status", 400), bool(result.get("weights_unchanged"))
+                raise EngineError(status, result["error"], weights_unchanged=unchanged)
+        return results[0] if isinstance(results[0], dict) else {"result": results[0]}
+
+    async def _reset_prefix_cache(self, attempts: int = 20) -> None:
+        """Drop vLLM's prefix cache (KV of the old weights). vLLM refuses (`success: false`) while blocks are held,
+        e.g. by requests another client has running: retried for about a second, then EngineError 503."""
+        for _ in range(attempts):
+            data = await self._post("/reset_prefix_cache", {}, self._weights_headers)
+            if data.get("success", True):
+                return
+            await asyncio.sleep(0.05)
+        raise EngineError(503, "reset_prefix_cache: vLLM kept its prefix cache (its KV blocks are still held)")
+
+    async def _post(self, route: str, body: dict, headers: dict[str, str]) -> dict:
         delay = 0.2
         for attempt in range(self.retries + 1):
             try:
-                response = await self._http.post(route, json=body)
+                response = await self._http.post(route, json=body, headers=headers)
             except _RETRYABLE:
                 if attempt == self.retries:
                     raise
@@ -147,6 +233,8 @@ def server_failed(exc: BaseException) -> bool:
     malformed answer, and a full client connection pool (a client-side limit, not the server's fault)."""
     if isinstance(exc, EngineError):
         return exc.status >= 500
+    if isinstance(exc, (ConnectionError, TimeoutError)):  # a weight transport's peer that died or hung
+        return True
     return isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.PoolTimeout)
 
 

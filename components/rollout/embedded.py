@@ -176,13 +176,15 @@ class EmbeddedEngine:
     async def generate(self, request: SamplingRequest) -> SamplingResult:
         return await asyncio.wrap_future(self.submit(request))
 
-    def load_weights(self, source: str | Path | dict[str, torch.Tensor], version: int, rewind: bool = False) -> Future:
+    def load_weights(
+        self, source: str | Path | dict[str, torch.Tensor], version: int, rewind: bool = False, label: str | None = None
+    ) -> Future:
         """Queue new weights as `version`; they apply between decode steps. The future resolves when applied,
         or fails with a ValueError naming `version` when that is not above the current one and `rewind` is
-        not set."""
+        not set. `weights_path` becomes the path read, or for tensors handed in, `label`."""
         tensors = source if isinstance(source, dict) else read_weights(source)
         validate_weights(self.model, tensors)
-        update = _Update(tensors, version, None if isinstance(source, dict) else str(source), rewind, Future())
+        update = _Update(tensors, version, label if isinstance(source, dict) else str(source), rewind, Future())
         with self._cond:
             self._updates.append(update)
             self._cond.notify()

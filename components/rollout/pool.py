@@ -11,6 +11,8 @@ retried.
 
 A server that is down is probed on `/health` again after a back-off (doubling per consecutive failure), and
 before it gets traffic again it is sent the latest published weights: it may have restarted with old ones.
+A `sao` server that restarts between two requests fails none (the client reconnects silently), but its next
+answer carries versions below the one it was sent: that answer is discarded and the server revived the same way.
 When every server is down, requests wait for a probe to revive one, up to `max_wait_s` into the outage, and
 then all fail with `EnginesDown`: the caller's run stops with the reason instead of hanging.
 Everything runs on the caller's asyncio loop; no threads.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -78,7 +81,10 @@ class EnginePool:
         max_backoff_s: float = 60.0,
         probe_timeout_s: float = 5.0,
         max_wait_s: float = 30.0,
+        load: Callable[[EngineClient, str, int, bool], Awaitable[None]] | None = None,
     ) -> None:
+        """`load(client, path, version, rewind)` brings one server to the weights at `path` (a label for a
+        transport that writes no file; components/rollout/transports.py); default: post the path."""
         if not clients:
             raise ValueError("clients: the pool needs at least one server")
         if revive_after_s <= 0 or max_backoff_s < revive_after_s:
@@ -100,11 +106,12 @@ class EnginePool:
         self.errors = 0
         """Requests and weight posts that failed on a dead, hung or crashing server (cumulative)."""
         self._turn = 0  # where the round-robin among equally loaded servers resumes
+        self.load = load or (lambda client, path, version, rewind: client.publish_weights(path, version, rewind))
 
     async def generate(self, request: SamplingRequest) -> SamplingResult:
         while True:
             server = await self._pick()
-            epoch = server.epoch
+            epoch, loaded = server.epoch, server.version
             server.in_flight += 1
             try:
                 result = await server.client.generate(request)
@@ -117,6 +124,15 @@ class EnginePool:
                 server.in_flight -= 1
             if result.finish_reason == "abort":  # the server is shutting down; its partial output is discarded
                 self._fail(server, epoch, "aborted a request (shutting down)")
+                continue
+            if (
+                server.client.backend == "embedded"
+                and loaded is not None
+                and min(result.versions, default=loaded) < loaded
+            ):
+                # Sent after the server had loaded `loaded`, answered by older weights: it restarted between two
+                # requests (its connection reopened silently) and serves its starting weights. Discarded.
+                self._fail(server, epoch, f"answered with v{min(result.versions)} after loading v{loaded}: restarted")
                 continue
             server.served += 1
             server.failures = 0
@@ -135,7 +151,7 @@ class EnginePool:
         async def post(server: Server) -> None:
             epoch = server.epoch
             try:
-                await server.client.publish_weights(path, version)
+                await self.load(server.client, path, version, False)
             except Exception as exc:
                 if not server_failed(exc):
                     raise
@@ -160,6 +176,15 @@ class EnginePool:
     def hold(self, server: Server, reason: str) -> None:
         """Take `server` out of traffic until a probe (due at once) finds it alive and it has the latest weights."""
         server.up, server.last_error, server.retry_at = False, reason, 0.0
+
+    def exclude(self, server: Server, reason: str) -> None:
+        """Take `server` out of the pool for the rest of the run (it serves other weights than it was sent)."""
+        server.up, server.last_error, server.failures, server.retry_at = (
+            False,
+            reason,
+            server.failures + 1,
+            float("inf"),
+        )
 
     def live(self) -> int:
         return sum(s.up for s in self.servers)
@@ -248,11 +273,11 @@ class EnginePool:
                 # Reloading the version it serves (the trainer's v0 over a server's own starting weights) is not
                 # "above the one served": it goes with the rewind flag, as a resumed run's step back does.
                 rewind = server.rewind or server.version == version
-                await server.client.publish_weights(path, version, rewind)
+                await self.load(server.client, path, version, rewind)
                 server.version, server.path, server.rewind = version, path, False
             server.up, server.last_error, revived = True, "", True
             server.epoch += 1
-        except (ConnectionError, httpx.HTTPError, EngineError) as exc:
+        except (ConnectionError, httpx.HTTPError, EngineError, TimeoutError) as exc:
             server.last_error = f"revival: {type(exc).__name__}: {exc}"
         finally:
             server.revival = None

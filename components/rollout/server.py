@@ -11,6 +11,12 @@
 - `POST /v1/weights` with `{"path": <HF model directory or safetensors file>, "version": <int>}`. The version
   must be above the one served, unless the body also has `"rewind": true` (a resumed trainer taking back
   versions its crashed predecessor published).
+- `POST /v1/weights/group` and `POST /v1/weights/receive`: the collective transport (a process group with
+  the trainer, then checkpoint-named tensors in buckets over it; components/rollout/transfer.py).
+
+Who may call what is `Access` (components/rollout/access.py): the weight routes take a bearer token, the
+OpenAI routes an API key, when configured (401 otherwise), and a path outside the publish root is refused
+with 403; a refused request changes nothing.
 
 Bad requests get HTTP 400 with an OpenAI-style error whose `param` names the field (413 for a body over
 `MAX_BODY_BYTES`); no input gives a 500. Sampling options that would make the logged log-probs differ from the
@@ -36,9 +42,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from safetensors import SafetensorError
 
 from components.models import load_policy, load_tokenizer
+from components.rollout.access import OPEN, Access, bearer_matches, check_bind
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.engine_process import EngineProcess
 from components.rollout.protocol import SamplingRequest
+from components.rollout.transfer import GroupRequest, Receiver, ReceiveRequest
 from components.tracking.prometheus import EngineMetrics
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -83,6 +91,21 @@ def _error(status: int, message: str, param: str | None, kind: str = "BadRequest
     )
 
 
+def _unauthorized(access: Access, request: Request) -> JSONResponse | None:
+    """The 401 for a request without the credential its route needs here (None: let it through). The route is
+    the one the router matches (the path below any root path), so no spelling of a path slips past the check."""
+    route = request.scope["path"].removeprefix(request.scope.get("root_path", ""))
+    secret = access.required(route)
+    header = request.headers.get("authorization")
+    if secret is None or bearer_matches(header, secret):
+        return None
+    sent = "none was sent" if header is None else "the one sent does not match"
+    needed = f"{route} needs the server's {access.credential_name(route)} as `Authorization: Bearer <token>`"
+    response = _error(401, f"authorization: {needed}; {sent}", "authorization", "AuthenticationError")
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
 def sampling_request(body: CompletionRequest, model_name: str, tokenizer=None) -> SamplingRequest:
     """The engine request a parsed completion body asks for; `BadRequest` names the field it refuses."""
     if body.model is not None and body.model != model_name:
@@ -108,10 +131,16 @@ def sampling_request(body: CompletionRequest, model_name: str, tokenizer=None) -
         raise BadRequest(str(exc).split(":", 1)[0], str(exc)) from exc
 
 
-def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
-    """A FastAPI app serving `engine`; the caller starts and stops the engine."""
+def create_app(engine: EmbeddedEngine, model_name: str, access: Access = OPEN) -> FastAPI:
+    """A FastAPI app serving `engine` to the callers `access` lets in; the caller starts and stops the engine."""
     app = FastAPI(title="sao embedded engine")
     served = EngineMetrics(engine, model_name)  # its own registry: several apps can live in one process
+    receiver = Receiver(engine)
+
+    @app.middleware("http")
+    async def _credentials(request: Request, call_next):
+        refused = _unauthorized(access, request)
+        return refused if refused is not None else await call_next(request)
 
     @app.middleware("http")
     async def _body_limit(request: Request, call_next):
@@ -138,7 +167,13 @@ def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "version": engine.version, "path": engine.weights_path, "in_flight": engine.in_flight}
+        return {
+            "status": "ok",
+            "version": engine.version,
+            "path": engine.weights_path,
+            "in_flight": engine.in_flight,
+            "transfer_group": receiver.group_id,
+        }
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -192,6 +227,9 @@ def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
 
     @app.post("/v1/weights")
     async def weights(body: WeightsRequest) -> dict:
+        if not access.allows_path(body.path):  # checked before anything is read: no oracle of what exists outside
+            message = f"path: {body.path} is outside the publish root {access.publish_root}"
+            return _error(403, message, "path", "PermissionDeniedError")
         start = time.perf_counter()
         try:
             await engine.publish_weights(body.path, body.version, body.rewind)
@@ -201,13 +239,39 @@ def create_app(engine: EmbeddedEngine, model_name: str) -> FastAPI:
             raise BadRequest(param, message) from exc
         return {"version": engine.version, "seconds": time.perf_counter() - start}
 
+    @app.post("/v1/weights/group")
+    async def group(body: GroupRequest) -> dict:
+        try:
+            await receiver.join(body)
+        except (ValueError, RuntimeError) as exc:  # no store at that address, a timeout, a bad backend
+            raise BadRequest("group", f"group: {exc}") from exc
+        return {"transfer_group": receiver.group_id}
+
+    @app.post("/v1/weights/receive")
+    async def receive(body: ReceiveRequest) -> dict:
+        start = time.perf_counter()
+        try:
+            received = await receiver.receive(body)
+        except ValueError as exc:  # no group, a stale one, a manifest that does not fit the model, an old version
+            param = str(exc).split(":", 1)[0]
+            raise BadRequest(param if param in ReceiveRequest.model_fields else "tensors", str(exc)) from exc
+        return {"version": engine.version, "seconds": time.perf_counter() - start, "bytes": received}
+
     return app
 
 
 def serve(
-    model_path: str | Path, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 64, threads: int | None = None
+    model_path: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_batch: int = 64,
+    threads: int | None = None,
+    publish_root: str | Path | None = None,
 ) -> None:
-    """`sao engine serve`: load an HF model directory and serve it until interrupted."""
+    """`sao engine serve`: load an HF model directory and serve it until interrupted, to the callers the
+    environment's token and key let in (`Access.from_environment`); weights only from inside `publish_root`."""
+    access = Access.from_environment(publish_root)
+    check_bind(host, access)
     if threads is not None:
         # Busy-waiting OpenMP threads collapse throughput when clients share the cores (measured: 2 threads
         # with 32 local clients gave 0.56x of 1 thread).
@@ -215,7 +279,7 @@ def serve(
 
     engine = EmbeddedEngine(load_policy(model_path), load_tokenizer(model_path), max_batch=max_batch).start()
     try:
-        uvicorn.run(create_app(engine, Path(model_path).name), host=host, port=port, log_level="warning")
+        uvicorn.run(create_app(engine, Path(model_path).name, access), host=host, port=port, log_level="warning")
     finally:
         engine.shutdown()
 

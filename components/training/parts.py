@@ -22,6 +22,7 @@ from components.contracts.environment import EnvSetup
 from components.contracts.task import Task
 from components.contracts.trajectory import Trajectory
 from components.models import load_chat
+from components.rollout.access import Access
 from components.rollout.backends import EmbeddedRollouts, HttpRollouts, Rollouts
 from components.storage import HomeStateError, weights_fingerprint
 from components.tracking import Tracker
@@ -94,7 +95,7 @@ def thread_budget(cfg: Config, cores: int | None = None) -> tuple[int, int]:
 
 
 def open_rollouts(
-    cfg: Config, module: torch.nn.Module, tokenizer, home: Path, version: int, engine_threads: int
+    cfg: Config, module: torch.nn.Module, tokenizer, home: Path, version: int, engine_threads: int, log: Log = print
 ) -> Rollouts:
     """Where episodes are generated (`rollout.backend`): the embedded engine on a copy of `module` in this
     process, or the `rollout.urls` servers, which load each version from `rollout.publish_dir`."""
@@ -111,6 +112,16 @@ def open_rollouts(
             rc.request_retries,
             version,
             max_wait_s=rc.engine_wait_s,
+            transfer=rc.weight_transfer,
+            bucket_mb=rc.transfer_bucket_mb,
+            transfer_address=rc.transfer_address,
+            transfer_timeout_s=rc.transfer_timeout_s,
+            transfer_fallback=rc.transfer_fallback,
+            probe_every=rc.probe_every,
+            probe_tolerance=rc.probe_tolerance,
+            overlap=rc.publish_overlap,
+            access=Access.from_environment(),
+            log=log,
         ),
     }
     return backends[rc.backend]()
@@ -146,7 +157,7 @@ def build_parts(
     guard = CollapseGuard.from_config(tc, detector)
     start = resume_from(store, learner, guard, tracker, sft_dir, resume, log)
     guard.floor = start.step  # the guard never returns to weights from before the run's start
-    rollouts = open_rollouts(cfg, learner.serving_module(), tokenizer, home, start.step, engine_threads)
+    rollouts = open_rollouts(cfg, learner.serving_module(), tokenizer, home, start.step, engine_threads, log)
     group = learner.settings.group_size
     buffer = TrajectoryBuffer(tc.max_staleness, tc.batch_size, group, tc.admission, version=start.step)
     runner = AgentRunner(

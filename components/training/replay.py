@@ -77,12 +77,16 @@ class NoRollouts:
 
     engine = None
     version = 0
+    keeps_weights = False
 
     async def start(self) -> None:
         """Nothing serves: the recorded batches stand for the engine's samples."""
 
     async def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
         self.version = version
+
+    async def settle(self) -> None:
+        pass
 
     def metrics(self) -> dict[str, float]:
         return {}

@@ -231,6 +231,8 @@ class Trainer:
         """The next `batch_size` trajectories (sync mode: generated now, in task order) and the seconds waited."""
         p, n = self.parts, self.tc.batch_size
         began = time.perf_counter()
+        if self.tc.sync:  # a sync batch comes from the version just published: its transfer must have ended
+            await p.rollouts.settle()
         while self.tc.sync and p.runner is not None and p.buffer.ready < n:  # generate one batch, wait for all of it
             await p.runner.run(itertools.islice(p.tasks, n - p.buffer.ready), p.intake.put)
         batch = await _take(p.buffer, n, producer)
@@ -258,11 +260,12 @@ class Trainer:
         return self.parts.learner.step(tensors, scale)
 
     async def _publish(self) -> float:
-        """Send the weights of version `step - sync_lag` to the engines; returns the seconds it took. Publishing
-        awaits the engines, so with no lag the live weights can go as they are: nothing moves them until the next
-        step. A lagged version must be a copy."""
+        """Send the weights of version `step - sync_lag` to the engines; returns the seconds it took (with
+        `rollout.publish_overlap`, only until they are staged). An engine that loads before `publish` returns may
+        get the live weights as they are: nothing moves them until the next step. A lagged version, or one the
+        rollouts keep to send later, must be a copy."""
         p, began = self.parts, time.perf_counter()
-        self.lagged.append((self.step, p.learner.weights(copy=bool(self.tc.sync_lag))))
+        self.lagged.append((self.step, p.learner.weights(copy=bool(self.tc.sync_lag) or p.rollouts.keeps_weights)))
         if len(self.lagged) > self.tc.sync_lag:  # versions are consecutive: the oldest is `step - sync_lag`
             version, weights = self.lagged.popleft()
             await p.rollouts.publish(weights, version)

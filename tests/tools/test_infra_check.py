@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.infra_check import EXPORTED_SERIES, check_infra, main, promql_series
+from tools.infra_check import EXPORTED_SERIES, check_engine_access, check_infra, compose_model, main, promql_series
 
 ROOT = Path(__file__).resolve().parents[2]
 COPIED = ("infra", "dashboards", "components", "flows", "pyproject.toml", "README.md")
@@ -270,6 +270,13 @@ BREAKS = {  # name: (the break, patterns that must each match one problem)
         _edit(COMPOSE, "../dashboards:/etc/grafana/dashboards/sao:ro", "../dashboards:/etc/grafana/dashboards/sao"),
         [r"provider 'sao': reads /etc/grafana/dashboards/sao, where compose's grafana"],
     ),
+    "engine beyond loopback without the token": (
+        _edit(COMPOSE, "    environment:\n      <<: *engine-auth\n", ""),
+        [
+            r"^infra/compose\.yaml: service 'engine': `sao engine serve` --host: serving on 0\.0\.0\.0 \(beyond "
+            r"loopback\) needs a weights token \(\$SAO_WEIGHTS_TOKEN\): otherwise anyone who reaches the port"
+        ],
+    ),
     "grafana datasource uid": (
         _edit("infra/grafana/provisioning/datasources/prometheus.yml", "uid: prometheus", "uid: prom"),
         [r"^infra/grafana/provisioning/datasources: no datasource with uid 'prometheus'$"],
@@ -319,3 +326,72 @@ def test_the_alerts_use_what_the_exporter_exports():
         "sao_engine_queue_depth",
         "sao_engine_requests_total",
     } <= EXPORTED_SERIES
+
+
+# ---- who may drive the compose engine ---------------------------------------------------------------------------
+
+SERVE = "exec sao engine serve --model /data/engine-model --host 0.0.0.0 --port 8000 --publish-root /data/published"
+ENGINE_ENV = '    environment:\n      <<: *engine-auth\n    ports:\n      - "127.0.0.1:8000:8000"'
+WORKER_ENV = "<<: [*sao-env, *engine-auth]"
+BEYOND = "`sao engine serve` --host: serving on 0.0.0.0 (beyond loopback) needs"
+
+
+def _engine_access(tree: Path, *edits: tuple[str, str]) -> list[str]:
+    """check_engine_access on the compose model as Compose resolves it after `edits` to infra/compose.yaml."""
+    for old, new in edits:
+        _edit(COMPOSE, old, new)(tree)
+    model, problems = compose_model(tree)
+    assert problems == [], problems
+    return check_engine_access(tree, model)
+
+
+@pytest.mark.parametrize(
+    "edits, expected",
+    [
+        (
+            [(ENGINE_ENV, '    ports:\n      - "127.0.0.1:8000:8000"'), (" --publish-root /data/published", "")],
+            f"service 'engine': {BEYOND} a weights token ($SAO_WEIGHTS_TOKEN) and a publish root (--publish-root)",
+        ),
+        (
+            [(" --publish-root /data/published", "")],
+            f"service 'engine': {BEYOND} a publish root (--publish-root): otherwise anyone",
+        ),
+        (
+            [(WORKER_ENV, "<<: *sao-env")],
+            "service 'engine' requires SAO_WEIGHTS_TOKEN, but service 'worker' (the trainer: it runs the sao-process "
+            "pool's flow runs) has none: the engine would refuse it (401)",
+        ),
+        (
+            [(WORKER_ENV, "<<: *sao-env")],
+            "service 'engine' requires SAO_API_KEY, but service 'worker' (the trainer: it runs the sao-process pool's "
+            "flow runs) has none",
+        ),
+        (
+            [(WORKER_ENV, WORKER_ENV + "\n      SAO_API_KEY: another-key")],
+            "service 'engine' requires SAO_API_KEY, but service 'worker' (the trainer: it runs the sao-process pool's "
+            "flow runs) has another",
+        ),
+        (
+            [("--publish-root /data/published", "--publish-root /srv/published")],
+            "service 'engine': --publish-root /srv/published is on no volume that service 'worker' (the trainer) "
+            "mounts at the same path",
+        ),
+    ],
+)
+def test_each_engine_access_break_is_reported(tree, edits, expected):
+    problems = _engine_access(tree, *edits)
+    assert f"infra/compose.yaml: {expected}" in "\n".join(problems), problems
+
+
+def test_the_publish_root_may_be_below_the_shared_volume_in_either_flag_spelling(tree):
+    assert _engine_access(tree, ("--publish-root /data/published", "--publish-root=/data/published/runs")) == []
+
+
+def test_the_engine_may_serve_open_on_loopback(tree):
+    open_loopback = SERVE.replace("--host 0.0.0.0", "--host 127.0.0.1").replace(" --publish-root /data/published", "")
+    edits = [
+        (SERVE, open_loopback),
+        (ENGINE_ENV, '    ports:\n      - "127.0.0.1:8000:8000"'),
+        (WORKER_ENV, "<<: *sao-env"),
+    ]
+    assert _engine_access(tree, *edits) == []

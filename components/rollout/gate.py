@@ -1,0 +1,108 @@
+"""Pause, load, resume: the per-server gate that makes the version tags of a vLLM server's tokens true.
+
+vLLM returns no per-token versions, and an in-place reload changes the weights under the requests it is running
+(their later tokens come from the new weights, on a KV cache the old ones computed). So the client of a vLLM
+server (`EngineClient` with backend="vllm") puts every request and every weight update through one
+`VersionGate`:
+
+- `request()` waits while an update is pending, counts the request in flight, and gives the version loaded
+  when it was sent;
+- `update(version)` stops new requests at once, waits until the requests in flight have all been answered (so
+  each finished on the weights it started on), runs the load, and only then lets the held requests go, on the
+  new version.
+
+Every token of an answer was therefore sampled by the version the request was sent under, which is the tag. The
+gate counts only this client's requests: it holds for the trainer's client of a server, not for other callers
+of the same server. vLLM's own `POST /pause?mode=wait` is not used: it lets running requests drain but keeps
+requests that were already queued (or preempted) for after the resume, so they would run on the new weights
+(vllm/v1/core/sched/scheduler.py admits only KV-holding requests under `PauseState.PAUSED_NEW`).
+
+An update that fails after it started may have left the server with weights of no known version: the gate then
+refuses requests (`WeightsUnknown`, a ConnectionError, which the pool reads as a failed server and revives it
+with the latest weights) until an update succeeds. An exception with `weights_unchanged = True` says the server
+refused before touching its weights (a bad field, a group it does not hold): the gate then stays usable.
+Everything runs on one asyncio loop; the bookkeeping never awaits inside `finally`, so a cancelled request or
+update always leaves the counts right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+
+class WeightsUnknown(ConnectionError):
+    """The server's weights are of no known version (an update failed part-way); no request goes to it."""
+
+
+class VersionGate:
+    """Requests and weight updates of one server, never overlapping (module docstring)."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+        """The version the server serves, as far as this client loaded it."""
+        self.in_flight = 0
+        """Requests sent through the gate and not yet answered."""
+        self.unknown: str | None = None
+        """Why the server's weights are of no known version (None: they are `version`)."""
+        self._pending = 0  # updates waiting or running
+        self._draining = 0  # updates waiting for the requests in flight
+        self._open = asyncio.Event()  # set while no update is pending: requests may start
+        self._open.set()
+        self._idle = asyncio.Event()  # set while no request is in flight
+        self._idle.set()
+        self._one = asyncio.Lock()  # one update at a time
+
+    @property
+    def pending(self) -> int:
+        """Updates waiting for the requests in flight, or loading."""
+        return self._pending
+
+    @property
+    def draining(self) -> bool:
+        """An update waits for the requests in flight to be answered (it has not begun to load)."""
+        return self._draining > 0
+
+    @asynccontextmanager
+    async def request(self) -> AsyncIterator[int]:
+        """Hold the caller while an update is pending, then yield the version the request is sent under; the request
+        counts as in flight until the block exits (answered, failed or cancelled)."""
+        while not self._open.is_set():  # again after a wake-up: another update may have closed the gate since
+            await self._open.wait()
+        if self.unknown is not None:
+            raise WeightsUnknown(self.unknown)
+        # No await between the check above and the count below: an update cannot slip in between.
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            yield self.version
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    @asynccontextmanager
+    async def update(self, version: int) -> AsyncIterator[None]:
+        """Close the gate to new requests, wait for the ones in flight, run the block (the load) and open the gate
+        on `version`. A block that raises leaves the weights unknown unless its exception says otherwise."""
+        self._pending += 1
+        self._open.clear()
+        try:
+            async with self._one:
+                self._draining += 1
+                try:
+                    await self._idle.wait()  # no request can start now, so once idle it stays idle
+                finally:
+                    self._draining -= 1
+                try:
+                    yield
+                except BaseException as exc:
+                    if not getattr(exc, "weights_unchanged", False):
+                        self.unknown = f"loading weights v{version} failed part-way: {type(exc).__name__}: {exc}"
+                    raise
+                self.version, self.unknown = version, None
+        finally:
+            self._pending -= 1
+            if self._pending == 0:
+                self._open.set()

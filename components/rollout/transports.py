@@ -1,0 +1,232 @@
+"""How a policy version reaches an external server (`rollout.weight_transfer`), behind one interface.
+
+- `FilesystemTransport` ("filesystem"): the version is written as an HF model directory
+  `publish_dir/v{version:08d}` (atomically) and its path posted to the server, which reads it. The servers
+  must see `publish_dir` at the same path (same machine or a shared volume). The last two directories are
+  kept (a reviving server may still be loading the previous one).
+- `CollectiveTransport` ("collective"): the tensors go in buckets over a process group between the trainer
+  and each server (components/rollout/transfer.py); no file is written. A transfer that fails is retried
+  once on a new group, then, with `fallback`, sent through the filesystem path; both are counted
+  (`rollout/transfer_retries`, `rollout/transfer_fallbacks`).
+
+Both send from the trainer's host copy of the version (`HttpRollouts` stages each version into it), so a
+server that revives in the middle of the next training step still gets the whole version, never a torn one.
+The label a server reports after a load (`/health` `path`) is `publish_dir/v{version:08d}` for both, so a
+resumed trainer tells its own versions from another run's the same way (backends.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+import torch
+from torch import nn
+
+from components.models import save_model_dir
+from components.rollout.client import EngineClient, EngineError
+from components.rollout.transfer import Sender, joined_key, plan_buckets, ready_key
+from components.storage import MARKER, atomic_dir
+
+PUBLISHED = re.compile(r"v\d{8}")
+KEEP_STAGED = 2
+
+
+class Transport(Protocol):
+    name: str
+    bytes: int
+    """Bytes moved to servers so far (cumulative)."""
+
+    def stage(self, weights: dict[str, torch.Tensor], version: int) -> str:
+        """Make `weights` (host tensors the transport may keep) ready to send as `version`; returns the label the
+        servers will report. The last `KEEP_STAGED` versions stay ready: a server reviving with the previous one
+        while the next is staged still gets the whole of it."""
+
+    async def load(self, client: EngineClient, label: str, version: int, rewind: bool) -> None:
+        """Bring the server behind `client` to the staged `version` (raises what the pool reads as a failure)."""
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+def version_dir(publish_dir: Path, version: int) -> Path:
+    return publish_dir / f"v{version:08d}"
+
+
+class FilesystemTransport:
+    """Versions as HF directories under `publish_dir`, read by the servers (module docstring)."""
+
+    name = "filesystem"
+
+    def __init__(self, template: nn.Module, tokenizer, publish_dir: Path) -> None:
+        self.template, self.tokenizer, self.publish_dir = template, tokenizer, publish_dir
+        self._published: list[Path] = []
+        self.bytes = 0
+
+    def stage(self, weights: dict[str, torch.Tensor], version: int) -> str:
+        path = version_dir(self.publish_dir, version)
+        if path not in self._published:
+            assign_weights(self.template, weights)
+            with atomic_dir(path) as tmp:
+                save_model_dir(self.template, self.tokenizer, tmp)
+            self._published.append(path)
+            self._prune()
+        return str(path)
+
+    async def load(self, client: EngineClient, label: str, version: int, rewind: bool) -> None:
+        await client.publish_weights(label, version, rewind)
+        self.bytes += _state_bytes(self.template.state_dict())
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def remove_above(self, version: int) -> None:
+        """Remove the published directories of versions above `version` (a crashed predecessor's)."""
+        if self.publish_dir.is_dir():
+            for path in self.publish_dir.iterdir():
+                if PUBLISHED.fullmatch(path.name) and int(path.name[1:]) > version:
+                    (path / MARKER).unlink(missing_ok=True)  # as `atomic_fill` does: never half-deleted yet complete
+                    shutil.rmtree(path)
+
+    def _prune(self) -> None:
+        """Remove every published directory but the last `KEEP_STAGED` this object wrote."""
+        keep = set(self._published[-KEEP_STAGED:])
+        self._published = self._published[-KEEP_STAGED:]
+        for path in self.publish_dir.iterdir():
+            if PUBLISHED.fullmatch(path.name) and path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+class CollectiveTransport:
+    """Buckets over a process group per server (module docstring); `fallback` takes a server the group fails."""
+
+    name = "collective"
+
+    def __init__(
+        self,
+        publish_dir: Path,
+        bucket_bytes: int,
+        address: str = "127.0.0.1",
+        timeout_s: float = 60.0,
+        fallback: FilesystemTransport | None = None,
+        log=print,
+        backend: str = "gloo",
+    ) -> None:
+        self.publish_dir, self.bucket_bytes = publish_dir, bucket_bytes
+        self.timeout_s, self.fallback, self.log = timeout_s, fallback, log
+        self.sender = Sender(address, timeout_s, backend)
+        self.sent, self.retries, self.fallbacks = 0, 0, 0
+        self._staged: dict[int, tuple[dict[str, torch.Tensor], list]] = {}
+        """version -> (its tensors, their buckets), the last `KEEP_STAGED` versions."""
+
+    def stage(self, weights: dict[str, torch.Tensor], version: int) -> str:
+        unique = _unique_tensors(weights)
+        self._staged[version] = (unique, plan_buckets(unique, self.bucket_bytes))
+        for old in sorted(self._staged)[:-KEEP_STAGED]:
+            del self._staged[old]
+        return str(version_dir(self.publish_dir, version))
+
+    async def load(self, client: EngineClient, label: str, version: int, rewind: bool) -> None:
+        failure: Exception | None = None
+        for attempt in range(2):
+            try:
+                if attempt or not await self._holds_group(client):
+                    await self._form(client)
+                await self._transfer(client, label, version, rewind)
+                return
+            except (ConnectionError, httpx.HTTPError, EngineError, RuntimeError, TimeoutError) as exc:
+                if isinstance(exc, EngineError) and exc.status < 500:
+                    raise  # the server refused the update (a version not above its own): not the transport's fault
+                self.sender.drop(client.base_url)
+                failure = exc
+                if attempt == 0:
+                    self.retries += 1
+        if self.fallback is None:
+            raise ConnectionError(f"collective transfer of v{version} to {client.base_url}: {failure}") from failure
+        self.fallbacks += 1
+        self.log(
+            f"rollout: collective transfer of v{version} to {client.base_url} failed twice ({failure}); "
+            "sending it through the filesystem path"
+        )
+        path = await asyncio.to_thread(self.fallback.stage, self._staged[version][0], version)  # fallback: own module
+        await self.fallback.load(client, path, version, rewind)
+
+    @property
+    def bytes(self) -> int:
+        return self.sent + (self.fallback.bytes if self.fallback else 0)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollout/transfer_retries": float(self.retries),
+            "rollout/transfer_fallbacks": float(self.fallbacks),
+        }
+
+    async def _holds_group(self, client: EngineClient) -> bool:
+        """Whether the server holds this side's group with it (a restarted server holds none, or another)."""
+        group = self.sender.group_id(client.base_url)
+        if group is None:
+            return False
+        info = await client.health_info(self.timeout_s)
+        return info is not None and info.get("transfer_group") == group
+
+    async def _form(self, client: EngineClient) -> None:
+        """A new group with the server: its join is awaited in the store before this side forms, so a server that
+        never joins fails the post at once instead of blocking this rank until the timeout."""
+        url, request = client.base_url, self.sender.request(client.base_url)
+        join = asyncio.create_task(client.join_group(request.model_dump()))
+        await self._arrival(joined_key(request.group), join)
+        await asyncio.to_thread(self.sender.form, url, request)
+        await join
+
+    async def _transfer(self, client: EngineClient, label: str, version: int, rewind: bool) -> None:
+        if version not in self._staged:
+            raise ValueError(f"version: v{version} is not staged (staged: {sorted(self._staged)})")
+        weights, buckets = self._staged[version]
+        url, group = client.base_url, self.sender.group_id(client.base_url)
+        body = {"group": group, "version": version, "rewind": rewind, "path": label, "buckets": buckets}
+        post = asyncio.create_task(client.receive_weights(body))
+        key = ready_key(group, version)
+        await self._arrival(key, post)
+        self.sender.clear(key)
+        sent = await asyncio.to_thread(self.sender.send, url, weights, buckets)
+        await post
+        self.sent += sent  # after the await: `self.sent += await ...` would read it before other loads add theirs
+
+    async def _arrival(self, key: str, call: asyncio.Task) -> None:
+        """Wait until the server has set `key`; raise the call's own error when it fails first."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self.sender.arrived(key):
+            if call.done():
+                call.result()  # raises the server's refusal or the connection error
+                raise ConnectionError(f"the server answered before it set {key}")
+            if time.monotonic() > deadline:
+                call.cancel()
+                raise TimeoutError(f"no {key} from the server within {self.timeout_s:g} s")
+            await asyncio.sleep(0.005)
+
+
+def assign_weights(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Make `weights` the module's own tensors (no copy; `weights` must stay unchanged while the module is used),
+    tied parameters tied again."""
+    with torch.no_grad():
+        module.load_state_dict(weights, strict=False, assign=True)
+    if hasattr(module, "tie_weights"):
+        module.tie_weights()
+
+
+def _unique_tensors(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` without the second name of a tied tensor (the receiver's check accepts it missing)."""
+    seen, out = set(), {}
+    for name, tensor in weights.items():
+        if tensor.numel() == 0 or tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            out[name] = tensor
+    return out
+
+
+def _state_bytes(weights: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in _unique_tensors(weights).values())

@@ -1,0 +1,202 @@
+"""The collective weight transport and the weights probe against real servers: buckets over real gloo groups
+between this process (the trainer) and `sao engine serve` (in this process on uvicorn threads, or a child
+process to SIGKILL), and a test double that drops the new tensors, which the probe must catch."""
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from components.rollout.backends import HttpRollouts
+from components.rollout.engine_process import EngineProcess
+from components.rollout.probe import WeightsMismatch
+from components.rollout.transfer import ALIGN, pack, plan_buckets, unpack
+from components.rollout.transports import FilesystemTransport
+from tests.conftest import child_env
+from tests.rollout.test_backends import _request, _teacher_forced, _version, _weights
+
+
+def test_buckets_pack_at_aligned_offsets_and_unpack_to_the_same_tensors():
+    weights = {
+        "a": torch.arange(3, dtype=torch.float32),  # 12 bytes -> 16
+        "b": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),  # 12 bytes -> 16
+        "c": torch.arange(5, dtype=torch.int64),  # 40 bytes -> 48
+        "d": torch.ones(2, 2),  # 16 bytes
+    }
+    buckets = plan_buckets(weights, bucket_bytes=40)
+    # a + b fill 32 bytes; c (48) would pass 40, so it opens a bucket of its own, which it overflows alone; d follows.
+    assert [(size, [spec[0] for spec in specs]) for size, specs in buckets] == [
+        (32, ["a", "b"]),
+        (48, ["c"]),
+        (16, ["d"]),
+    ]
+    assert buckets[0][1][1] == ("b", "bfloat16", (2, 3))
+    out = {}
+    for bucket in buckets:
+        buffer = pack(weights, bucket, torch.device("cpu"))
+        assert buffer.dtype == torch.uint8 and buffer.numel() % ALIGN == 0
+        out.update(unpack(buffer, bucket[1]))
+    for name, tensor in weights.items():
+        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets(weights, 0)
+    with pytest.raises(ValueError, match="bucket has 32"):
+        unpack(torch.zeros(32, dtype=torch.uint8), [("a", "float32", (3,))])
+
+
+def _rollouts(urls, model, tokenizer, publish_dir, **kwargs) -> HttpRollouts:
+    return HttpRollouts(
+        urls, model, tokenizer, publish_dir, transfer="collective", probe_every=1, transfer_timeout_s=20, **kwargs
+    )
+
+
+def test_collective_transfer_reaches_both_servers_without_a_file_and_the_probe_agrees(tiny, serve, tmp_path):
+    model, tokenizer = tiny
+    a, b = serve(model, tokenizer), serve(model, tokenizer)
+    versions = {v: _version(model, seed=v) for v in (1, 2)}
+    publish_dir = tmp_path / "published"
+
+    async def run():
+        rollouts = _rollouts([a.url, b.url], model, tokenizer, publish_dir)
+        await rollouts.start()
+        seen = []
+        for v, weights in versions.items():
+            await rollouts.publish(_weights(weights), v)
+            seen.append([httpx.get(f"{s.url}/health").json() for s in (a, b)])
+        result = await rollouts.engine.generate(_request(tokenizer, 3))
+        metrics = rollouts.metrics()
+        await rollouts.close()
+        return seen, result, metrics
+
+    seen, result, metrics = asyncio.run(run())
+    for v, health in zip((1, 2), seen):
+        assert [h["version"] for h in health] == [v, v]
+        assert {h["path"] for h in health} == {str((publish_dir / f"v{v:08d}").resolve())}  # a label only
+        assert all(h["transfer_group"] for h in health)
+    assert not publish_dir.exists()  # no version was written
+    assert result.versions == [2] * 8
+    torch.testing.assert_close(torch.tensor(result.logprobs), _teacher_forced(versions[2], result), atol=1e-5, rtol=0)
+    assert metrics["rollout/probe_failures"] == 0 and metrics["rollout/probe_max_abs_diff"] < 1e-5
+    assert metrics["rollout/transfer_fallbacks"] == 0 and metrics["rollout/transfer_retries"] == 0
+    # each server gets every tensor once (a tied one under one name), each at a 16-byte aligned offset
+    unique = {
+        n: t for n, t in model.state_dict().items() if n != "lm_head.weight" or not model.config.tie_word_embeddings
+    }
+    per_version = sum(size for size, _ in plan_buckets(unique, 2**29))
+    assert metrics["rollout/publish_bytes"] == 2 * per_version  # v2, to both servers
+    assert metrics["rollout/transfer_s"] > 0
+
+
+class _DroppingTransport(FilesystemTransport):
+    """A transport that drops the new tensors: every version goes out as the weights it held when built, under the
+    new version number, so the HTTP calls succeed and `/health` reports the version."""
+
+    def __init__(self, template, tokenizer, publish_dir) -> None:
+        super().__init__(template, tokenizer, publish_dir)
+        self.stale = super().stage(dict(template.state_dict()), 0)
+
+    def stage(self, weights, version: int) -> str:
+        return self.stale
+
+    async def load(self, client, label, version, rewind):
+        await client.publish_weights(label, version, True)
+
+
+def test_a_transport_that_drops_the_tensors_is_caught_by_the_probe(tiny, serve, tmp_path):
+    model, tokenizer = tiny
+    a, b = serve(model, tokenizer), serve(model, tokenizer)
+    lines = []
+
+    async def run():
+        rollouts = HttpRollouts([a.url, b.url], model, tokenizer, tmp_path / "p", probe_every=1, log=lines.append)
+        rollouts.transport = _DroppingTransport(rollouts._template, tokenizer, tmp_path / "p")
+        rollouts.engine.load = rollouts.transport.load
+        await rollouts.start()  # v0 is what the servers hold: the probe agrees
+        assert rollouts.engine.live() == 2
+        with pytest.raises(WeightsMismatch, match="every engine server failed the weights probe") as caught:
+            await rollouts.publish(_weights(_version(model, seed=1)), 1)
+        served = [httpx.get(f"{s.url}/health").json()["version"] for s in (a, b)]
+        metrics = rollouts.metrics()
+        await rollouts.close()
+        return caught.value, served, metrics
+
+    error, served, metrics = asyncio.run(run())
+    assert served == [1, 1]  # both said they took v1
+    assert a.url in str(error) and b.url in str(error) and "differ from the trainer's" in str(error)
+    assert metrics["rollout/probe_failures"] == 2 and metrics["rollout/engines_live"] == 0
+    assert len(lines) == 2 and all("taken out of the pool" in line for line in lines)
+
+
+def test_a_restarted_server_gets_the_current_weights_through_a_new_group_before_its_first_request(
+    sft_dir, sft_policy, tmp_path
+):
+    model, tokenizer = sft_policy
+    engine = EngineProcess(sft_dir, threads=1, env=child_env()).start()
+    v1 = _version(model, seed=1)
+    try:
+
+        async def run():
+            rollouts = _rollouts([engine.url], model, tokenizer, tmp_path / "p", revive_after_s=0.2, retries=0)
+            await rollouts.start()
+            before = engine.health()["transfer_group"]
+            await rollouts.publish(_weights(v1), 1)
+            engine.kill()
+            engine.start()  # the same port, its starting (SFT) weights, version 0, no group
+            restarted = engine.health()
+            result = await rollouts.engine.generate(_request(tokenizer, 5))  # fails, revives, answers
+            after = engine.health()
+            metrics = rollouts.metrics()
+            await rollouts.close()
+            return before, restarted, result, after, metrics
+
+        before, restarted, result, after, metrics = asyncio.run(run())
+    finally:
+        engine.kill()
+    assert (restarted["version"], restarted["transfer_group"]) == (0, None)
+    assert after["version"] == 1 and after["transfer_group"] not in (None, before)
+    assert result.versions == [1] * 8  # its first request after the restart sampled v1
+    torch.testing.assert_close(torch.tensor(result.logprobs), _teacher_forced(v1, result), atol=1e-5, rtol=0)
+    assert metrics["rollout/engine_errors"] >= 1 and metrics["rollout/transfer_fallbacks"] == 0
+
+
+def test_an_overlapped_publish_returns_staged_and_the_next_one_waits_for_it(tiny, serve, tmp_path):
+    model, tokenizer = tiny
+    a, b = serve(model, tokenizer), serve(model, tokenizer)
+    versions = {v: _version(model, seed=v) for v in (1, 2, 3)}
+
+    async def run():
+        rollouts = _rollouts([a.url, b.url], model, tokenizer, tmp_path / "p", overlap=True)
+        await rollouts.start()
+        await rollouts.publish(_weights(versions[1]), 1)
+        # publish returned without awaiting the transfer: nothing has run since, and this blocking call lets
+        # nothing run either, so both servers still serve v0
+        staged = [httpx.get(f"{s.url}/health").json()["version"] for s in (a, b)]
+        await rollouts.settle()
+        settled = [httpx.get(f"{s.url}/health").json()["version"] for s in (a, b)]
+        await rollouts.publish(_weights(versions[2]), 2)
+        await rollouts.publish(_weights(versions[3]), 3)  # waits for v2's transfer (and probe) first
+        await rollouts.close()  # waits for v3's
+        ended = [httpx.get(f"{s.url}/health").json()["version"] for s in (a, b)]
+        return staged, settled, ended, rollouts.metrics()
+
+    staged, settled, ended, metrics = asyncio.run(run())
+    assert (staged, settled, ended) == ([0, 0], [1, 1], [3, 3])
+    assert metrics["rollout/probe_failures"] == 0 and metrics["rollout/probe_max_abs_diff"] < 1e-5
+
+
+def test_an_overlapped_transfer_that_fails_raises_at_the_next_settle(tiny, serve, tmp_path):
+    model, tokenizer = tiny
+    a = serve(model, tokenizer)
+
+    async def run():
+        rollouts = HttpRollouts([a.url], model, tokenizer, tmp_path / "p", probe_every=1, overlap=True, log=print)
+        rollouts.transport = _DroppingTransport(rollouts._template, tokenizer, tmp_path / "p")
+        rollouts.engine.load = rollouts.transport.load
+        await rollouts.start()
+        await rollouts.publish(_weights(_version(model, seed=1)), 1)  # staged: the failure is still to come
+        with pytest.raises(WeightsMismatch, match=a.url):
+            await rollouts.settle()
+        await rollouts.close()  # nothing pending any more: closes cleanly
+
+    asyncio.run(run())
