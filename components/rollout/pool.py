@@ -30,6 +30,11 @@ import httpx
 from components.rollout.client import EngineClient, EngineError, server_failed
 from components.rollout.protocol import SamplingRequest, SamplingResult
 
+EXCLUDED = float("inf")
+"""`Server.retry_at` of a server out of the pool for good (never probed again)."""
+REFUSALS = (401, 403)
+"""HTTP statuses of a server that refuses the trainer's credentials or paths (components/rollout/access.py)."""
+
 
 class EnginesDown(RuntimeError):
     """No server of the pool can take a request; the message names every server and why it is down."""
@@ -179,12 +184,7 @@ class EnginePool:
 
     def exclude(self, server: Server, reason: str) -> None:
         """Take `server` out of the pool for the rest of the run (it serves other weights than it was sent)."""
-        server.up, server.last_error, server.failures, server.retry_at = (
-            False,
-            reason,
-            server.failures + 1,
-            float("inf"),
-        )
+        server.up, server.last_error, server.failures, server.retry_at = False, reason, server.failures + 1, EXCLUDED
 
     def live(self) -> int:
         return sum(s.up for s in self.servers)
@@ -277,10 +277,15 @@ class EnginePool:
                 server.version, server.path, server.rewind = version, path, False
             server.up, server.last_error, revived = True, "", True
             server.epoch += 1
-        except (ConnectionError, httpx.HTTPError, EngineError, TimeoutError) as exc:
+        except EngineError as exc:
+            if exc.status in REFUSALS:  # a credential or path it refuses: no back-off will change that
+                self.exclude(server, f"revival: {exc} (check SAO_WEIGHTS_TOKEN, SAO_API_KEY and the publish root)")
+            else:
+                server.last_error = f"revival: {type(exc).__name__}: {exc}"
+        except (ConnectionError, httpx.HTTPError, TimeoutError) as exc:
             server.last_error = f"revival: {type(exc).__name__}: {exc}"
         finally:
             server.revival = None
-            if not revived:
+            if not revived and server.retry_at != EXCLUDED:
                 server.failures += 1
                 self._back_off(server)

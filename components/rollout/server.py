@@ -46,7 +46,7 @@ from components.rollout.access import OPEN, Access, bearer_matches, check_bind
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.engine_process import EngineProcess
 from components.rollout.protocol import SamplingRequest
-from components.rollout.transfer import GroupRequest, Receiver, ReceiveRequest
+from components.rollout.transfer import GroupMismatch, GroupRequest, Receiver, ReceiveRequest
 from components.tracking.prometheus import EngineMetrics
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -252,7 +252,9 @@ def create_app(engine: EmbeddedEngine, model_name: str, access: Access = OPEN) -
         start = time.perf_counter()
         try:
             received = await receiver.receive(body)
-        except ValueError as exc:  # no group, a stale one, a manifest that does not fit the model, an old version
+        except GroupMismatch as exc:  # not the group held here: the trainer forms a new one and sends again
+            return _error(409, str(exc), "group", "Conflict")
+        except ValueError as exc:  # a manifest that does not fit the model, an old version
             param = str(exc).split(":", 1)[0]
             raise BadRequest(param if param in ReceiveRequest.model_fields else "tensors", str(exc)) from exc
         return {"version": engine.version, "seconds": time.perf_counter() - start, "bytes": received}

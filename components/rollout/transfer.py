@@ -41,6 +41,11 @@ Spec = tuple[str, str, tuple[int, ...]]
 """(name, dtype name as torch spells it without `torch.`, shape) of one tensor."""
 
 
+class GroupMismatch(ValueError):
+    """A transfer names a group the server does not hold (it restarted, or formed a newer one): form it again.
+    The server answers 409, before any bucket is broadcast."""
+
+
 class GroupRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -200,7 +205,7 @@ class Receiver:
         async with self._lock:
             held = self._held
             if held is None or held.id != request.group:
-                raise ValueError(f"group: {request.group} is not the transfer group held here ({self.group_id})")
+                raise GroupMismatch(f"group: {request.group} is not the transfer group held here ({self.group_id})")
             device = self.engine.device if request.buckets and _is_nccl(held.group) else torch.device("cpu")
 
             def drain() -> dict[str, torch.Tensor]:

@@ -34,6 +34,8 @@ from components.rollout.transfer import Sender, joined_key, plan_buckets, ready_
 from components.storage import MARKER, atomic_dir
 
 PUBLISHED = re.compile(r"v\d{8}")
+CONFLICT = 409
+"""The server holds another transfer group than the one named (transfer.GroupMismatch): form it again."""
 KEEP_STAGED = 2
 
 
@@ -139,7 +141,7 @@ class CollectiveTransport:
                 await self._transfer(client, label, version, rewind)
                 return
             except (ConnectionError, httpx.HTTPError, EngineError, RuntimeError, TimeoutError) as exc:
-                if isinstance(exc, EngineError) and exc.status < 500:
+                if isinstance(exc, EngineError) and exc.status < 500 and exc.status != CONFLICT:
                     raise  # the server refused the update (a version not above its own): not the transport's fault
                 self.sender.drop(client.base_url)
                 failure = exc

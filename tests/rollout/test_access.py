@@ -185,10 +185,10 @@ def test_the_transfer_routes_need_the_token(secured, dirs, route, body):
 
 
 def test_the_token_lets_a_transfer_request_through_to_its_own_checks(secured, dirs):
-    """With the token the request reaches the route, which refuses a group it does not hold (400, not 401)."""
+    """With the token the request reaches the route, which refuses a group it does not hold (409, not 401)."""
     before = _served(secured, dirs.prompt)
     body = {"group": "g-1", "version": 99, "buckets": []}
-    _refused(httpx.post(f"{secured}/v1/weights/receive", json=body, headers=WEIGHTS), 400, "group", "not the transfer")
+    _refused(httpx.post(f"{secured}/v1/weights/receive", json=body, headers=WEIGHTS), 409, "group", "not the transfer")
     assert _served(secured, dirs.prompt) == before
 
 

@@ -107,7 +107,7 @@ KEY_ENV = """          env:
             # vLLM's API key (read when no --api-key is given; not a flag, so it shows in no process list).
             - name: VLLM_API_KEY
               valueFrom:
-                secretKeyRef: {name: sao-engine-auth, key: api-key}
+                secretKeyRef: {name: sao-engine-auth, key: SAO_API_KEY}
 """
 ARGS = '"--max-model-len", "32768"]'
 TRAINER_PEER = "matchLabels: {prefect.io/work-pool-name: sao-gpu-k8s}"
@@ -124,14 +124,14 @@ def _without_policy(path: Path) -> None:
     [
         (KEY_ENV, "", "the vLLM server has no --api-key (nor VLLM_API_KEY): anyone who reaches it may sample"),
         (
-            "valueFrom:\n                secretKeyRef: {name: sao-engine-auth, key: api-key}",
+            "valueFrom:\n                secretKeyRef: {name: sao-engine-auth, key: SAO_API_KEY}",
             "value: s3cret",
             "VLLM_API_KEY does not come from a Secret (env VLLM_API_KEY: valueFrom.secretKeyRef)",
         ),
         (
-            "key: api-key}",
-            "key: api-key, optional: true}",
-            "VLLM_API_KEY: secretKeyRef sao-engine-auth/api-key is optional: without the Secret vLLM starts with no key",
+            "key: SAO_API_KEY}",
+            "key: SAO_API_KEY, optional: true}",
+            "VLLM_API_KEY: secretKeyRef sao-engine-auth/SAO_API_KEY is optional: without the Secret vLLM starts with no key",
         ),
         (ARGS, '"--max-model-len", "32768", "--api-key", "hunter2"]', "--api-key is written in the manifest"),
         (
