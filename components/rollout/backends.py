@@ -270,6 +270,7 @@ class HttpRollouts:
         """Probe every live server that serves `version` (probe.py); one that answers with other weights is taken
         out of the pool for good, and `WeightsMismatch` is raised when none is left."""
         request = probe_request(self._template.config.vocab_size)
+        self.probe_diff = 0.0  # this round's largest difference
         for server in [s for s in self.engine.servers if s.up and s.version == version]:
             try:
                 result = await server.client.generate(request)
@@ -278,7 +279,7 @@ class HttpRollouts:
                     raise
                 continue  # a dead server: the pool finds it on its next request and revives it with the weights
             found = await asyncio.to_thread(compare, server.url, self._template, result, version)
-            self.probe_diff = max(self.probe_diff, found.max_abs_diff) if found.versions_ok else self.probe_diff
+            self.probe_diff = max(self.probe_diff, found.max_abs_diff)
             if not found.ok(self.probe_tolerance):
                 self.probe_failures += 1
                 reason = (

@@ -253,6 +253,11 @@ class Sender:
         self._ids = itertools.count()
         self._run = uuid.uuid4().hex[:8]
 
+    @property
+    def port(self) -> int:
+        """The rendezvous store's port (chosen free at start)."""
+        return self._store.port
+
     def group_id(self, url: str) -> str | None:
         held = self._groups.get(url)
         return held.id if held is not None else None
@@ -264,7 +269,7 @@ class Sender:
         """A new group id for `url`, and the body that asks the server to join it."""
         group = f"{self._run}-{next(self._ids)}"
         return GroupRequest(
-            group=group, address=self.address, port=self._store.port, backend=self.backend, timeout_s=self.timeout_s
+            group=group, address=self.address, port=self.port, backend=self.backend, timeout_s=self.timeout_s
         )
 
     def form(self, url: str, request: GroupRequest) -> None:

@@ -121,6 +121,10 @@ class CollectiveTransport:
         self.publish_dir, self.bucket_bytes = publish_dir, bucket_bytes
         self.timeout_s, self.fallback, self.log = timeout_s, fallback, log
         self.sender = Sender(address, timeout_s, backend)
+        log(
+            f"rollout: collective weight transfer over {backend}: rendezvous store at {address}:{self.sender.port}, "
+            f"buckets of {bucket_bytes / 2**20:g} MB"
+        )
         self.sent, self.retries, self.fallbacks = 0, 0, 0
         self._staged: dict[int, tuple[dict[str, torch.Tensor], list]] = {}
         """version -> (its tensors, their buckets), the last `KEEP_STAGED` versions."""

@@ -53,6 +53,12 @@ TRAINER_METRICS = (
     "rollout/engines_live",
     "rollout/episodes_dropped",
     "rollout/malformed_calls",
+    "rollout/transfer_s",
+    "rollout/publish_bytes",
+    "rollout/transfer_retries",
+    "rollout/transfer_fallbacks",
+    "rollout/probe_max_abs_diff",
+    "rollout/probe_failures",
     "env/preference",
 )
 """Metric names (as logged) exported one-to-one as `sao_<name with / as _>` gauges."""
