@@ -35,6 +35,8 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from torch.distributed import PrefixStore, TCPStore
 
+from components.faults import fault_point
+
 ALIGN = 16
 """Byte alignment of each tensor in a bucket (any dtype can be viewed at it)."""
 Spec = tuple[str, str, tuple[int, ...]]
@@ -220,7 +222,7 @@ class Receiver:
             try:
                 tensors = await asyncio.to_thread(drain)
             except RuntimeError:
-                self._held = None  # the trainer went away mid-transfer: the group is gone
+                self._held = None  # the trainer went away or broke off mid-transfer: the group is gone
                 raise
             load = self.engine.load_weights(tensors, request.version, request.rewind, label=request.path)
             await asyncio.wrap_future(load)
@@ -284,8 +286,9 @@ class Sender:
         try:
             for bucket in buckets:
                 broadcast(held.group, pack(weights, bucket, device))
-        except RuntimeError:
-            self.drop(url)
+                fault_point("weights.bucket")
+        except Exception:  # gloo's RuntimeError, a socket's OSError: the group is gone, the peer too perhaps
+            self.drop(url)  # the server's receive fails when it sees this process die, else at its timeout
             raise
         return sum(size for size, _ in buckets)
 

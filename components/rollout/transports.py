@@ -144,7 +144,7 @@ class CollectiveTransport:
                     await self._form(client)
                 await self._transfer(client, label, version, rewind)
                 return
-            except (ConnectionError, httpx.HTTPError, EngineError, RuntimeError, TimeoutError) as exc:
+            except (OSError, httpx.HTTPError, EngineError, RuntimeError) as exc:  # OSError: sockets, timeouts
                 if isinstance(exc, EngineError) and exc.status < 500 and exc.status != CONFLICT:
                     raise  # the server refused the update (a version not above its own): not the transport's fault
                 self.sender.drop(client.base_url)
@@ -195,23 +195,32 @@ class CollectiveTransport:
         url, group = client.base_url, self.sender.group_id(client.base_url)
         body = {"group": group, "version": version, "rewind": rewind, "path": label, "buckets": buckets}
         post = asyncio.create_task(client.receive_weights(body))
-        key = ready_key(group, version)
-        await self._arrival(key, post)
-        self.sender.clear(key)
-        sent = await asyncio.to_thread(self.sender.send, url, weights, buckets)
+        try:
+            key = ready_key(group, version)
+            await self._arrival(key, post)
+            self.sender.clear(key)
+            sent = await asyncio.to_thread(self.sender.send, url, weights, buckets)
+        except BaseException:
+            post.cancel()  # the server's answer (its failed receive) says nothing more than this error
+            await asyncio.gather(post, return_exceptions=True)
+            raise
         await post
         self.sent += sent  # after the await: `self.sent += await ...` would read it before other loads add theirs
 
     async def _arrival(self, key: str, call: asyncio.Task) -> None:
-        """Wait until the server has set `key`; raise the call's own error when it fails first."""
-        deadline = time.monotonic() + self.timeout_s
+        """Wait until the server has set `key`; raise the call's own error when it fails first. The wait allows two
+        timeouts: the server may first be finishing a transfer that broke while both sides lived, which only its
+        own timeout ends (gloo notices a peer's death at once, but nothing interrupts a pending receive: neither
+        side's `abort` or `shutdown` does, measured with torch 2.13)."""
+        wait_s = 2 * self.timeout_s
+        deadline = time.monotonic() + wait_s
         while not self.sender.arrived(key):
             if call.done():
                 call.result()  # raises the server's refusal or the connection error
                 raise ConnectionError(f"the server answered before it set {key}")
             if time.monotonic() > deadline:
                 call.cancel()
-                raise TimeoutError(f"no {key} from the server within {self.timeout_s:g} s")
+                raise TimeoutError(f"no {key} from the server within {wait_s:g} s")
             await asyncio.sleep(0.005)
 
 

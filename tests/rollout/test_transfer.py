@@ -200,3 +200,100 @@ def test_an_overlapped_transfer_that_fails_raises_at_the_next_settle(tiny, serve
         await rollouts.close()  # nothing pending any more: closes cleanly
 
     asyncio.run(run())
+
+
+@pytest.fixture
+def bucket_faults(monkeypatch):
+    """`bucket_faults(spec)`: arm the trainer-side fault point `weights.bucket` in this process (`SAO_FAULTS` syntax)."""
+    from components import faults
+
+    def arm(spec: str | None) -> None:
+        monkeypatch.setattr(faults, "_faults", faults.parse_faults(spec or ""))
+        monkeypatch.setattr(faults, "_hits", {})
+
+    return arm
+
+
+def test_a_transfer_broken_mid_way_is_retried_on_a_new_group(tiny, serve, tmp_path, bucket_faults):
+    model, tokenizer = tiny
+    a = serve(model, tokenizer)
+    v1 = _version(model, seed=1)
+    lines = []
+
+    async def run():
+        # 1 MB buckets: the tiny model's weights take several, and the first transfer of v1 breaks after its second.
+        # The server notices only at its timeout (both processes live on; gloo cannot interrupt its receive).
+        rollouts = HttpRollouts(
+            [a.url],
+            model,
+            tokenizer,
+            tmp_path / "p",
+            transfer="collective",
+            probe_every=1,
+            transfer_timeout_s=3,
+            bucket_mb=1,
+            log=lines.append,
+        )
+        await rollouts.start()
+        group = httpx.get(f"{a.url}/health").json()["transfer_group"]
+        buckets = len(rollouts.transport._staged[0][1])
+        bucket_faults("weights.bucket@2:raise")
+        await rollouts.publish(_weights(v1), 1)
+        health = httpx.get(f"{a.url}/health").json()
+        metrics = rollouts.metrics()
+        await rollouts.close()
+        return group, buckets, health, metrics
+
+    group, buckets, health, metrics = asyncio.run(run())
+    assert buckets >= 3
+    assert health["version"] == 1 and health["transfer_group"] != group  # loaded, through a group formed anew
+    assert (metrics["rollout/transfer_retries"], metrics["rollout/transfer_fallbacks"]) == (1.0, 0.0)
+    assert metrics["rollout/probe_failures"] == 0 and metrics["rollout/probe_max_abs_diff"] < 1e-5
+    assert not (tmp_path / "p").exists() and not any("filesystem" in line for line in lines)
+
+
+def test_a_transfer_that_fails_twice_goes_through_the_filesystem_then_collective_again(
+    tiny, serve, tmp_path, bucket_faults
+):
+    model, tokenizer = tiny
+    a = serve(model, tokenizer)
+    v1, v2 = _version(model, seed=1), _version(model, seed=2)
+    lines = []
+
+    async def run():
+        rollouts = HttpRollouts(
+            [a.url],
+            model,
+            tokenizer,
+            tmp_path / "p",
+            transfer="collective",
+            probe_every=1,
+            transfer_timeout_s=3,
+            bucket_mb=1,
+            log=lines.append,
+        )
+        await rollouts.start()
+        bucket_faults("weights.bucket@1+:raise")  # every collective transfer breaks after its first bucket
+        await rollouts.publish(_weights(v1), 1)
+        after_v1 = (
+            httpx.get(f"{a.url}/health").json(),
+            rollouts.metrics(),
+            sorted(p.name for p in (tmp_path / "p").iterdir()),
+        )
+        bucket_faults(None)
+        await rollouts.publish(_weights(v2), 2)
+        after_v2 = httpx.get(f"{a.url}/health").json(), rollouts.metrics()
+        await rollouts.close()
+        return after_v1, after_v2
+
+    (health1, metrics1, written), (health2, metrics2) = asyncio.run(run())
+    # v1: two broken transfers (the second on a new group), then the directory the server read
+    assert health1["version"] == 1 and health1["path"] == str((tmp_path / "p" / "v00000001").resolve())
+    assert written == ["v00000001"]
+    assert (metrics1["rollout/transfer_retries"], metrics1["rollout/transfer_fallbacks"]) == (1.0, 1.0)
+    assert metrics1["rollout/probe_failures"] == 0 and metrics1["rollout/probe_max_abs_diff"] < 1e-5
+    assert len(lines) == 2 and "failed twice" in lines[1] and "filesystem path" in lines[1]
+    # v2: the collective path again, on a new group; nothing more written or counted
+    assert health2["version"] == 2 and health2["transfer_group"] not in (None, health1["transfer_group"])
+    assert (metrics2["rollout/transfer_retries"], metrics2["rollout/transfer_fallbacks"]) == (1.0, 1.0)
+    assert metrics2["rollout/probe_max_abs_diff"] < 1e-5
