@@ -180,6 +180,23 @@ def test_rollout_http_backend_takes_a_toml_array_of_urls():
         (["rollout.request_timeout_s=0"], "rollout.request_timeout_s: Input should be greater than 0, got 0"),
         (["rollout.request_retries=-1"], "rollout.request_retries: Input should be greater than or equal to 0, got -1"),
         (["rollout.publish_dir=3"], "rollout.publish_dir: Input should be a valid string, got 3"),
+        (
+            ['rollout.weight_transfer="collective"'],
+            "rollout.weight_transfer: applies to backend='http' servers only (the embedded engine loads the weights "
+            "in memory)",
+        ),
+        (
+            ['rollout.backend="http"', 'rollout.urls=["http://a:1"]', 'rollout.weight_transfer="nccl"'],
+            "rollout.weight_transfer: Input should be 'filesystem' or 'collective', got 'nccl'",
+        ),
+        (
+            ["rollout.publish_overlap=true"],
+            "rollout.publish_overlap: applies to backend='http' servers only (the embedded engine loads between two "
+            "decode steps)",
+        ),
+        (["rollout.transfer_bucket_mb=0"], "rollout.transfer_bucket_mb: Input should be greater than 0, got 0"),
+        (["rollout.probe_every=-1"], "rollout.probe_every: Input should be greater than or equal to 0, got -1"),
+        (["rollout.probe_tolerance=0"], "rollout.probe_tolerance: Input should be greater than 0, got 0"),
     ],
 )
 def test_rollout_server_fields_are_checked(overrides, message):

@@ -229,6 +229,17 @@ class RolloutConfig:
                 require(is_http_url(url), "rollout.urls", f"must start with http:// or https://, got {url!r}")
         else:
             require(not self.urls, "rollout.urls", f"must be empty for backend='embedded', got {list(self.urls)}")
+            # the embedded engine loads the trainer's tensors in memory: nothing of these applies to it
+            require(
+                self.weight_transfer == "filesystem",
+                "rollout.weight_transfer",
+                "applies to backend='http' servers only (the embedded engine loads the weights in memory)",
+            )
+            require(
+                not self.publish_overlap,
+                "rollout.publish_overlap",
+                "applies to backend='http' servers only (the embedded engine loads between two decode steps)",
+            )
 
 
 @section("train")
