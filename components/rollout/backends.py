@@ -34,7 +34,7 @@ from components.faults import fault_point
 from components.rollout.access import OPEN, Access
 from components.rollout.client import EngineClient, health_json, server_failed
 from components.rollout.embedded import EmbeddedEngine
-from components.rollout.pool import EnginePool
+from components.rollout.pool import EXCLUDED, EnginePool
 from components.rollout.probe import WeightsMismatch, compare, probe_request
 from components.rollout.transports import (
     PUBLISHED,
@@ -268,7 +268,7 @@ class HttpRollouts:
 
     async def check(self, version: int) -> None:
         """Probe every live server that serves `version` (probe.py); one that answers with other weights is taken
-        out of the pool for good, and `WeightsMismatch` is raised when none is left."""
+        out of the pool for good, and `WeightsMismatch` is raised once every server is out for good."""
         request = probe_request(self._template.config.vocab_size)
         self.probe_diff = 0.0  # this round's largest difference
         for server in [s for s in self.engine.servers if s.up and s.version == version]:
@@ -289,7 +289,7 @@ class HttpRollouts:
                 )
                 self.log(f"rollout: {server.url} taken out of the pool: {reason}")
                 self.engine.exclude(server, reason)
-        if not self.engine.live():
+        if all(s.retry_at == EXCLUDED for s in self.engine.servers):  # down for other reasons: they may come back
             raise WeightsMismatch(
                 "every engine server failed the weights probe: "
                 + "; ".join(f"{s.url} ({s.last_error})" for s in self.engine.servers)
