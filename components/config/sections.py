@@ -202,11 +202,14 @@ class RolloutConfig:
     weight_transfer: Literal["filesystem", "collective"] = "filesystem"
     """How each version reaches the servers (components/rollout/transports.py): `filesystem` writes an HF directory
     under `publish_dir` for them to read; `collective` broadcasts the tensors in buckets over a process group
-    with each server (gloo on CPU, NCCL on GPU; `sao engine serve` servers only) and writes nothing."""
+    with each server (gloo on CPU, NCCL on GPU; `sao engine serve`, or vLLM with one worker per server through the
+    worker extension) and writes nothing."""
     transfer_bucket_mb: PositiveInt = 512
     """Size of one bucket of the collective transfer (tensors are packed up to it; a larger one goes alone)."""
-    transfer_address: str = "127.0.0.1"
-    """The address the servers reach the trainer's process at for the collective transfer's rendezvous."""
+    transfer_address: str = ""
+    """The address the servers reach the trainer's process at for the collective transfer's rendezvous (its store
+    and the gloo/NCCL connections). Empty: this host's address on the route to the first server (127.0.0.1 for
+    servers on loopback, the pod's address in a cluster)."""
     transfer_timeout_s: PositiveFloat = 60.0
     """How long one collective transfer (or forming its group) may take before the server counts as failed."""
     transfer_fallback: bool = True

@@ -36,6 +36,7 @@ from components.rollout.client import EngineClient, health_json, server_failed
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.pool import EXCLUDED, EnginePool
 from components.rollout.probe import WeightsMismatch, compare, probe_request
+from components.rollout.transfer import route_address
 from components.rollout.transports import (
     PUBLISHED,
     CollectiveTransport,
@@ -137,7 +138,7 @@ class HttpRollouts:
         max_wait_s: float = 30.0,
         transfer: TransferName = "filesystem",
         bucket_mb: int = 512,
-        transfer_address: str = "127.0.0.1",
+        transfer_address: str = "",
         transfer_timeout_s: float = 60.0,
         transfer_fallback: bool = True,
         probe_every: int = 0,
@@ -188,6 +189,8 @@ class HttpRollouts:
             fallback = FilesystemTransport(_meta_copy(self._template), tokenizer, self.publish_dir)
             fallback = fallback if transfer_fallback else None
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+            answering = next(url for url, info in health.items() if info is not None)
+            transfer_address = transfer_address or route_address(httpx.URL(answering).host)
             self.transport = CollectiveTransport(
                 self.publish_dir, bucket_mb * 2**20, transfer_address, transfer_timeout_s, fallback, log, backend
             )

@@ -67,6 +67,7 @@ class EngineClient:
         self.retries = retries
         self.backend = backend
         self._gate = VersionGate(default_version)  # vLLM's requests and updates go through it (module docstring)
+        self._group: str | None = None  # vLLM: the transfer group this client formed with the server
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, limits=limits)
 
@@ -131,9 +132,7 @@ class EngineClient:
         """Load the weights at `path` as `version`; `rewind` lets the embedded server go back to a version not
         above the one it serves (vLLM keeps no version, so it needs no flag)."""
         if self.backend == "vllm":
-            async with self._gate.update(version):
-                await self._rpc("sao_reload_weights", {"path": path})
-                await self._reset_prefix_cache()
+            await self._update(version, "sao_reload_weights", {"path": path})
             return
         body = {"path": path, "version": version}
         if rewind:  # sent only when set: a server that predates the flag refuses unknown fields
@@ -145,7 +144,10 @@ class EngineClient:
         """Ask the server to join a weight-transfer group (components/rollout/transfer.py); returns once it has.
         vLLM's engine stops stepping while its worker joins (the rpc blocks it), its weights untouched."""
         if self.backend == "vllm":
-            return await self._rpc("sao_join_group", body)
+            self._group = None
+            data = await self._rpc("sao_join_group", body)
+            self._group = data.get("transfer_group")
+            return data
         return await self._post("/v1/weights/group", body, self._weights_headers)
 
     async def receive_weights(self, body: dict) -> dict:
@@ -153,10 +155,11 @@ class EngineClient:
         On vLLM the post waits for this client's requests in flight first (the server sets the ready key only
         then), and new requests wait for the load (module docstring)."""
         if self.backend == "vllm":
-            async with self._gate.update(body["version"]):
-                data = await self._rpc("sao_receive_weights", body)
-                await self._reset_prefix_cache()
-            return data
+            try:
+                return await self._update(body["version"], "sao_receive_weights", body)
+            except BaseException:
+                self._group = None  # maybe gone with the server (a restart): the next transfer forms a new one
+                raise
         data = await self._post("/v1/weights/receive", body, self._weights_headers)
         self.default_version = body["version"]
         return data
@@ -166,11 +169,27 @@ class EngineClient:
 
     async def health_info(self, timeout_s: float = 5.0) -> dict | None:
         """The `/health` JSON (`{}` when the body is empty, as vLLM's is), or None when the server does not
-        answer 200 within `timeout_s`."""
+        answer 200 within `timeout_s`. vLLM's says nothing of a transfer group, so for vLLM `transfer_group` is the
+        group this client last formed with the server (none once a transfer failed): a restarted server's worker
+        refuses it with HTTP 409, and the transport forms a new one."""
         try:
-            return health_json(await self._http.get("/health", timeout=timeout_s))
+            info = health_json(await self._http.get("/health", timeout=timeout_s))
         except httpx.HTTPError:
             return None
+        if info is not None and self.backend == "vllm":
+            info.setdefault("transfer_group", self._group)
+        return info
+
+    async def _update(self, version: int, method: str, kwargs: dict) -> dict:
+        """vLLM: load weights as `version` through the worker extension's `method`, then drop the prefix cache, as
+        one update of the gate (components/rollout/gate.py)."""
+
+        async def load() -> dict:
+            data = await self._rpc(method, kwargs)
+            await self._reset_prefix_cache()
+            return data
+
+        return await self._gate.update(version, load)
 
     async def _rpc(self, method: str, kwargs: dict) -> dict:
         """Call the worker extension's `method` on every vLLM worker; its answer (the first worker's), or EngineError

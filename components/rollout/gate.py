@@ -7,15 +7,18 @@ server (`EngineClient` with backend="vllm") puts every request and every weight 
 
 - `request()` waits while an update is pending, counts the request in flight, and gives the version loaded
   when it was sent;
-- `update(version)` stops new requests at once, waits until the requests in flight have all been answered (so
-  each finished on the weights it started on), runs the load, and only then lets the held requests go, on the
-  new version.
+- `update(version, load)` stops new requests at once, waits until the requests in flight have all been answered
+  (so each finished on the weights it started on), runs the load, and only then lets the held requests go, on
+  the new version. A load that has begun is never abandoned half-way by the gate: if its caller gives up, the
+  gate still waits for the server's answer before it lets requests go.
 
 Every token of an answer was therefore sampled by the version the request was sent under, which is the tag. The
 gate counts only this client's requests: it holds for the trainer's client of a server, not for other callers
-of the same server. vLLM's own `POST /pause?mode=wait` is not used: it lets running requests drain but keeps
-requests that were already queued (or preempted) for after the resume, so they would run on the new weights
-(vllm/v1/core/sched/scheduler.py admits only KV-holding requests under `PauseState.PAUSED_NEW`).
+of the same server. vLLM 0.32's own `POST /pause?mode=wait` + `POST /resume` do not give the same guarantee:
+the pause lets running requests drain but keeps requests already queued (or preempted, which frees their KV)
+for after the resume, so they run on the new weights (vllm/v1/core/sched/scheduler.py admits only KV-holding
+requests under `PauseState.PAUSED_NEW`; vllm/v1/engine/core.py `pause_scheduler`), and a request still on its
+way over HTTP arrives after the pause; the client would not know which of its requests those were.
 
 An update that fails after it started may have left the server with weights of no known version: the gate then
 refuses requests (`WeightsUnknown`, a ConnectionError, which the pool reads as a failed server and revives it
@@ -28,8 +31,11 @@ update always leaves the counts right.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class WeightsUnknown(ConnectionError):
@@ -82,27 +88,50 @@ class VersionGate:
             if self.in_flight == 0:
                 self._idle.set()
 
-    @asynccontextmanager
-    async def update(self, version: int) -> AsyncIterator[None]:
-        """Close the gate to new requests, wait for the ones in flight, run the block (the load) and open the gate
-        on `version`. A block that raises leaves the weights unknown unless its exception says otherwise."""
+    async def update(self, version: int, load: Callable[[], Awaitable[T]]) -> T:
+        """Close the gate to new requests, wait for the ones in flight, run `load()` and open the gate on `version`;
+        returns what `load` returned. A `load` that raises leaves the weights unknown unless its exception says
+        otherwise. A caller cancelled while the update waits for requests cancels it (nothing was loaded); once
+        `load` has begun, it runs on to its end in the background (the server is loading: requests stay held until
+        it has answered, and the gate then knows which weights it serves), and the caller's cancellation is raised
+        at once."""
         self._pending += 1
         self._open.clear()
+        began = False
+
+        async def run() -> T:
+            nonlocal began
+            try:
+                async with self._one:
+                    self._draining += 1
+                    try:
+                        await self._idle.wait()  # no request can start now, so once idle it stays idle
+                    finally:
+                        self._draining -= 1
+                    began = True
+                    try:
+                        result = await load()
+                    except BaseException as exc:
+                        if not getattr(exc, "weights_unchanged", False):
+                            self.unknown = f"loading weights v{version} failed part-way: {type(exc).__name__}: {exc}"
+                        raise
+                    self.version, self.unknown = version, None
+                    return result
+            finally:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._open.set()
+
+        task = asyncio.ensure_future(run())
         try:
-            async with self._one:
-                self._draining += 1
-                try:
-                    await self._idle.wait()  # no request can start now, so once idle it stays idle
-                finally:
-                    self._draining -= 1
-                try:
-                    yield
-                except BaseException as exc:
-                    if not getattr(exc, "weights_unchanged", False):
-                        self.unknown = f"loading weights v{version} failed part-way: {type(exc).__name__}: {exc}"
-                    raise
-                self.version, self.unknown = version, None
-        finally:
-            self._pending -= 1
-            if self._pending == 0:
-                self._open.set()
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not began:
+                task.cancel()
+            task.add_done_callback(_retrieve)  # its outcome is the gate's now; nobody awaits it
+            raise
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -235,8 +235,13 @@ def _is_nccl(group) -> bool:
 
 def _own_address(request: GroupRequest) -> str:
     """This host's address on the route to the trainer's store."""
+    return route_address(request.address, request.port)
+
+
+def route_address(host: str, port: int = 9) -> str:
+    """This host's address on the route to `host` (no packet is sent: a UDP socket only picks its interface)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.connect((request.address, request.port))
+        sock.connect((host, port))
         return sock.getsockname()[0]
 
 

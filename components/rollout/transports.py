@@ -184,7 +184,7 @@ class CollectiveTransport:
         never joins fails the post at once instead of blocking this rank until the timeout."""
         url, request = client.base_url, self.sender.request(client.base_url)
         join = asyncio.create_task(client.join_group(request.model_dump()))
-        await self._arrival(joined_key(request.group), join)
+        await self._arrival(joined_key(request.group), join, client)
         await asyncio.to_thread(self.sender.form, url, request)
         await join
 
@@ -197,7 +197,7 @@ class CollectiveTransport:
         post = asyncio.create_task(client.receive_weights(body))
         try:
             key = ready_key(group, version)
-            await self._arrival(key, post)
+            await self._arrival(key, post, client)
             self.sender.clear(key)
             sent = await asyncio.to_thread(self.sender.send, url, weights, buckets)
         except BaseException:
@@ -207,7 +207,7 @@ class CollectiveTransport:
         await post
         self.sent += sent  # after the await: `self.sent += await ...` would read it before other loads add theirs
 
-    async def _arrival(self, key: str, call: asyncio.Task) -> None:
+    async def _arrival(self, key: str, call: asyncio.Task, client: EngineClient) -> None:
         """Wait until the server has set `key`; raise the call's own error when it fails first. The wait allows two
         timeouts: the server may first be finishing a transfer that broke while both sides lived, which only its
         own timeout ends (gloo notices a peer's death at once, but nothing interrupts a pending receive: neither
@@ -218,7 +218,9 @@ class CollectiveTransport:
             if call.done():
                 call.result()  # raises the server's refusal or the connection error
                 raise ConnectionError(f"the server answered before it set {key}")
-            if time.monotonic() > deadline:
+            if client.draining:  # vLLM: the update waits for this client's requests in flight, not yet the server
+                deadline = time.monotonic() + wait_s
+            elif time.monotonic() > deadline:
                 call.cancel()
                 raise TimeoutError(f"no {key} from the server within {wait_s:g} s")
             await asyncio.sleep(0.005)

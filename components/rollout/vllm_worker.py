@@ -12,7 +12,15 @@ pydantic only) and vLLM are imported inside the methods.
   path, buckets)`: the collective transport, the same two steps (and the same group, buckets and store keys) as
   `sao engine serve`'s `/v1/weights/group` and `/v1/weights/receive` (components/rollout/transfer.py). vLLM 0.32's
   own `vllm/distributed/weight_transfer/` engines are NCCL, IPC or RDMA ones and cannot run on CPU; this is a
-  gloo pair group (NCCL where the trainer's side is NCCL). The rpc blocks the engine until the load is done.
+  gloo pair group (NCCL where the trainer's side is NCCL). The rpc blocks the engine until the load is done. A
+  worker holds one group; a transfer over any other (the server restarted, or another trainer joined since) is
+  refused with HTTP 409, as `sao engine serve` refuses it, so the trainer forms a new one. Only a vLLM of one worker (no tensor or pipeline
+  parallelism) can join: its workers would each need the shard of their own.
+
+A refusal comes back as the rpc's result, `{"error", "param", "status", "weights_unchanged"}`, which the client
+raises as `EngineError`: `weights_unchanged` says whether the weights were left alone (a bad field, a group not
+held, a transfer that broke off) or may be half loaded (tensors that do not fit the model, a directory that
+cannot be read).
 
 Both load the same way, with vLLM's in-place reload of checkpoint-format tensors: `initialize_layerwise_reload`,
 the model's own `load_weights` (which maps checkpoint names, and transformers 5's fused expert tensors, onto
@@ -93,9 +101,9 @@ class SaoWorkerExtension:
         except ValueError as exc:
             return _refusal(exc)
         held = getattr(self, "_sao_group", None)
-        if held is None or held[0] != request.group:
+        if held is None or held[0] != request.group:  # 409, as `sao engine serve`: the trainer forms a new group
             message = f"group: {request.group} is not the transfer group held here ({held[0] if held else None})"
-            return {"error": message, "param": "group", "weights_unchanged": True}
+            return {"error": message, "param": "group", "status": 409, "weights_unchanged": True}
         _, group, store = held
         device = self.device if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())) else torch.device("cpu")
         tensors: list[tuple[str, torch.Tensor]] = []

@@ -26,14 +26,20 @@ class Schedule:
         return version
 
     async def update(self, version: int, loaded: asyncio.Event | None = None, error: BaseException | None = None):
+        """An update whose load blocks until `loaded` is set, then raises `error` if given."""
         self.log.append(f"update v{version} asks")
-        async with self.gate.update(version):
+
+        async def load() -> str:
             self.log.append(f"update v{version} loads")
             if loaded is not None:
                 await loaded.wait()
             if error is not None:
+                self.log.append(f"update v{version} fails")
                 raise error
-        self.log.append(f"update v{version} done")
+            self.log.append(f"update v{version} loaded")
+            return f"answer of v{version}"
+
+        assert await self.gate.update(version, load) == f"answer of v{version}"
 
 
 async def settle() -> None:
@@ -57,7 +63,12 @@ def test_an_update_waits_for_the_request_in_flight_and_holds_the_next_one():
         assert s.gate.in_flight == 1 and s.gate.pending == 1 and s.gate.draining
         long_answer.set()
         await settle()
-        assert s.log[4:] == ["long answered v0", "update v1 loads", "update v1 done", "next sent v1"]
+        assert s.log[4:] == [
+            "long answered v0",
+            "update v1 loads",
+            "update v1 loaded",
+            "next sent v1",
+        ]
         assert not s.gate.draining
         next_answer.set()
         assert (await long, await nxt) == (0, 1)
@@ -102,10 +113,10 @@ def test_back_to_back_updates_run_one_at_a_time_and_a_held_request_goes_out_on_t
         assert s.gate.pending == 2 and not s.gate.draining  # v2 waits for v1's load, not for requests
         first_loaded.set()
         await settle()
-        assert s.log[4:] == ["update v1 done", "update v2 loads"]
+        assert s.log[4:] == ["update v1 loaded", "update v2 loads"]
         second_loaded.set()
         await settle()
-        assert s.log[6:] == ["update v2 done", "r sent v2"]
+        assert s.log[6:] == ["update v2 loaded", "r sent v2"]
         answer.set()
         assert await req == 2
         await asyncio.gather(u1, u2)
@@ -183,5 +194,50 @@ def test_a_request_cancelled_in_flight_or_while_held_leaves_the_counts_right():
         loaded.set()
         await update
         assert s.gate.version == 1 and s.gate.pending == 0
+
+    asyncio.run(main())
+
+
+def test_a_caller_that_gives_up_mid_load_does_not_open_the_gate_before_the_server_answers():
+    async def main():
+        s = Schedule()
+        loaded, answer = asyncio.Event(), asyncio.Event()
+        caller = asyncio.create_task(s.update(1, loaded))
+        await settle()
+        held = asyncio.create_task(s.request("held", answer))
+        await settle()
+        caller.cancel()  # e.g. the trainer's transfer failed on its side while the server was loading
+        await settle()
+        assert caller.cancelled()
+        # The server is still loading: the held request must not go out on weights of unknown version.
+        assert "held sent v0" not in s.log and "held sent v1" not in s.log and s.gate.pending == 1
+        loaded.set()
+        await settle()
+        assert s.log[-2:] == ["update v1 loaded", "held sent v1"] and s.gate.version == 1
+        answer.set()
+        assert await held == 1
+
+    asyncio.run(main())
+
+
+def test_a_load_given_up_on_that_the_server_then_refuses_leaves_the_old_version_usable():
+    class Refused(RuntimeError):
+        weights_unchanged = True  # e.g. the worker's receive broke off: nothing was loaded
+
+    async def main():
+        s = Schedule()
+        loaded, answer = asyncio.Event(), asyncio.Event()
+        caller = asyncio.create_task(s.update(1, loaded, error=Refused("group: the trainer went away")))
+        await settle()
+        held = asyncio.create_task(s.request("held", answer))
+        await settle()
+        caller.cancel()
+        await settle()
+        assert "held sent v0" not in s.log
+        loaded.set()
+        await settle()
+        assert s.log[-2:] == ["update v1 fails", "held sent v0"] and s.gate.unknown is None
+        answer.set()
+        assert await held == 0
 
     asyncio.run(main())

@@ -17,12 +17,13 @@ import torch
 from components.models import save_model_dir, token_logprobs
 from components.rollout.backends import HttpRollouts
 from components.rollout.client import EngineClient
+from components.rollout.transfer import Sender
 from tests.vllm.harness import TRANSFERS, Publisher, logprob_gap, requests, sample, until
 
 pytestmark = pytest.mark.vllm
 LONG = 1500
-"""Tokens of the request in flight while the weights change: 2.6 s here (200 took 0.5 s, too close to what forming
-a group and posting the update take), so the update surely comes while it runs; each test asserts that it did."""
+"""Tokens of the request in flight while the weights change: ~4 s here (200 took 0.5 s, too close to what posting
+the update can take), so the update surely comes while it runs; each test asserts that it did."""
 SETTLE_S = 0.5
 """How long the long request runs before the weights change (vLLM's `num_requests_running` gauge lags by more)."""
 
@@ -133,7 +134,9 @@ def test_without_the_gate_vllm_reloads_under_a_running_request(dense, tokenizer,
 def test_collective_transport_brings_two_vllm_servers_to_each_version(dense, tokenizer, tmp_path):
     """`HttpRollouts` with `server="vllm"`, `transfer="collective"` (the filesystem fallback on, as by default), its
     probe after every version: both servers sample exactly the trainer's weights after v0, v1 and v2, the pool's
-    clients tag every token with the version, every byte went over the groups, and no directory was written."""
+    clients tag every token with the version, every byte went over the groups, and no directory was written.
+    Before v2 another client takes server 0's group (a worker holds one): the transfer to it is refused (409),
+    retried once on a new group, and succeeds."""
     v0 = dense.models[0]
     published = tmp_path / "published"
     state_bytes = sum(t.numel() * t.element_size() for t in v0.state_dict().values())
@@ -157,6 +160,8 @@ def test_collective_transport_brings_two_vllm_servers_to_each_version(dense, tok
         try:
             await rollouts.start()
             for version, model in enumerate(dense.models):
+                if version == 2:
+                    await _take_group(dense.urls[0])
                 if version:
                     weights = {name: t.detach().clone() for name, t in model.state_dict().items()}
                     await rollouts.publish(weights, version)
@@ -175,16 +180,26 @@ def test_collective_transport_brings_two_vllm_servers_to_each_version(dense, tok
         return seen, metrics
 
     seen, metrics = asyncio.run(main())
-    assert log == []
+    assert not [line for line in log if "failed" in line or "taken out" in line], log  # no fallback, no probe failure
     for version, url, results in seen:
         model, others = dense.models[version], [m for v, m in enumerate(dense.models) if v != version]
         assert all(r.versions == [version] * len(r.token_ids) for r in results), url
         assert logprob_gap(model, results, 1.0) < 1e-4, (version, url)
         assert all(logprob_gap(other, results, 1.0) > 1e-2 for other in others), (version, url)
-    assert metrics["rollout/transfer_fallbacks"] == 0 and metrics["rollout/transfer_retries"] == 0
+    assert metrics["rollout/transfer_fallbacks"] == 0 and metrics["rollout/transfer_retries"] == 1
     assert metrics["rollout/probe_failures"] == 0 and metrics["rollout/probe_max_abs_diff"] < 1e-4
     assert metrics["rollout/engines_live"] == 2 and metrics["rollout/engine_errors"] == 0
     assert not published.exists()
+
+
+async def _take_group(url: str) -> None:
+    """Form a transfer group with the server at `url` from another trainer-side `Sender` (a client of its own)."""
+    sender = Sender()
+    request = sender.request(url)
+    async with EngineClient(url, backend="vllm") as other:
+        join = asyncio.create_task(other.join_group(request.model_dump()))
+        await asyncio.to_thread(sender.form, url, request)
+        assert (await join)["transfer_group"] == request.group
 
 
 if __name__ == "__main__":
