@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from bench import async_bench, engine_bench, gae_bench, loop_bench, placement_bench, sandbox_bench
+from bench import async_bench, engine_bench, gae_bench, loop_bench, placement_bench, sandbox_bench, transfer_bench
 
 BENCHES = {
     "gae": gae_bench.run,
@@ -13,6 +13,7 @@ BENCHES = {
     "loop": loop_bench.run,
     "sandbox": sandbox_bench.run,
     "placement": placement_bench.run,
+    "transfer": transfer_bench.run,
 }
 
 

@@ -174,8 +174,6 @@ class HttpRollouts:
         self.version = version
         self.probe_every, self.probe_tolerance, self.log = probe_every, probe_tolerance, log
         self.overlap = overlap
-        self.keeps_weights = True
-        """`publish` keeps `weights` (staged versions are sent from them later): the caller passes a copy."""
         self.probe_diff = 0.0
         self.probe_failures = 0
         self.transfer_s = self.publish_bytes = 0.0
@@ -194,6 +192,9 @@ class HttpRollouts:
             self.transport = CollectiveTransport(
                 self.publish_dir, bucket_mb * 2**20, transfer_address, transfer_timeout_s, fallback, log, backend
             )
+        self.keeps_weights = not self.transport.copies
+        """`publish` keeps `weights` (the filesystem path writes them later): the caller passes a copy. The collective
+        transport packs them into its buckets before `publish` returns."""
         self._lock = asyncio.Lock()
         clients = [
             EngineClient(
@@ -218,7 +219,8 @@ class HttpRollouts:
         # started from a directory the trainer does not hold (another checkpoint, another rope or dtype) would
         # otherwise sample the first batches, and their DIS ratios would compare two different models.
         files.remove_above(version)  # a crashed predecessor's versions: never to be served again
-        weights = _host_copy(module_template.state_dict())
+        weights = module_template.state_dict()
+        weights = weights if self.transport.copies else _host_copy(weights)
         validate_weights(self._template, weights)
         self.engine.latest = (self._stage(weights, version), version)
         for pool_server, (url, info) in zip(self.engine.servers, health.items()):
@@ -249,8 +251,11 @@ class HttpRollouts:
             await self.settle()  # one version in transfer at a time: the staged copies are kept per version
             began = time.perf_counter()
             validate_weights(self._template, weights)
+            label = None
+            if self.transport.copies:  # staged now, from the trainer's tensors: they may move once this returns
+                label = await asyncio.to_thread(self._stage, weights, version)
             self.version = version
-            self._pending = asyncio.create_task(self._send(weights, version, began))
+            self._pending = asyncio.create_task(self._send(weights, version, began, label))
             if not self.overlap:
                 await self.settle()
 
@@ -260,9 +265,10 @@ class HttpRollouts:
         if pending is not None:
             await pending
 
-    async def _send(self, weights: dict[str, torch.Tensor], version: int, began: float) -> None:
+    async def _send(self, weights: dict[str, torch.Tensor], version: int, began: float, label: str | None) -> None:
         moved = self.transport.bytes
-        label = await asyncio.to_thread(self._stage, weights, version)
+        if label is None:
+            label = await asyncio.to_thread(self._stage, weights, version)
         fault_point("weights.publish")  # staged for the servers, not yet loaded by them
         await self.engine.publish(label, version)
         self.transfer_s, self.publish_bytes = time.perf_counter() - began, float(self.transport.bytes - moved)
@@ -321,8 +327,9 @@ class HttpRollouts:
     def _stage(self, weights: dict[str, torch.Tensor], version: int) -> str:
         """Load `weights` into the host copy (the probe's reference) and stage them as `version` with the transport;
         returns the label the servers report."""
-        assign_weights(self._template, weights)
-        return self.transport.stage(weights, version)
+        label, held = self.transport.stage(weights, version)
+        assign_weights(self._template, held)
+        return label
 
     def _published_here(self, path: str | None) -> bool:
         """Whether `path` (as a server reports it) is one of `publish_dir`'s version directories."""

@@ -104,9 +104,10 @@ def plan_buckets(weights: dict[str, torch.Tensor], bucket_bytes: int) -> list[tu
 
 
 def pack(weights: dict[str, torch.Tensor], bucket: tuple[int, list[Spec]], device: torch.device) -> torch.Tensor:
-    """The bytes of one bucket's tensors, each at its aligned offset, as one uint8 tensor on `device`."""
+    """The bytes of one bucket's tensors, each at its aligned offset, as one uint8 tensor on `device` (the padding
+    between them is left as allocated: nobody reads it)."""
     size, specs = bucket
-    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+    buffer = torch.empty(size, dtype=torch.uint8, device=device)
     offset = 0
     for name, _, _ in specs:
         flat = weights[name].detach().contiguous().reshape(-1).view(torch.uint8)
@@ -284,18 +285,19 @@ class Sender:
         group = pair_group(self._store, request.group, 0, self.backend, self.address, self.timeout_s)
         self._groups[url] = _Held(request.group, group)
 
-    def send(self, url: str, weights: dict[str, torch.Tensor], buckets: list[tuple[int, list[Spec]]]) -> int:
-        """Broadcast every bucket to `url`'s group; returns the bytes sent. RuntimeError when the peer fails."""
+    def send(self, url: str, buffers: list[torch.Tensor]) -> int:
+        """Broadcast the packed buckets `buffers` (host tensors, shared by every server's transfer) to `url`'s group;
+        returns the bytes sent. RuntimeError when the peer fails."""
         held = self._groups[url]
-        device = torch.device("cuda", torch.cuda.current_device()) if _is_nccl(held.group) else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if _is_nccl(held.group) else None
         try:
-            for bucket in buckets:
-                broadcast(held.group, pack(weights, bucket, device))
+            for buffer in buffers:
+                broadcast(held.group, buffer if device is None else buffer.to(device, non_blocking=True))
                 fault_point("weights.bucket")
         except Exception:  # gloo's RuntimeError, a socket's OSError: the group is gone, the peer too perhaps
             self.drop(url)  # the server's receive fails when it sees this process die, else at its timeout
             raise
-        return sum(size for size, _ in buckets)
+        return sum(buffer.numel() for buffer in buffers)
 
     def clear(self, key: str) -> None:
         self._store.delete_key(key)

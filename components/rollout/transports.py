@@ -30,7 +30,7 @@ from torch import nn
 
 from components.models import save_model_dir
 from components.rollout.client import EngineClient, EngineError
-from components.rollout.transfer import Sender, joined_key, plan_buckets, ready_key
+from components.rollout.transfer import Sender, joined_key, pack, plan_buckets, ready_key, unpack
 from components.storage import MARKER, atomic_dir
 
 PUBLISHED = re.compile(r"v\d{8}")
@@ -41,13 +41,16 @@ KEEP_STAGED = 2
 
 class Transport(Protocol):
     name: str
+    copies: bool
+    """Whether `stage` copies `weights` (then they may be the trainer's live tensors, and staging must end before
+    the trainer moves them); else it keeps them, and the caller passes a copy."""
     bytes: int
     """Bytes moved to servers so far (cumulative)."""
 
-    def stage(self, weights: dict[str, torch.Tensor], version: int) -> str:
-        """Make `weights` (host tensors the transport may keep) ready to send as `version`; returns the label the
-        servers will report. The last `KEEP_STAGED` versions stay ready: a server reviving with the previous one
-        while the next is staged still gets the whole of it."""
+    def stage(self, weights: dict[str, torch.Tensor], version: int) -> tuple[str, dict[str, torch.Tensor]]:
+        """Make `weights` ready to send as `version`; returns the label the servers will report and the host
+        tensors now held for it. The last `KEEP_STAGED` versions stay ready: a server reviving with the previous
+        one while the next is staged still gets the whole of it."""
 
     async def load(self, client: EngineClient, label: str, version: int, rewind: bool) -> None:
         """Bring the server behind `client` to the staged `version` (raises what the pool reads as a failure)."""
@@ -63,13 +66,14 @@ class FilesystemTransport:
     """Versions as HF directories under `publish_dir`, read by the servers (module docstring)."""
 
     name = "filesystem"
+    copies = False
 
     def __init__(self, template: nn.Module, tokenizer, publish_dir: Path) -> None:
         self.template, self.tokenizer, self.publish_dir = template, tokenizer, publish_dir
         self._published: list[Path] = []
         self.bytes = 0
 
-    def stage(self, weights: dict[str, torch.Tensor], version: int) -> str:
+    def stage(self, weights: dict[str, torch.Tensor], version: int) -> tuple[str, dict[str, torch.Tensor]]:
         path = version_dir(self.publish_dir, version)
         if path not in self._published:
             assign_weights(self.template, weights)
@@ -77,7 +81,7 @@ class FilesystemTransport:
                 save_model_dir(self.template, self.tokenizer, tmp)
             self._published.append(path)
             self._prune()
-        return str(path)
+        return str(path), weights
 
     async def load(self, client: EngineClient, label: str, version: int, rewind: bool) -> None:
         await client.publish_weights(label, version, rewind)
@@ -107,6 +111,7 @@ class CollectiveTransport:
     """Buckets over a process group per server (module docstring); `fallback` takes a server the group fails."""
 
     name = "collective"
+    copies = True  # each version is packed into its buckets once, and sent from them to every server
 
     def __init__(
         self,
@@ -126,15 +131,20 @@ class CollectiveTransport:
             f"buckets of {bucket_bytes / 2**20:g} MB"
         )
         self.sent, self.retries, self.fallbacks = 0, 0, 0
-        self._staged: dict[int, tuple[dict[str, torch.Tensor], list]] = {}
-        """version -> (its tensors, their buckets), the last `KEEP_STAGED` versions."""
+        self._staged: dict[int, tuple[dict[str, torch.Tensor], list, list[torch.Tensor]]] = {}
+        """version -> (its tensors, viewed out of its buckets; the buckets' manifest; the packed buckets), for the
+        last `KEEP_STAGED` versions."""
 
-    def stage(self, weights: dict[str, torch.Tensor], version: int) -> str:
+    def stage(self, weights: dict[str, torch.Tensor], version: int) -> tuple[str, dict[str, torch.Tensor]]:
         unique = _unique_tensors(weights)
-        self._staged[version] = (unique, plan_buckets(unique, self.bucket_bytes))
+        buckets = plan_buckets(unique, self.bucket_bytes)
+        buffers = [pack(unique, bucket, torch.device("cpu")) for bucket in buckets]
+        views = {name: t for buffer, (_, specs) in zip(buffers, buckets) for name, t in unpack(buffer, specs).items()}
+        held = {name: views[name] if name in views else views[_twin(name, weights, unique)] for name in weights}
+        self._staged[version] = (held, buckets, buffers)
         for old in sorted(self._staged)[:-KEEP_STAGED]:
             del self._staged[old]
-        return str(version_dir(self.publish_dir, version))
+        return str(version_dir(self.publish_dir, version)), held
 
     async def load(self, client: EngineClient, label: str, version: int, rewind: bool) -> None:
         failure: Exception | None = None
@@ -158,7 +168,7 @@ class CollectiveTransport:
             f"rollout: collective transfer of v{version} to {client.base_url} failed twice ({failure}); "
             "sending it through the filesystem path"
         )
-        path = await asyncio.to_thread(self.fallback.stage, self._staged[version][0], version)  # fallback: own module
+        path, _ = await asyncio.to_thread(self.fallback.stage, self._staged[version][0], version)  # its own module
         await self.fallback.load(client, path, version, rewind)
 
     @property
@@ -191,7 +201,7 @@ class CollectiveTransport:
     async def _transfer(self, client: EngineClient, label: str, version: int, rewind: bool) -> None:
         if version not in self._staged:
             raise ValueError(f"version: v{version} is not staged (staged: {sorted(self._staged)})")
-        weights, buckets = self._staged[version]
+        _, buckets, buffers = self._staged[version]
         url, group = client.base_url, self.sender.group_id(client.base_url)
         body = {"group": group, "version": version, "rewind": rewind, "path": label, "buckets": buckets}
         post = asyncio.create_task(client.receive_weights(body))
@@ -199,7 +209,7 @@ class CollectiveTransport:
             key = ready_key(group, version)
             await self._arrival(key, post, client)
             self.sender.clear(key)
-            sent = await asyncio.to_thread(self.sender.send, url, weights, buckets)
+            sent = await asyncio.to_thread(self.sender.send, url, buffers)
         except BaseException:
             post.cancel()  # the server's answer (its failed receive) says nothing more than this error
             await asyncio.gather(post, return_exceptions=True)
@@ -243,6 +253,12 @@ def _unique_tensors(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
             seen.add(tensor.data_ptr())
             out[name] = tensor
     return out
+
+
+def _twin(name: str, weights: dict[str, torch.Tensor], unique: dict[str, torch.Tensor]) -> str:
+    """The name under which `unique` holds the tensor `name` shares its storage with (a tied weight)."""
+    ptr = weights[name].data_ptr()
+    return next(other for other, tensor in unique.items() if tensor.data_ptr() == ptr)
 
 
 def _state_bytes(weights: dict[str, torch.Tensor]) -> int:

@@ -149,6 +149,8 @@ class Learner:
         state: dict[str, torch.Tensor] = {}
         for part in self.policy.full_state():
             state.update(part)
+        if self.partitioned:
+            return state  # the gathers made fresh host copies: nothing live to copy
         if copy or self.device.type != "cpu":
             state = {k: v.to("cpu", copy=True) if v.device.type != "cpu" or copy else v for k, v in state.items()}
         return state

@@ -94,10 +94,10 @@ class _DroppingTransport(FilesystemTransport):
 
     def __init__(self, template, tokenizer, publish_dir) -> None:
         super().__init__(template, tokenizer, publish_dir)
-        self.stale = super().stage(dict(template.state_dict()), 0)
+        self.stale, _ = super().stage(dict(template.state_dict()), 0)
 
-    def stage(self, weights, version: int) -> str:
-        return self.stale
+    def stage(self, weights, version: int):
+        return self.stale, weights
 
     async def load(self, client, label, version, rewind):
         await client.publish_weights(label, version, True)

@@ -205,8 +205,7 @@ class Publisher:
             path = await asyncio.to_thread(save_model_dir, model, self.tokenizer, self.workdir / f"v{version}")
             await client.publish_weights(str(path), version)
         else:
-            weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-            label = self.transport.stage(weights, version)
+            label, _ = self.transport.stage(model.state_dict(), version)  # packed into its buckets: a copy
             await self.transport.load(client, label, version, rewind=False)
 
 
