@@ -138,7 +138,7 @@ gpu-wheels: $(STAMP)
 		--platform any -d .whl \
 		$$(for w in $(GPU_WHEELS); do echo "$$w==$$($(PY) -c "import importlib.metadata as m; print(m.version('$$w'))")"; done)
 
-# make bench [BENCH=gae|engine|async|loop|sandbox|placement]
+# make bench [BENCH=gae|engine|async|loop|sandbox|placement|transfer]
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH)
 

@@ -103,11 +103,13 @@ def plan_buckets(weights: dict[str, torch.Tensor], bucket_bytes: int) -> list[tu
     return buckets
 
 
-def pack(weights: dict[str, torch.Tensor], bucket: tuple[int, list[Spec]], device: torch.device) -> torch.Tensor:
-    """The bytes of one bucket's tensors, each at its aligned offset, as one uint8 tensor on `device` (the padding
-    between them is left as allocated: nobody reads it)."""
+def pack(
+    weights: dict[str, torch.Tensor], bucket: tuple[int, list[Spec]], device: torch.device, pinned: bool = False
+) -> torch.Tensor:
+    """The bytes of one bucket's tensors, each at its aligned offset, as one uint8 tensor on `device` (in pinned
+    host memory with `pinned`; the padding between them is left as allocated: nobody reads it)."""
     size, specs = bucket
-    buffer = torch.empty(size, dtype=torch.uint8, device=device)
+    buffer = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pinned)
     offset = 0
     for name, _, _ in specs:
         flat = weights[name].detach().contiguous().reshape(-1).view(torch.uint8)

@@ -138,7 +138,8 @@ class CollectiveTransport:
     def stage(self, weights: dict[str, torch.Tensor], version: int) -> tuple[str, dict[str, torch.Tensor]]:
         unique = _unique_tensors(weights)
         buckets = plan_buckets(unique, self.bucket_bytes)
-        buffers = [pack(unique, bucket, torch.device("cpu")) for bucket in buckets]
+        pinned = self.sender.backend == "nccl"  # each server's copy to the GPU goes at twice the pageable speed
+        buffers = [pack(unique, bucket, torch.device("cpu"), pinned) for bucket in buckets]
         views = {name: t for buffer, (_, specs) in zip(buffers, buckets) for name, t in unpack(buffer, specs).items()}
         held = {name: views[name] if name in views else views[_twin(name, weights, unique)] for name in weights}
         self._staged[version] = (held, buckets, buffers)
