@@ -57,11 +57,12 @@ class SaoWorkerExtension:
     def sao_join_group(self, **body) -> dict:
         """Join the trainer's two-member group `body["group"]` as rank 1 (replacing any group held); returns once the
         trainer has formed its side. The fields are transfer.GroupRequest's."""
+        # imported in the worker process, not when vLLM imports this module (module docstring)
         import datetime
 
-        from torch.distributed import TCPStore
+        from torch.distributed import TCPStore  # as above
 
-        from components.rollout.transfer import GroupRequest, _own_address, joined_key, pair_group
+        from components.rollout.transfer import GroupRequest, _own_address, joined_key, pair_group  # as above
 
         try:
             request = GroupRequest(**body)
@@ -90,10 +91,11 @@ class SaoWorkerExtension:
         """Set the ready key, receive every bucket of `body["buckets"]` over the group held, and load the tensors; the
         fields are transfer.ReceiveRequest's (`version`, `rewind` and `path` are labels here: vLLM keeps no version).
         A refusal before the load comes back as `{"error", "param", "weights_unchanged": True}`."""
+        # imported in the worker process, not when vLLM imports this module (module docstring)
         import torch
         import torch.distributed as dist
 
-        from components.rollout.transfer import ReceiveRequest, broadcast, ready_key, unpack
+        from components.rollout.transfer import ReceiveRequest, broadcast, ready_key, unpack  # as above
 
         start = time.perf_counter()
         try:
@@ -148,6 +150,7 @@ def _refusal(exc: Exception, param: str | None = None, status: int = 400) -> dic
 def _load(worker, tensors: list) -> None:
     """Load checkpoint-named tensors in place through vLLM's layerwise reload (module docstring); ValueError naming
     the parameters the tensors left out (those keep their old values: a partial update is never silent)."""
+    # vLLM exists only in the worker's venv (module docstring)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
@@ -173,6 +176,7 @@ def _load(worker, tensors: list) -> None:
 def _cpu_experts(model) -> list:
     """(layer, isa) of every unquantized MoE layer that vLLM's CPU expert kernel repacks (module docstring)."""
     try:
+        # vLLM exists only in the worker's venv (module docstring)
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:  # not a CPU build
         return []
@@ -188,6 +192,7 @@ def _cpu_experts(model) -> list:
 def _repack_cpu_experts(layers: list) -> None:
     """Pack freshly reloaded (plain layout) expert weights into the CPU kernel's layout, in place: the step vLLM
     0.32 skips on a reload. Only for layers whose weights the reload has just written."""
+    # vLLM exists only in the worker's venv (module docstring)
     from vllm._custom_ops import cpu_prepack_moe_weight
 
     for module, isa in layers:

@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-import torch
 
 from components.cli.main import main
 from components.models import save_model_dir
@@ -30,20 +29,11 @@ from components.rollout.engine_process import free_port
 from components.rollout.pool import EnginesDown
 from components.rollout.protocol import SamplingRequest
 from components.rollout.server import ServerThread, create_app
+from tests.rollout.test_backends import _version
 
 TOKEN, KEY = "weights-token-3f9c1a", "api-key-77d0e2"
 WEIGHTS, API = bearer(TOKEN), bearer(KEY)
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _perturbed(model, seed: int):
-    """A perturbed copy of `model`: weights that would change every log-prob if they were loaded."""
-    out = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in out.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +43,8 @@ def dirs(tiny, tmp_path_factory):
     model, tokenizer = tiny
     base = tmp_path_factory.mktemp("access")
     root = base / "published"
-    inside = save_model_dir(_perturbed(model, 1), tokenizer, root / "v00000001")
-    outside = save_model_dir(_perturbed(model, 2), tokenizer, base / "elsewhere" / "policy")
+    inside = save_model_dir(_version(model, 1), tokenizer, root / "v00000001")
+    outside = save_model_dir(_version(model, 2), tokenizer, base / "elsewhere" / "policy")
     (root / "link").symlink_to(outside, target_is_directory=True)
     return SimpleNamespace(
         start=save_model_dir(model, tokenizer, base / "start"),
@@ -297,7 +287,7 @@ def _request(tokenizer, i: int) -> SamplingRequest:
 @pytest.mark.parametrize("transfer", ["filesystem", "collective"])
 def test_the_trainer_with_the_token_and_key_publishes_and_samples(tiny, guarded, transfer):
     model, tokenizer = tiny
-    v1 = {k: v.detach().clone() for k, v in _perturbed(model, 3).state_dict().items()}
+    v1 = {k: v.detach().clone() for k, v in _version(model, 3).state_dict().items()}
 
     async def run():
         rollouts = HttpRollouts(

@@ -46,9 +46,8 @@ def test_buckets_pack_at_aligned_offsets_and_unpack_to_the_same_tensors():
 
 
 def _rollouts(urls, model, tokenizer, publish_dir, **kwargs) -> HttpRollouts:
-    return HttpRollouts(
-        urls, model, tokenizer, publish_dir, transfer="collective", probe_every=1, transfer_timeout_s=20, **kwargs
-    )
+    settings = {"transfer": "collective", "probe_every": 1, "transfer_timeout_s": 20, **kwargs}
+    return HttpRollouts(urls, model, tokenizer, publish_dir, **settings)
 
 
 def test_collective_transfer_reaches_both_servers_without_a_file_and_the_probe_agrees(tiny, serve, tmp_path):
@@ -223,16 +222,8 @@ def test_a_transfer_broken_mid_way_is_retried_on_a_new_group(tiny, serve, tmp_pa
     async def run():
         # 1 MB buckets: the tiny model's weights take several, and the first transfer of v1 breaks after its second.
         # The server notices only at its timeout (both processes live on; gloo cannot interrupt its receive).
-        rollouts = HttpRollouts(
-            [a.url],
-            model,
-            tokenizer,
-            tmp_path / "p",
-            transfer="collective",
-            probe_every=1,
-            transfer_timeout_s=3,
-            bucket_mb=1,
-            log=lines.append,
+        rollouts = _rollouts(
+            [a.url], model, tokenizer, tmp_path / "p", transfer_timeout_s=3, bucket_mb=1, log=lines.append
         )
         await rollouts.start()
         group = httpx.get(f"{a.url}/health").json()["transfer_group"]
@@ -261,16 +252,8 @@ def test_a_transfer_that_fails_twice_goes_through_the_filesystem_then_collective
     lines = []
 
     async def run():
-        rollouts = HttpRollouts(
-            [a.url],
-            model,
-            tokenizer,
-            tmp_path / "p",
-            transfer="collective",
-            probe_every=1,
-            transfer_timeout_s=3,
-            bucket_mb=1,
-            log=lines.append,
+        rollouts = _rollouts(
+            [a.url], model, tokenizer, tmp_path / "p", transfer_timeout_s=3, bucket_mb=1, log=lines.append
         )
         await rollouts.start()
         bucket_faults("weights.bucket@1+:raise")  # every collective transfer breaks after its first bucket
