@@ -243,6 +243,7 @@ def _dispatch(args: argparse.Namespace, cfg, home: Path) -> None:
         from components.rollout.access import Access, check_bind
         from components.rollout.server import serve
 
-        check_bind(args.host, Access.from_environment(args.publish_root))
+        access = Access.from_environment(args.publish_root)
+        check_bind(args.host, access)
         _check_port(args.host, args.port)
-        serve(args.model, args.host, args.port, args.max_batch, args.threads, args.publish_root)
+        serve(args.model, args.host, args.port, args.max_batch, args.threads, access)

@@ -24,7 +24,7 @@ import copy
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
 import httpx
 import torch
@@ -48,7 +48,7 @@ from components.rollout.weights import validate_weights
 
 ServerKind = Literal["sao", "vllm"]
 TransferName = Literal["filesystem", "collective"]
-TRANSFERS = ("filesystem", "collective")
+TRANSFERS = get_args(TransferName)
 _CLIENT_BACKEND: dict[str, str] = {"sao": "embedded", "vllm": "vllm"}
 
 
@@ -178,13 +178,14 @@ class HttpRollouts:
         self.probe_failures = 0
         self.transfer_s = self.publish_bytes = 0.0
         self._pending: asyncio.Task | None = None
-        # A host copy of the model: the filesystem path saves it, the probe computes the reference log-probs on it.
-        self._template = copy.deepcopy(module_template).to("cpu").eval()
+        # A host model for each staged version's tensors (assigned, not copied): the filesystem path saves it, the
+        # probe computes its reference log-probs on it.
+        self._template = _meta_copy(module_template).eval()
         files = FilesystemTransport(self._template, tokenizer, self.publish_dir)
         self.transport: Transport = files
         if transfer == "collective":
             # the fallback writes a version a reviving server asks for while the host copy may hold the next one
-            fallback = FilesystemTransport(_meta_copy(self._template), tokenizer, self.publish_dir)
+            fallback = FilesystemTransport(_meta_copy(module_template), tokenizer, self.publish_dir)
             fallback = fallback if transfer_fallback else None
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             answering = next(url for url, info in health.items() if info is not None)
@@ -221,7 +222,6 @@ class HttpRollouts:
         files.remove_above(version)  # a crashed predecessor's versions: never to be served again
         weights = module_template.state_dict()
         weights = weights if self.transport.copies else _host_copy(weights)
-        validate_weights(self._template, weights)
         self.engine.latest = (self._stage(weights, version), version)
         for pool_server, (url, info) in zip(self.engine.servers, health.items()):
             if info is None:
@@ -340,10 +340,9 @@ class HttpRollouts:
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
-    """A copy of `module` whose tensors have no storage (it is given those of each version it writes)."""
-    memo: dict[int, torch.Tensor] = {id(b): torch.empty_like(b, device="meta") for b in module.buffers()}
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    """A host copy of `module` whose parameters have no storage (it is assigned those of each version it serves);
+    its buffers are copied (rotary tables and the like are not in the weights sent). `module` lives on the host."""
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False) for p in module.parameters()}
     return copy.deepcopy(module, memo)
 
 

@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from safetensors import SafetensorError
 
 from components.models import load_policy, load_tokenizer
-from components.rollout.access import OPEN, Access, bearer_matches, check_bind
+from components.rollout.access import OPEN, Access, bearer_matches
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.engine_process import EngineProcess
 from components.rollout.protocol import SamplingRequest
@@ -268,12 +268,10 @@ def serve(
     port: int = 8000,
     max_batch: int = 64,
     threads: int | None = None,
-    publish_root: str | Path | None = None,
+    access: Access = OPEN,
 ) -> None:
-    """`sao engine serve`: load an HF model directory and serve it until interrupted, to the callers the
-    environment's token and key let in (`Access.from_environment`); weights only from inside `publish_root`."""
-    access = Access.from_environment(publish_root)
-    check_bind(host, access)
+    """`sao engine serve`: load an HF model directory and serve it until interrupted, to the callers `access` lets
+    in (the CLI builds it from the environment and `--publish-root`, and refuses an unsafe bind with `check_bind`)."""
     if threads is not None:
         # Busy-waiting OpenMP threads collapse throughput when clients share the cores (measured: 2 threads
         # with 32 local clients gave 0.56x of 1 thread).

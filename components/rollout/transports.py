@@ -40,7 +40,6 @@ KEEP_STAGED = 2
 
 
 class Transport(Protocol):
-    name: str
     copies: bool
     """Whether `stage` copies `weights` (then they may be the trainer's live tensors, and staging must end before
     the trainer moves them); else it keeps them, and the caller passes a copy."""
@@ -65,13 +64,13 @@ def version_dir(publish_dir: Path, version: int) -> Path:
 class FilesystemTransport:
     """Versions as HF directories under `publish_dir`, read by the servers (module docstring)."""
 
-    name = "filesystem"
     copies = False
 
     def __init__(self, template: nn.Module, tokenizer, publish_dir: Path) -> None:
         self.template, self.tokenizer, self.publish_dir = template, tokenizer, publish_dir
         self._published: list[Path] = []
         self.bytes = 0
+        self._size = 0  # bytes of the version staged last: what each server reads of it
 
     def stage(self, weights: dict[str, torch.Tensor], version: int) -> tuple[str, dict[str, torch.Tensor]]:
         path = version_dir(self.publish_dir, version)
@@ -81,11 +80,12 @@ class FilesystemTransport:
                 save_model_dir(self.template, self.tokenizer, tmp)
             self._published.append(path)
             self._prune()
+            self._size = _state_bytes(weights)
         return str(path), weights
 
     async def load(self, client: EngineClient, label: str, version: int, rewind: bool) -> None:
         await client.publish_weights(label, version, rewind)
-        self.bytes += _state_bytes(self.template.state_dict())
+        self.bytes += self._size
 
     def metrics(self) -> dict[str, float]:
         return {}
@@ -110,7 +110,6 @@ class FilesystemTransport:
 class CollectiveTransport:
     """Buckets over a process group per server (module docstring); `fallback` takes a server the group fails."""
 
-    name = "collective"
     copies = True  # each version is packed into its buckets once, and sent from them to every server
 
     def __init__(

@@ -25,6 +25,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from components.chat import chat_format
 from components.contracts.chat import PYTHON_TOOL, Prompt
 from components.models import save_model_dir, token_logprobs
+from components.rollout.backends import TRANSFERS
 from components.rollout.client import EngineClient
 from components.rollout.protocol import SamplingRequest, SamplingResult
 from components.rollout.transports import CollectiveTransport
@@ -184,9 +185,6 @@ def logprob_gap(model, results: list[SamplingResult], temperature: float) -> flo
         expected = token_logprobs(model, ids, temperature)[0, len(r.prompt_ids) :]
         worst = max(worst, (torch.tensor(r.logprobs) - expected).abs().max().item())
     return worst
-
-
-TRANSFERS = ("filesystem", "collective")
 
 
 class Publisher:
