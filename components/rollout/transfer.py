@@ -206,7 +206,8 @@ class Receiver:
 
     async def receive(self, request: ReceiveRequest) -> int:
         """Receive every bucket, then load the tensors as `request.version`; returns the bytes received.
-        ValueError (after draining the buckets) when the group is not the one held or the tensors do not fit."""
+        `GroupMismatch` at once (before the ready key, so the trainer broadcasts nothing) when the group is not the
+        one held; ValueError after draining every bucket when the tensors do not fit the model."""
         async with self._lock:
             held = self._held
             if held is None or held.id != request.group:
