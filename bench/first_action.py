@@ -30,6 +30,7 @@ from components.config import Config
 from components.contracts.markers import CALL, CALL_END, prompt_text
 from components.envs.registry import build_env
 from components.models import load_policy, load_tokenizer
+from components.training.engines import read_module_state
 from components.training.recording import Recording
 
 WINDOWS = ((1, 50), (51, 100), (101, 200))
@@ -94,7 +95,7 @@ def report(home: Path, sft_dir: Path | None) -> list[str]:
     curve, code = [], []
     for checkpoint in sorted((home / "checkpoints" / cfg.name).glob("step-*")):
         if (checkpoint / "_COMPLETE").exists():
-            model.load_state_dict(torch.load(checkpoint / "policy.pt", weights_only=False)["module"])
+            model.load_state_dict(read_module_state(checkpoint / "policy"))
             p = p_call(model, zone, call)
             step = int(checkpoint.name.split("-")[1])
             curve.append(f"{step}:{p.mean():.2f}/{int((p > 0.5).sum())}" if len(p) else f"{step}:-")
