@@ -1,6 +1,8 @@
 """`sao sweep`: one config trained with N RL seeds from one shared SFT policy, and a table of how each ended.
 
     home/models/sft-<env>/                  the shared SFT policy (trained once, as `sao train` does)
+    home/models/critic-<env>-<key>/         the shared pretrained critic, when `value_pretrain.warm_start` (as the
+                                            pipeline starts RL; a set `train.critic_path` is used as it is)
     home/sweeps/<name>/config.json          the swept config (a re-run with another config is refused)
     home/sweeps/<name>/seed-<k>/            each seed's own run home: checkpoints, metrics, policy, report
     home/sweeps/<name>/seed-<k>/result.json that seed's row, written last (a finished seed is not re-run)
@@ -29,8 +31,10 @@ from components.config import Config, to_dict
 from components.envs.registry import build_env
 from components.stages.evaluate import run_eval
 from components.stages.home import Log
+from components.stages.pipeline import uses_critic
 from components.stages.recipes import fingerprint
 from components.stages.sft import run_sft, sft_eval
+from components.stages.value_pretrain import run_value_pretrain
 from components.storage import HomeStateError, write_json
 from components.tracking import DiskTracker, open_tracker
 from components.tracking.stage_runs import StageRun, tagged_run
@@ -80,6 +84,9 @@ def run_sweep(
     write_json(stored, swept)
     sft_dir = run_sft(cfg, home, log=log)
     sft_accuracy = sft_eval(cfg, sft_dir, home, log)
+    if uses_critic(cfg) and cfg.value_pretrain.warm_start and not cfg.train.critic_path:
+        critic_dir, _ = run_value_pretrain(cfg, home, sft_dir, log)
+        cfg = replace(cfg, train=replace(cfg.train, critic_path=str(critic_dir)))
     parent = tagged_run(cfg, home, SWEEP_TAG, name, f"sweep/{name}")
     log(
         f"sweep {name}: {seeds} seed(s) from {first_seed}, SFT held-out accuracy {sft_accuracy:.1%}; "

@@ -1,6 +1,8 @@
 """`sao sweep`: N seeds from one SFT policy, a table, MLflow runs nested under one parent, re-runs continue."""
 
 import csv
+import json
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,10 @@ SMALL = [
     "task.eval_size=8",
     "--set",
     'train.backend="torch"',
+    "--set",
+    "value_pretrain.episodes=16",
+    "--set",
+    "value_pretrain.max_epochs=1",
 ]
 
 
@@ -38,6 +44,12 @@ def test_sweep_writes_a_table_and_nested_mlflow_runs_and_continues(seeded_home, 
     assert sorted(r.info.run_name for r in children) == ["t/seed-1", "t/seed-2"]
     assert all("eval/tir_math/accuracy" in r.data.metrics for r in children)
     assert parent.data.metrics["sweep/accuracy_min"] == min(float(r["accuracy"]) for r in rows)
+    # Every seed starts from the one critic pretrained on the SFT policy, as the pipeline's RL does.
+    critics = {
+        json.loads((root / f"seed-{k}" / "batches" / "manifest.json").read_text())["config"]["train"]["critic_path"]
+        for k in (1, 2)
+    }
+    assert len(critics) == 1 and (Path(critics.pop()) / "value_head.safetensors").is_file()
 
     # Re-running continues: finished seeds are read back (no new runs), the SFT evaluation is reused, one more
     # seed is added.
