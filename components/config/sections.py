@@ -274,6 +274,13 @@ class TrainConfig:
     """AdamW weight decay for both models."""
     adam_beta2: Annotated[float, Field(gt=0, lt=1)] = 0.95
     """AdamW second-moment decay for both models (tiny-cpu: 0.999 collapsed 2 of 3 runs, 0.95 1 of 5)."""
+    adam_eps: PositiveFloat = 1e-8
+    """AdamW epsilon of RL's policy and critic (SFT and value pretraining keep 1e-8). A step is about lr per parameter
+    whatever the gradient's size once that size is well above epsilon; a larger epsilon makes a parameter whose
+    gradient stays below it move in proportion to the gradient instead. tiny-cpu: 1e-5, between its quiet steps'
+    per-parameter gradient (about 3e-6) and a learning step's (about 6e-5), after a single update at 1e-8 took a run
+    from 75.5% to 25% held-out (docs/stability.md). Scale it with the model: a 30B model's per-parameter gradients
+    are orders of magnitude smaller."""
     grad_clip: float = 1.0
     """Global gradient-norm clip for both models."""
     warmup_steps: NonNegativeInt = 0
@@ -369,8 +376,9 @@ class ValuePretrainConfig:
     """Engine of the critic's pretraining: plain torch AdamW in one process, or DeepSpeed on `train`'s settings,
     data-parallel under torchrun (as `sft.backend`)."""
     warm_start: bool = True
-    """The pipeline starts RL's critic from the pretrained one (as `train.critic_path`). tiny-cpu sets false: there
-    the pretrained critic slowed learning (docs/benchmarks.md, "Value-model pretraining"); the stage still runs and reports."""
+    """The pipeline and `sao sweep` start RL's critic from the pretrained one (as `train.critic_path`); false starts
+    it cold (the SFT decoder with a fresh head). With a cold critic a third of tiny-cpu's runs ended low
+    (docs/stability.md, "Why a third of the runs ended low, and the fix")."""
 
     def __post_init__(self) -> None:
         held = self.held_out_episodes

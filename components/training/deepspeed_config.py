@@ -44,6 +44,7 @@ def builtin_deepspeed_config(
     zero_stage: int = 0,
     bf16: bool = False,
     beta2: float = 0.95,
+    eps: float = 1e-8,
 ) -> dict[str, Any]:
     """The DeepSpeed config the SAO fields give: one micro-batch per step, torch's AdamW (no op to compile)."""
     return {
@@ -54,7 +55,7 @@ def builtin_deepspeed_config(
         "bf16": {"enabled": bf16},
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": lr, "weight_decay": weight_decay, "betas": [0.9, beta2], "torch_adam": True},
+            "params": {"lr": lr, "weight_decay": weight_decay, "betas": [0.9, beta2], "eps": eps, "torch_adam": True},
         },
         "steps_per_print": 10**9,
     }
@@ -183,10 +184,11 @@ def resolve_deepspeed_config(
     bf16: bool = False,
     beta2: float = 0.95,
     config_file: str = "",
+    eps: float = 1e-8,
 ) -> dict[str, Any]:
     """The DeepSpeed config an engine runs with: the built-in one, with `config_file` merged over it and checked
     (a ValueError naming `train.deepspeed_config`, the file and every problem)."""
-    config = builtin_deepspeed_config(lr, weight_decay, grad_clip, zero_stage, bf16, beta2)
+    config = builtin_deepspeed_config(lr, weight_decay, grad_clip, zero_stage, bf16, beta2, eps)
     if config_file:
         config = merge_deepspeed_config(config, read_deepspeed_file(config_file))
         problems = deepspeed_file_problems(config) + deepspeed_schema_problems(config)

@@ -143,12 +143,13 @@ class TorchEngine(_Engine):
         grad_clip: float = 1.0,
         beta2: float = 0.95,
         device: torch.device | str = "cpu",
+        eps: float = 1e-8,
     ) -> None:
         self.module = module.to(device)
         self.params = [p for p in module.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"{type(module).__name__} has no trainable parameters")
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, beta2))
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, beta2), eps=eps)
         self.base_lr = lr
         self.grad_clip = grad_clip
         self.skipped_steps = 0
@@ -215,11 +216,12 @@ class DeepSpeedEngine(_Engine):
         config_file: str = "",
         config: dict | None = None,
         comm: Collective | None = None,
+        eps: float = 1e-8,
     ) -> None:
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage: {zero_stage} is not supported here (0-3)")
         if config is None:
-            config = resolve_deepspeed_config(lr, weight_decay, grad_clip, zero_stage, bf16, beta2, config_file)
+            config = resolve_deepspeed_config(lr, weight_decay, grad_clip, zero_stage, bf16, beta2, config_file, eps)
         init_single_process_group()
         import deepspeed
 

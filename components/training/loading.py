@@ -45,18 +45,37 @@ class EngineSettings:
     deepspeed_config: str
     """A DeepSpeed JSON file merged over the built-in config ('' for none)."""
     activation_checkpointing: bool
+    eps: float = 1e-8
+    """AdamW epsilon (`train.adam_eps` for RL's engines)."""
 
     @classmethod
-    def of(cls, tc: TrainConfig, backend: str, lr: float, weight_decay: float, grad_clip: float, beta2: float):
+    def of(
+        cls,
+        tc: TrainConfig,
+        backend: str,
+        lr: float,
+        weight_decay: float,
+        grad_clip: float,
+        beta2: float,
+        eps: float = 1e-8,
+    ):
         """A stage's own numbers on `train`'s hardware settings."""
         return cls(
-            backend, lr, weight_decay, grad_clip, beta2, tc.zero_stage, tc.deepspeed_config, tc.activation_checkpointing
+            backend,
+            lr,
+            weight_decay,
+            grad_clip,
+            beta2,
+            tc.zero_stage,
+            tc.deepspeed_config,
+            tc.activation_checkpointing,
+            eps,
         )
 
     @classmethod
     def rl(cls, tc: TrainConfig, lr: float) -> EngineSettings:
         """RL's policy (`lr` = train.policy_lr) or critic (train.critic_lr)."""
-        return cls.of(tc, tc.backend, lr, tc.weight_decay, tc.grad_clip, tc.adam_beta2)
+        return cls.of(tc, tc.backend, lr, tc.weight_decay, tc.grad_clip, tc.adam_beta2, tc.adam_eps)
 
     @classmethod
     def sft(cls, cfg: Config) -> EngineSettings:
@@ -81,6 +100,7 @@ class EngineSettings:
             self.zero_stage,
             beta2=self.beta2,
             config_file=self.deepspeed_config,
+            eps=self.eps,
         )
 
 
@@ -113,7 +133,12 @@ def open_engine(
     rank's device, data-parallel over `comm`'s ranks (default: every rank)."""
     if settings.activation_checkpointing:
         enable_activation_checkpointing(model)
-    kwargs = {"weight_decay": settings.weight_decay, "grad_clip": settings.grad_clip, "beta2": settings.beta2}
+    kwargs = {
+        "weight_decay": settings.weight_decay,
+        "grad_clip": settings.grad_clip,
+        "beta2": settings.beta2,
+        "eps": settings.eps,
+    }
     if ds_config is None:
         return ENGINES["torch"](model, settings.lr, **kwargs, device=device or local_device())
     return ENGINES["deepspeed"](model, settings.lr, **kwargs, config=ds_config, comm=comm)

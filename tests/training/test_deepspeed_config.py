@@ -136,3 +136,19 @@ def test_skipping_the_one_rank_all_reduce_leaves_every_bit_of_the_updates():
             engine.backward_step((engine.module(x) ** 2).mean())
         weights.append([p.detach().clone() for p in engine.module.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*weights))
+
+
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+def test_train_adam_eps_is_the_rl_engines_adam_epsilon(backend):
+    """`train.adam_eps` reaches RL's engines (SFT keeps 1e-8). loss = w . x with x = [1e-4, 1e-4] gives
+    g = [1e-4, 1e-4] (below the clip); Adam's first step moves each weight by -lr * g / (|g| + eps):
+    -2e-3 * 1e-4 / (1e-4 + 1e-4) = -1e-3 at eps 1e-4, where eps 1e-8 would give -2e-3 (a full lr step)."""
+    from components.training.loading import EngineSettings, open_engine
+
+    cfg = load_config("tiny-cpu", [f'train.backend="{backend}"', "train.adam_eps=1e-4", "train.policy_lr=2e-3"])
+    settings = EngineSettings.rl(cfg.train, cfg.train.policy_lr)
+    assert EngineSettings.sft(cfg).eps == 1e-8
+    engine = open_engine(settings, settings.deepspeed(), _linear([1.0, -2.0]))
+    assert engine.optimizer.param_groups[0]["eps"] == 1e-4
+    engine.backward_step(engine.module(torch.full((1, 2), 1e-4)).sum())
+    assert engine.module.weight.detach()[0].tolist() == pytest.approx([1.0 - 1e-3, -2.0 - 1e-3], abs=1e-6)
