@@ -277,10 +277,9 @@ class TrainConfig:
     adam_eps: PositiveFloat = 1e-8
     """AdamW epsilon of RL's policy and critic (SFT and value pretraining keep 1e-8). A step is about lr per parameter
     whatever the gradient's size once that size is well above epsilon; a larger epsilon makes a parameter whose
-    gradient stays below it move in proportion to the gradient instead. tiny-cpu: 1e-5, between its quiet steps'
-    per-parameter gradient (about 3e-6) and a learning step's (about 6e-5), after a single update at 1e-8 took a run
-    from 75.5% to 25% held-out (docs/stability.md). Scale it with the model: a 30B model's per-parameter gradients
-    are orders of magnitude smaller."""
+    gradient stays below it move in proportion to the gradient instead. On tiny-cpu 1e-5 stopped one catastrophic
+    update in a replay, but 6 runs with it ended lower than without (docs/stability.md), so every preset keeps 1e-8.
+    Scale it with the model: a 30B model's per-parameter gradients are orders of magnitude smaller."""
     grad_clip: float = 1.0
     """Global gradient-norm clip for both models."""
     warmup_steps: NonNegativeInt = 0
