@@ -108,3 +108,59 @@ def test_every_configurable_algorithm_is_defined_once():
     from components.training.algorithms import ALGORITHMS
 
     assert set(ALGORITHMS) == set(typing.get_args(AlgoName))
+
+
+def _reference_critic(model, batch, updates: int, lr: float):
+    """`updates` AdamW steps (betas (0.9, 0.95), clip 1.0) of the clipped value loss against one set of targets:
+    V_old and the GAE returns from the critic before its first update, written out here from docs/design.md
+    section 2 rather than through `critic_updates`."""
+    from components.algo import clipped_value_loss, gae
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    mask = batch["action_mask"]
+    with torch.no_grad():
+        old = model(batch["input_ids"], batch["attention_mask"])
+    returns = gae(batch["rewards"], old, mask, SETTINGS.gamma, SETTINGS.lam_critic)[1]
+    for _ in range(updates):
+        loss, _ = clipped_value_loss(model(batch["input_ids"], batch["attention_mask"]), old, returns, mask, 0.2)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("name", "updates"), [("sao", 2), ("sao-k1", 1)])
+def test_one_sao_step_makes_k_critic_updates_with_attention_frozen(name, updates, sft_policy, batch):
+    """One step of `sao` (K = 2 from the config) and of `sao-k1` leaves the critic exactly where K AdamW steps on
+    the same targets put it, so the two are told apart by their weights; the attention weights have not moved and
+    the MoE experts, router and value head have."""
+    from components.config import load_config
+    from components.training.algorithms import settings_from
+
+    settings = AlgoSettings(
+        **{
+            **SETTINGS.__dict__,
+            "critic_updates": settings_from(load_config("tiny-cpu", [f'train.algo="{name}"'])).critic_updates,
+        }
+    )
+    assert settings.critic_updates == updates
+    start = ValueModel.from_policy(copy.deepcopy(sft_policy[0]))
+    frozen = set(freeze_attention(start))
+    before = {n: p.detach().clone() for n, p in start.named_parameters()}
+    model = copy.deepcopy(start)
+    policy = TorchEngine(copy.deepcopy(sft_policy[0]), lr=1e-3)
+    ALGORITHMS[name].step(policy, TorchEngine(model, lr=1e-2), batch, settings, {})
+    after = {n: p.detach() for n, p in model.named_parameters()}
+
+    expected = _reference_critic(copy.deepcopy(start), batch, updates, 1e-2)
+    for n in after:
+        torch.testing.assert_close(after[n], expected[n], rtol=0, atol=1e-6, msg=n)
+    other = _reference_critic(copy.deepcopy(start), batch, 3 - updates, 1e-2)
+    assert not torch.allclose(after["value_head.weight"], other["value_head.weight"], rtol=0, atol=1e-5)
+
+    assert frozen and all(torch.equal(after[n], before[n]) for n in frozen)
+    moved = {n for n in after if not torch.equal(after[n], before[n])}
+    assert any(".mlp.experts." in n for n in moved) and any(".mlp.gate." in n for n in moved)
+    assert "value_head.weight" in moved and not moved & frozen
