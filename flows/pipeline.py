@@ -31,7 +31,7 @@ def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, home:
         dataset = distill(**params, parent_run_id=parent.run_id)
         policy = sft(**params, parent_run_id=parent.run_id)
         critic = value_pretrain(**params, parent_run_id=parent.run_id) if stage.uses_critic(ctx.cfg) else None
-        warm = critic is not None and ctx.cfg.value_pretrain.warm_start
+        warm = stage.starts_warm(ctx.cfg)
         trained = train(
             **params,
             critic_path=critic["critic_dir"] if warm else "",

@@ -32,6 +32,11 @@ def uses_critic(cfg: Config) -> bool:
     return ALGORITHMS[cfg.train.algo].uses_critic
 
 
+def starts_warm(cfg: Config) -> bool:
+    """RL starts its critic from the pretrained one (`value_pretrain.warm_start`), in the pipeline and `sao sweep`."""
+    return uses_critic(cfg) and cfg.value_pretrain.warm_start
+
+
 def summary(dataset: str, policy: dict, critic: dict | None, warm: bool, trained: dict, scored: dict) -> dict:
     """The headline numbers of every stage, from the stage flows' results."""
     return {

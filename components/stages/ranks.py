@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from components.config import Config
-from components.stages.pipeline import uses_critic
+from components.stages.pipeline import starts_warm, uses_critic
 from components.stages.sft import join_sft
 from components.stages.train import run_train
 from components.stages.value_pretrain import join_value_pretrain
@@ -39,7 +39,7 @@ def follow_pipeline(cfg: Config, home: Path, resume: bool) -> None:
         run_train(cfg, home, resume=True, evaluate=False)
         return
     critic = join_value_pretrain(cfg, home)
-    if cfg.value_pretrain.warm_start:
+    if starts_warm(cfg):
         cfg = replace(cfg, train=replace(cfg.train, critic_path=str(critic)))
     run_train(cfg, home, resume=True, evaluate=False)
 

@@ -31,7 +31,7 @@ from components.config import Config, to_dict
 from components.envs.registry import build_env
 from components.stages.evaluate import run_eval
 from components.stages.home import Log
-from components.stages.pipeline import uses_critic
+from components.stages.pipeline import starts_warm
 from components.stages.recipes import fingerprint
 from components.stages.sft import run_sft, sft_eval
 from components.stages.value_pretrain import run_value_pretrain
@@ -84,7 +84,7 @@ def run_sweep(
     write_json(stored, swept)
     sft_dir = run_sft(cfg, home, log=log)
     sft_accuracy = sft_eval(cfg, sft_dir, home, log)
-    if uses_critic(cfg) and cfg.value_pretrain.warm_start and not cfg.train.critic_path:
+    if starts_warm(cfg) and not cfg.train.critic_path:
         critic_dir, _ = run_value_pretrain(cfg, home, sft_dir, log)
         cfg = replace(cfg, train=replace(cfg.train, critic_path=str(critic_dir)))
     parent = tagged_run(cfg, home, SWEEP_TAG, name, f"sweep/{name}")

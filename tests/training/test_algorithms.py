@@ -5,10 +5,12 @@ import copy
 import pytest
 import torch
 
+from components.algo import clipped_value_loss, gae
+from components.config import load_config
 from components.contracts.metrics import ALGORITHM_METRICS, DIAGNOSTIC_METRICS
 from components.contracts.trajectory import to_tensors
 from components.models import ValueModel, freeze_attention
-from components.training.algorithms import ALGORITHMS, AlgoSettings
+from components.training.algorithms import ALGORITHMS, AlgoSettings, settings_from
 from components.training.engines import TorchEngine
 
 DESIGN_METRICS = {*ALGORITHM_METRICS, *DIAGNOSTIC_METRICS}
@@ -114,8 +116,6 @@ def _reference_critic(model, batch, updates: int, lr: float):
     """`updates` AdamW steps (betas (0.9, 0.95), clip 1.0) of the clipped value loss against one set of targets:
     V_old and the GAE returns from the critic before its first update, written out here from docs/design.md
     section 2 rather than through `critic_updates`."""
-    from components.algo import clipped_value_loss, gae
-
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     mask = batch["action_mask"]
@@ -136,9 +136,6 @@ def test_one_sao_step_makes_k_critic_updates_with_attention_frozen(name, updates
     """One step of `sao` (K = 2 from the config) and of `sao-k1` leaves the critic exactly where K AdamW steps on
     the same targets put it, so the two are told apart by their weights; the attention weights have not moved and
     the MoE experts, router and value head have."""
-    from components.config import load_config
-    from components.training.algorithms import settings_from
-
     settings = AlgoSettings(
         **{
             **SETTINGS.__dict__,
