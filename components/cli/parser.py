@@ -109,6 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_style.add_argument("--steps-per-phase", type=POSITIVE, default=60, help="policy updates per preference phase")
     p_style.add_argument("--algos", default="sao,sao-running-mean", help="comma-separated algorithms to compare")
+    p_experiment = flow_command(
+        "experiment",
+        "one of the paper's claims measured as arms x seeds from one SFT policy: a table per arm (mean, min-max, "
+        "95%% interval, collapses) and curves (re-running continues; docs/results.md)",
+    )
+    p_experiment.add_argument("name", metavar="NAME", help="stability, ablation, value-pretraining or style-shift")
+    p_experiment.add_argument(
+        "--setting",
+        default="default",
+        help="default (the preset's task) or hard (two-call problems, wider mental zone)",
+    )
+    p_experiment.add_argument("--quick", action="store_true", help="CI-sized: 2 seeds of a few small steps per arm")
+    p_experiment.add_argument("--seeds", type=POSITIVE, default=None, help="seeds per arm (default: the experiment's)")
+    p_experiment.add_argument("--arms", default=None, help="comma-separated arms to run (default: all)")
     p_compare = sub.add_parser("compare", help="key metrics of MLflow runs side by side, and a plot of their curves")
     p_compare.add_argument("runs", nargs="+", metavar="RUN", help="MLflow run ids or run names")
     p_compare.add_argument("--home", type=Path, default=None, help="run home (its mlflow.db; default ./.sao)")

@@ -13,7 +13,18 @@ import flows  # noqa: F401  (Prefect's offline settings and startup timeout: rea
 from components.cli.errors import input_errors
 from components.config import load_config
 
-FLOW_COMMANDS = ("pipeline", "run", "distill", "gate", "sft", "value-pretrain", "train", "eval", "style-shift")
+FLOW_COMMANDS = (
+    "pipeline",
+    "run",
+    "distill",
+    "gate",
+    "sft",
+    "value-pretrain",
+    "train",
+    "eval",
+    "style-shift",
+    "experiment",
+)
 """Commands that run a Prefect flow (flows/): Prefect's ephemeral API unless PREFECT_API_URL names a server."""
 
 
@@ -90,6 +101,17 @@ def run_flow(args: argparse.Namespace, home: Path) -> None:
         algos = [a.strip() for a in args.algos.split(",") if a.strip()]
         result = style_shift(**params, steps_per_phase=args.steps_per_phase, algos=algos)
         print(f"style-shift: {result['report']}")
+    elif command == "experiment":
+        # loaded after parsing (module docstring)
+        from components.stages.experiment import arm_configs
+        from flows.experiment import experiment
+
+        arm_configs(
+            args.name, args.preset, args.overrides, args.setting, args.quick
+        )  # bad input: refused before Prefect
+        arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+        result = experiment(args.name, **params, setting=args.setting, quick=args.quick, seeds=args.seeds, arms=arms)
+        print(open(result["report"]).read().rstrip())
 
 
 class _NoTracebackForInputErrors(logging.Filter):

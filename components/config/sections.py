@@ -144,6 +144,10 @@ class AlgoConfig:
     """Clip range of the value loss."""
     normalize_advantages: bool = False
     """Whiten advantages per mini-batch (off for SAO)."""
+    skip_observations: bool = True
+    """Skip-observation GAE in RL (SAO's): a turn's last action token bootstraps from the next turn's first, over
+    the tool's output. False steps GAE through every token between the first and last action token, observations
+    included (the ablation of `sao experiment ablation`); value pretraining keeps skip-observation GAE."""
 
     @property
     def dis_window(self) -> tuple[float, float]:

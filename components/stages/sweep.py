@@ -70,13 +70,31 @@ class SeedResult:
     the one that sampled the next batches (docs/stability.md). NaN in result files written before it existed."""
 
 
+def swept_config(cfg: Config) -> dict:
+    """What a sweep runs: the config without its RL seed, as JSON data."""
+    return json.loads(json.dumps({**to_dict(cfg), "train": {**to_dict(cfg.train), "task_seed": None}}))
+
+
+def sweep_name(cfg: Config) -> str:
+    """The directory under home/sweeps of a sweep run without `--name`: the hash of its config."""
+    return f"sweep-{fingerprint(swept_config(cfg))}"
+
+
 def run_sweep(
-    cfg: Config, home: Path, seeds: int, first_seed: int = 1, name: str | None = None, log: Log = print
+    cfg: Config,
+    home: Path,
+    seeds: int,
+    first_seed: int = 1,
+    name: str | None = None,
+    log: Log = print,
+    parent_run_id: str | None = None,
 ) -> list[SeedResult]:
+    """`seeds` RL runs of `cfg` (train.task_seed from `first_seed`), their table, and MLflow runs nested under a
+    parent `sweep/<name>` (itself nested under `parent_run_id` when given: an experiment's arm)."""
     if seeds < 1:
         raise ValueError(f"--seeds: must be >= 1, got {seeds}")
-    swept = json.loads(json.dumps({**to_dict(cfg), "train": {**to_dict(cfg.train), "task_seed": None}}))
-    name = name or f"sweep-{fingerprint(swept)}"
+    swept = swept_config(cfg)
+    name = name or sweep_name(cfg)
     root = home / "sweeps" / name
     stored = root / "config.json"
     if stored.exists() and json.loads(stored.read_text()) != swept:
@@ -87,7 +105,7 @@ def run_sweep(
     if starts_warm(cfg) and not cfg.train.critic_path:
         critic_dir, _ = run_value_pretrain(cfg, home, sft_dir, log)
         cfg = replace(cfg, train=replace(cfg.train, critic_path=str(critic_dir)))
-    parent = tagged_run(cfg, home, SWEEP_TAG, name, f"sweep/{name}")
+    parent = tagged_run(cfg, home, SWEEP_TAG, name, f"sweep/{name}", parent_run_id)
     log(
         f"sweep {name}: {seeds} seed(s) from {first_seed}, SFT held-out accuracy {sft_accuracy:.1%}; "
         f"table at {root}/results.md"

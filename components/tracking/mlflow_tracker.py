@@ -83,6 +83,9 @@ class MlflowTracker:
                     experiment_id = run.info.experiment_id
                     if run.info.status != "RUNNING":
                         self.client.update_run(run_id, status="RUNNING")
+                    for key, value in tags.items():  # a reopened run keeps its tags; a parent given now nests it
+                        if run.data.tags.get(key) != value:
+                            self.client.set_tag(run_id, key, value)
                     break
                 found = self.client.get_experiment_by_name(experiment)
                 experiment_id = (

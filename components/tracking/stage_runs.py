@@ -79,13 +79,17 @@ def stage_run(cfg: Config, home: Path, stage: str, parent_run_id: str | None = N
     return run
 
 
-def tagged_run(cfg: Config, home: Path, tag: str, value: str, run_name: str) -> StageRun:
+def tagged_run(
+    cfg: Config, home: Path, tag: str, value: str, run_name: str, parent_run_id: str | None = None
+) -> StageRun:
     """The run tagged `tag = value`, found again in any state (a re-run sweep continues under its parent), else
-    a new one of that name."""
+    a new one of that name; nested under `parent_run_id` when given (a found run is moved under it)."""
     if cfg.tracking.backend == "disk":
         return NullTracker()
     found = find_run(cfg, home, tag, value)
-    return _run(cfg, home, run_name, run_id=found) if found else _run(cfg, home, run_name, tags={tag: value})
+    if found:
+        return _run(cfg, home, run_name, run_id=found, parent_run_id=parent_run_id)
+    return _run(cfg, home, run_name, tags={tag: value}, parent_run_id=parent_run_id)
 
 
 def reopen(cfg: Config, home: Path, run_id: str | None) -> StageRun:

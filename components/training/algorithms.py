@@ -72,6 +72,8 @@ class AlgoSettings:
     group_size: int = 1
     micro_batch_tokens: int = 0
     """Padded tokens per forward/backward pass on each rank (0: a rank's rows in one pass; micro.py)."""
+    skip_observations: bool = True
+    """Skip-observation GAE (False: the ablation that steps through observation tokens; algo/gae.py)."""
 
 
 class PolicyPasses:
@@ -171,7 +173,7 @@ def critic_updates(
                 # The first update's forward runs on the weights V_old comes from, so it is V_old: one forward, not
                 # two. GAE runs along each row, so a micro-batch's returns need only its own rows' values.
                 old[i] = values.detach()
-                targets[i] = gae(mb["rewards"], old[i], a, s.gamma, s.lam_critic)[1]
+                targets[i] = gae(mb["rewards"], old[i], a, s.gamma, s.lam_critic, s.skip_observations)[1]
                 keep = a.bool()
                 finite = bool(torch.isfinite(old[i][keep]).all() and torch.isfinite(targets[i][keep]).all())
             loss, part = clipped_value_loss(values, old[i], targets[i], a, s.value_clip)
@@ -239,7 +241,7 @@ def policy_advantages(batch: dict[str, Tensor], values: Tensor, s: AlgoSettings,
     """The policy's advantages from the updated critic's `(B, T)` values: skip-observation GAE at `lam_policy`,
     whitened over every rank's action tokens when `normalize_advantages`."""
     act = batch["action_mask"]
-    advantages, _ = gae(batch["rewards"], values, act, s.gamma, s.lam_policy)
+    advantages, _ = gae(batch["rewards"], values, act, s.gamma, s.lam_policy, s.skip_observations)
     if s.normalize_advantages:
         advantages = normalize_advantages(advantages, act, moments=lambda x, m: global_moments(x, m, comm))
     return advantages
@@ -339,4 +341,5 @@ def settings_from(cfg: Config) -> AlgoSettings:
         cfg.algo.normalize_advantages,
         group_size=cfg.train.group_size if algorithm.grouped else 1,
         micro_batch_tokens=cfg.train.micro_batch_tokens,
+        skip_observations=cfg.algo.skip_observations,
     )

@@ -139,7 +139,7 @@ def test_make_deploy_registers_every_flow_with_pools_schedules_limits_and_the_tr
         deployments = {(client.read_flow(d.flow_id).name, d.name): d for d in client.read_deployments()}
         pools = {p.name: p for p in client.read_work_pools()}
         automations = client.read_automations()
-    flows = {"distill", "gate", "sft", "value_pretrain", "train", "evaluate", "style_shift", "pipeline"}
+    flows = {"distill", "gate", "sft", "value_pretrain", "train", "evaluate", "style_shift", "experiment", "pipeline"}
     assert {f for f, name in deployments if name == "local"} == flows
     assert {p: pools[p].type for p in pools} == {
         "sao-process": "process",

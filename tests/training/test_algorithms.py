@@ -10,7 +10,7 @@ from components.config import load_config
 from components.contracts.metrics import ALGORITHM_METRICS, DIAGNOSTIC_METRICS
 from components.contracts.trajectory import to_tensors
 from components.models import ValueModel, freeze_attention
-from components.training.algorithms import ALGORITHMS, AlgoSettings, settings_from
+from components.training.algorithms import ALGORITHMS, AlgoSettings, policy_advantages, settings_from
 from components.training.engines import TorchEngine
 
 DESIGN_METRICS = {*ALGORITHM_METRICS, *DIAGNOSTIC_METRICS}
@@ -161,3 +161,18 @@ def test_one_sao_step_makes_k_critic_updates_with_attention_frozen(name, updates
     moved = {n for n in after if not torch.equal(after[n], before[n])}
     assert any(".mlp.experts." in n for n in moved) and any(".mlp.gate." in n for n in moved)
     assert "value_head.weight" in moved and not moved & frozen
+
+
+def test_algo_skip_observations_reaches_the_policys_advantages():
+    # One row: action, observation, action, action; reward 1 on the last token; gamma 1, lam_policy 0.95.
+    # Skip-observation GAE: deltas 0.4 - 0.2 = 0.2 (token 0 bootstraps from token 2), 0.6 - 0.4 = 0.2, 1 - 0.6 = 0.4;
+    # A = [0.2 + 0.95 * 0.58, 0, 0.2 + 0.95 * 0.4, 0.4] = [0.751, 0, 0.58, 0.4].
+    # Through the observation: token 1 is a timestep with delta 0.4 - 0.5 = -0.1, A_1 = -0.1 + 0.95 * 0.58 = 0.451,
+    # token 0's delta is 0.5 - 0.2 = 0.3, A_0 = 0.3 + 0.95 * 0.451 = 0.72845 (zeroed on the observation).
+    batch = {"rewards": torch.tensor([[0.0, 0.0, 0.0, 1.0]]), "action_mask": torch.tensor([[1, 0, 1, 1]])}
+    values = torch.tensor([[0.2, 0.5, 0.4, 0.6]])
+    expected = {True: [0.751, 0.0, 0.58, 0.4], False: [0.72845, 0.0, 0.58, 0.4]}
+    for skip, want in expected.items():
+        s = settings_from(load_config("tiny-cpu", [f"algo.skip_observations={str(skip).lower()}"]))
+        assert s.skip_observations is skip
+        assert policy_advantages(batch, values, s)[0].tolist() == pytest.approx(want, abs=1e-6)

@@ -1,0 +1,390 @@
+"""`sao experiment NAME`: one of the paper's claims measured as arms x seeds from one shared SFT policy.
+
+An experiment is a list of arms (config overrides on the preset), a number of seeds per arm and overrides every
+arm shares (the forced lag of `stability`, the preference schedule of `style-shift`). Each arm is a `sao sweep`
+(components/stages/sweep.py) of its own config, kept where that sweep keeps it, `home/sweeps/sweep-<hash of the
+config>/`: an arm whose config another experiment (or a plain `sao sweep`) already ran is read back, not re-run,
+and a re-run of the command continues where it stopped (finished seeds are read back, an interrupted one resumes
+from its newest checkpoint).
+
+    home/experiments/<name>[-<setting>][-quick]/results.{md,csv,json}  the table: per arm, runs, held-out accuracy
+                                                                       (mean, min-max, 95% t-interval), collapses
+                                                                       and their steps, rollbacks
+    home/experiments/<name>[-<setting>][-quick]/curves.png             reward per step per arm (mean, min-max band)
+                                                                       and each seed's held-out accuracy
+
+MLflow: a parent run `experiment/<name>` with each arm's sweep run nested under it (and each seed's run under
+that), the table and plot as its artifacts. Settings: `default` is the preset's task; `hard` widens it (two-call
+problems, a wider mental-math habit), so that arms that all reach the default task's ceiling can differ.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import matplotlib
+
+from components.config import STYLES, Config, load_config
+from components.eval.online import phase_table
+from components.stages.home import Log
+from components.stages.style_shift import schedule
+from components.stages.sweep import SeedResult, run_sweep, sweep_name
+from components.storage import write_json
+from components.tracking import DiskTracker
+from components.tracking.stage_runs import tagged_run
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
+
+EXPERIMENT_TAG = "sao.experiment"
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Experiment:
+    claims: str
+    """Which of the paper's claims (docs/results.md) the experiment measures."""
+    arms: tuple[Arm, ...]
+    seeds: int
+    """Seeds per arm at the default scale."""
+    overrides: tuple[str, ...] = ()
+    """Overrides every arm shares, before its own."""
+    steps_per_phase: int = 0
+    """Preference phases of this many steps (style-shift): the table adds reward per phase and steps to recover."""
+
+
+STEPS_PER_PHASE = 60
+
+FORCED_LAG = (
+    # Updates run ahead of their rollouts: 64 episodes in flight for batches of 16 (the preset: 16), up to 8 versions
+    # old (the preset: 2), tool calls with a heavy-tailed latency; the guard only logs, and the learning rate stays
+    # at its peak after warm-up, so that a collapse has room to show.
+    "rollout.concurrency=64",
+    "train.max_staleness=8",
+    'rollout.latency="lognormal"',
+    "rollout.latency_mean_s=0.3",
+    "rollout.latency_sigma=1.5",
+    'train.collapse_guard="off"',
+    "train.min_lr_ratio=1.0",
+    "train.max_steps=300",
+)
+
+EXPERIMENTS: dict[str, Experiment] = {
+    "stability": Experiment(
+        "(a) GRPO collapses under policy lag, (b) DIS removes the collapse, (c) SAO pulls ahead of GRPO+DIS",
+        (Arm("grpo", ('train.algo="grpo"',)), Arm("grpo-dis", ('train.algo="grpo-dis"',)), Arm("sao")),
+        seeds=3,
+        overrides=FORCED_LAG,
+    ),
+    "ablation": Experiment(
+        "(d) K=2 over K=1, (e) frozen attention over a full-parameter critic, (f) a critic over a running mean; "
+        "PPO's clip in place of DIS, and GAE through observation tokens",
+        (
+            Arm("sao"),
+            Arm("sao-k1", ('train.algo="sao-k1"',)),
+            Arm("sao-full-critic", ('train.algo="sao-full-critic"',)),
+            Arm("sao-running-mean", ('train.algo="sao-running-mean"',)),
+            Arm("ppo", ('train.algo="ppo"',)),
+            Arm("sao-no-skip-obs", ("algo.skip_observations=false",)),
+        ),
+        seeds=5,
+    ),
+    "value-pretraining": Experiment(
+        "(g) value-model pretraining overcomes the critic's cold start",
+        (Arm("cold", ("value_pretrain.warm_start=false",)), Arm("warm")),
+        seeds=5,
+    ),
+    "style-shift": Experiment(
+        "(f) after a reward preference flips, the critic re-aligns while the running mean lags",
+        (Arm("sao"), Arm("sao-running-mean", ('train.algo="sao-running-mean"',))),
+        seeds=3,
+        overrides=(
+            'env.name="style"',
+            f'env.preference_schedule="{schedule(STEPS_PER_PHASE)}"',
+            f"train.max_steps={STEPS_PER_PHASE * len(STYLES)}",
+        ),
+        steps_per_phase=STEPS_PER_PHASE,
+    ),
+}
+
+SETTINGS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    # Half the problems need two tool calls ((a*b+c)*d), and the teacher answers mentally up to a*b < 2000 (the
+    # default: 700), a zone the tiny student can only solve by learning to call the tool there.
+    "hard": ('task.kinds=["affine", "two_step"]', "task.teacher_mental_max=2000"),
+}
+
+QUICK = (
+    # CI-sized: a few updates of small batches, a small held-out set, a short value pretraining. SFT is the preset's
+    # (its recipe is untouched, so a home that has the SFT policy reuses it).
+    "train.max_steps=3",
+    "train.batch_size=4",
+    "train.group_size=2",
+    "rollout.concurrency=4",
+    "task.eval_size=8",
+    'train.backend="torch"',
+    "value_pretrain.episodes=16",
+    "value_pretrain.max_epochs=1",
+)
+QUICK_SEEDS = 2
+QUICK_STEPS_PER_PHASE = 1
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    runs: list[SeedResult]
+    curves: list[list[float]]
+    """reward/mean per policy step, one list per seed."""
+    sweep: str
+    """The sweep directory under home/sweeps that holds the arm's runs."""
+
+
+def arm_configs(
+    name: str, preset: str, overrides: list[str], setting: str = "default", quick: bool = False
+) -> list[tuple[Arm, Config]]:
+    """Each arm of experiment `name` with its config: the preset, then `overrides`, the setting's, the experiment's
+    shared ones and the arm's own (a later override wins). A bad name or setting is refused naming the known ones."""
+    experiment = experiment_named(name)
+    if setting not in SETTINGS:
+        raise ValueError(f"--setting: unknown setting {setting!r}; known: {sorted(SETTINGS)}")
+    shared = [*overrides, *SETTINGS[setting], *experiment.overrides]
+    if quick:
+        shared += [*QUICK, *_quick_phases(experiment)]
+    return [(arm, load_config(preset, [*shared, *arm.overrides])) for arm in experiment.arms]
+
+
+def experiment_named(name: str) -> Experiment:
+    if name not in EXPERIMENTS:
+        raise ValueError(f"NAME: unknown experiment {name!r}; known: {sorted(EXPERIMENTS)}")
+    return EXPERIMENTS[name]
+
+
+def _quick_phases(experiment: Experiment) -> list[str]:
+    if not experiment.steps_per_phase:
+        return []
+    return [
+        f'env.preference_schedule="{schedule(QUICK_STEPS_PER_PHASE)}"',
+        f"train.max_steps={QUICK_STEPS_PER_PHASE * len(STYLES)}",
+    ]
+
+
+def run_experiment(
+    name: str,
+    preset: str,
+    overrides: list[str],
+    home: Path,
+    setting: str = "default",
+    quick: bool = False,
+    seeds: int | None = None,
+    arms: list[str] | None = None,
+    log: Log = print,
+) -> dict:
+    """Every arm's seeds, one arm after another (each run takes both cores), then the table and the plot. Returns
+    `{"table": [rows], "report": path of results.md, "phases": [rows] (style-shift only)}`."""
+    experiment = experiment_named(name)
+    configs = arm_configs(name, preset, overrides, setting, quick)
+    if arms:
+        unknown = sorted(set(arms) - {arm.name for arm, _ in configs})
+        if unknown:
+            raise ValueError(f"--arms: unknown arm(s) {unknown} of {name}; known: {[a.name for a, _ in configs]}")
+        configs = [(arm, cfg) for arm, cfg in configs if arm.name in arms]
+    seeds = seeds or (QUICK_SEEDS if quick else experiment.seeds)
+    label = name + ("" if setting == "default" else f"-{setting}") + ("-quick" if quick else "")
+    out = home / "experiments" / label
+    parent = tagged_run(configs[0][1], home, EXPERIMENT_TAG, label, f"experiment/{label}")
+    log(f"experiment {label}: {experiment.claims}; {len(configs)} arm(s) x {seeds} seed(s); table at {out}/results.md")
+    results: list[ArmResult] = []
+    try:
+        for arm, cfg in configs:
+            log(f"experiment {label}: arm {arm.name} ({', '.join(arm.overrides) or 'the preset'})")
+            runs = run_sweep(cfg, home, seeds, first_seed=1, log=log, parent_run_id=parent.run_id)
+            sweep = sweep_name(cfg)
+            results.append(ArmResult(arm.name, runs, [_reward_curve(home, sweep, cfg, r.seed) for r in runs], sweep))
+    except BaseException:
+        parent.close(failed=True)  # a re-run finds it again by its tag and continues under it
+        raise
+    steps_per_phase = QUICK_STEPS_PER_PHASE if quick and experiment.steps_per_phase else experiment.steps_per_phase
+    report = write_report(out, label, experiment, setting, results, steps_per_phase)
+    parent.log_metrics(
+        {f"experiment/{r.arm}/accuracy_mean": statistics.fmean(s.accuracy for s in r.runs) for r in results}
+        | {f"experiment/{r.arm}/collapsed": float(sum(s.collapsed for s in r.runs)) for r in results}
+    )
+    for filename in ("results.md", "results.csv", "results.json", "curves.png"):
+        parent.log_artifact(out / filename)
+    parent.close()
+    log(f"experiment {label}: done; {out}/results.md")
+    return report
+
+
+def _reward_curve(home: Path, sweep: str, cfg: Config, seed: int) -> list[float]:
+    records = DiskTracker.read(home / "sweeps" / sweep / f"seed-{seed}" / "runs" / cfg.name / f"{cfg.train.algo}.jsonl")
+    by_step = {r["step"]: r["metrics"]["reward/mean"] for r in records if "reward/mean" in r.get("metrics", {})}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def interval95(values: list[float]) -> tuple[float, float]:
+    """Student's t 95% interval of the mean of `values` (NaN, NaN with fewer than two)."""
+    if len(values) < 2:
+        return math.nan, math.nan
+    from scipy.stats import t  # loaded here: only the table needs it
+
+    mean = statistics.fmean(values)
+    half = t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean - half, mean + half
+
+
+def arm_row(result: ArmResult) -> dict:
+    """The table's row of one arm: held-out accuracy in percent (mean, min, max, 95% interval), points over SFT,
+    collapses with the step each fired at (`-`: only on the held-out set), rollbacks, minutes."""
+    accs = [100 * r.accuracy for r in result.runs]
+    low, high = interval95(accs)
+    collapsed = [r for r in result.runs if r.collapsed]
+    return {
+        "arm": result.arm,
+        "runs": len(accs),
+        "mean": statistics.fmean(accs),
+        "min": min(accs),
+        "max": max(accs),
+        "ci95_low": low,
+        "ci95_high": high,
+        "vs_sft": statistics.fmean(r.delta for r in result.runs),
+        "collapsed": len(collapsed),
+        "collapse_steps": " ".join(str(r.collapse_step or "-") for r in collapsed),
+        "rollbacks": sum(r.rollbacks for r in result.runs),
+        "final_reward": statistics.fmean(r.final_reward for r in result.runs),
+        "minutes": sum(r.minutes for r in result.runs),
+        "sweep": result.sweep,
+    }
+
+
+def phase_rows(result: ArmResult, steps_per_phase: int) -> list[dict]:
+    """Per preference phase of one arm: its mean reward over the last 5 steps (the phase's ceiling) over seeds, and
+    the steps to recover after the flip (mean over the seeds that recovered, and how many did)."""
+    phases = [(style, steps_per_phase) for style in STYLES]
+    tables = [phase_table(curve, phases) for curve in result.curves if curve]
+    rows = []
+    for i, style in enumerate(STYLES):
+        ends = [t[i]["reward_end"] for t in tables if len(t) > i]
+        recovered = [t[i]["steps_to_recover"] for t in tables if len(t) > i and t[i]["steps_to_recover"] is not None]
+        rows.append(
+            {
+                "arm": result.arm,
+                "phase": i + 1,
+                "style": style,
+                "ceiling_mean": statistics.fmean(ends) if ends else math.nan,
+                "ceiling_min": min(ends, default=math.nan),
+                "ceiling_max": max(ends, default=math.nan),
+                "recover_steps_mean": statistics.fmean(recovered) if recovered else math.nan,
+                "recovered": f"{len(recovered)}/{len(ends)}" if i else "-",
+            }
+        )
+    return rows
+
+
+def write_report(
+    out: Path, label: str, experiment: Experiment, setting: str, results: list[ArmResult], steps_per_phase: int
+) -> dict:
+    rows = [arm_row(r) for r in results]
+    phases = [row for r in results for row in phase_rows(r, steps_per_phase)] if steps_per_phase else []
+    out.mkdir(parents=True, exist_ok=True)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    (out / "results.csv").write_text(buffer.getvalue())
+    write_json(
+        out / "results.json",
+        {"table": rows, "phases": phases, "runs": {r.arm: [asdict(s) for s in r.runs] for r in results}},
+    )
+    lines = [
+        f"# Experiment {label}",
+        "",
+        f"Claims: {experiment.claims}. Setting: {setting} ({', '.join(SETTINGS[setting]) or 'the preset task'}).",
+        "",
+        markdown(rows, ARM_COLUMNS),
+    ]
+    if phases:
+        lines += ["", f"Per preference phase ({steps_per_phase} steps each):", "", markdown(phases, PHASE_COLUMNS)]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    plot(out / "curves.png", label, results)
+    return {"table": rows, "phases": phases, "report": str(out / "results.md")}
+
+
+ARM_COLUMNS = {
+    "arm": "arm",
+    "runs": "runs",
+    "mean": "held-out % mean",
+    "min": "min",
+    "max": "max",
+    "ci95_low": "95% CI low",
+    "ci95_high": "95% CI high",
+    "vs_sft": "vs SFT (points)",
+    "collapsed": "collapsed",
+    "collapse_steps": "collapse steps",
+    "rollbacks": "rollbacks",
+    "final_reward": "final reward",
+    "minutes": "minutes",
+}
+PHASE_COLUMNS = {
+    "arm": "arm",
+    "phase": "phase",
+    "style": "style",
+    "ceiling_mean": "reward, last 5 steps (mean)",
+    "ceiling_min": "min",
+    "ceiling_max": "max",
+    "recover_steps_mean": "steps to recover (mean)",
+    "recovered": "recovered",
+}
+
+
+def markdown(rows: list[dict], columns: dict[str, str]) -> str:
+    lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row[key]) for key in columns) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return "-" if math.isnan(value) else f"{value:.1f}" if abs(value) >= 1 else f"{value:.3f}"
+    return str(value) if value != "" else "-"
+
+
+def plot(path: Path, label: str, results: list[ArmResult]) -> None:
+    """Left: reward per step per arm (mean over seeds, min-max band, 5-step moving mean). Right: each seed's held-out
+    accuracy per arm."""
+    fig, (curves, finals) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    for i, result in enumerate(results):
+        color = f"C{i}"
+        length = min((len(c) for c in result.curves if c), default=0)
+        if length:
+            smooth = [_moving_mean(c[:length], 5) for c in result.curves if c]
+            steps = range(1, length + 1)
+            columns = list(zip(*smooth))
+            curves.plot(steps, [statistics.fmean(c) for c in columns], color=color, label=result.arm)
+            curves.fill_between(steps, [min(c) for c in columns], [max(c) for c in columns], color=color, alpha=0.15)
+        accs = [100 * r.accuracy for r in result.runs]
+        finals.scatter([i] * len(accs), accs, color=color, alpha=0.7)
+        finals.hlines(statistics.fmean(accs), i - 0.3, i + 0.3, color=color)
+    curves.set(xlabel="policy step", ylabel="reward/mean (5-step moving mean)", title=f"{label}: training reward")
+    curves.legend(fontsize=8)
+    finals.set(ylabel="held-out accuracy %", title="after training, per seed")
+    finals.set_xticks(range(len(results)), [r.arm for r in results], rotation=30, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _moving_mean(values: list[float], window: int) -> list[float]:
+    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]

@@ -1,0 +1,134 @@
+"""`sao experiment`: every arm of every experiment is a valid config of its own; the table's statistics are the
+hand-computed ones; a quick experiment runs its arms as sweeps under one MLflow parent and continues on a re-run."""
+
+import csv
+import math
+
+import pytest
+
+from components.cli import main
+from components.stages.experiment import (
+    EXPERIMENTS,
+    SETTINGS,
+    ArmResult,
+    arm_configs,
+    arm_row,
+    interval95,
+    phase_rows,
+)
+from components.stages.sweep import SeedResult, sweep_name
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("quick", [False, True])
+def test_every_arm_is_a_config_of_its_own(name, setting, quick):
+    configs = arm_configs(name, "tiny-cpu", [], setting, quick)
+    assert [arm.name for arm, _ in configs] == [arm.name for arm in EXPERIMENTS[name].arms]
+    assert len({sweep_name(cfg) for _, cfg in configs}) == len(configs)  # no two arms share their runs
+    # The arms differ only where they say they do: one SFT policy for all of them.
+    assert len({(cfg.sft, cfg.task, cfg.model, cfg.env.name) for _, cfg in configs}) == 1
+    if setting == "hard":
+        assert all(cfg.task.kinds == ("affine", "two_step") for _, cfg in configs)
+
+
+def test_the_experiments_set_what_their_claims_need():
+    stability = dict(arm_configs("stability", "tiny-cpu", []))
+    for cfg in stability.values():
+        assert cfg.rollout.concurrency == 64 and cfg.train.max_staleness == 8  # preset: 16 and 2
+        assert cfg.rollout.latency == "lognormal" and cfg.train.collapse_guard == "off"
+    assert [cfg.train.algo for cfg in stability.values()] == ["grpo", "grpo-dis", "sao"]
+    ablation = {arm.name: cfg for arm, cfg in arm_configs("ablation", "tiny-cpu", [])}
+    assert ablation["sao-no-skip-obs"].train.algo == "sao" and not ablation["sao-no-skip-obs"].algo.skip_observations
+    assert ablation["sao"].algo.skip_observations
+    warm = {arm.name: cfg.value_pretrain.warm_start for arm, cfg in arm_configs("value-pretraining", "tiny-cpu", [])}
+    assert warm == {"cold": False, "warm": True}
+    # A later override wins over the experiment's: the user's go first.
+    (_, cfg), *_ = arm_configs("ablation", "tiny-cpu", ["train.max_steps=7", "algo.skip_observations=false"])
+    assert cfg.train.max_steps == 7 and not cfg.algo.skip_observations
+    style = dict(arm_configs("style-shift", "tiny-cpu", []))
+    assert {cfg.env.name for cfg in style.values()} == {"style"}
+    assert all(cfg.train.max_steps == 180 for cfg in style.values())
+
+
+def test_unknown_names_are_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"NAME: unknown experiment 'stabilty'.*'stability'"):
+        arm_configs("stabilty", "tiny-cpu", [])
+    with pytest.raises(ValueError, match=r"--setting: unknown setting 'harder'.*'hard'"):
+        arm_configs("ablation", "tiny-cpu", [], setting="harder")
+
+
+def test_the_95_percent_interval_is_students_t():
+    # mean 2, sample sd 1, n 3: t(0.975, 2) = 4.302653, half-width 4.302653 / sqrt(3) = 2.484138
+    low, high = interval95([1.0, 2.0, 3.0])
+    assert low == pytest.approx(2 - 2.484138, abs=1e-6) and high == pytest.approx(2 + 2.484138, abs=1e-6)
+    # n 5, mean 90, sd 5: t(0.975, 4) = 2.776445, half-width 6.208
+    low, high = interval95([85.0, 85.0, 90.0, 95.0, 95.0])
+    assert (low, high) == pytest.approx((90 - 2.776445 * 5 / math.sqrt(5), 90 + 2.776445 * 5 / math.sqrt(5)), abs=1e-5)
+    assert all(math.isnan(x) for x in interval95([0.9]))
+
+
+def _seed(seed, accuracy, collapse_step=None, cause="", rollbacks=0):
+    return SeedResult(
+        seed, accuracy, 100 * (accuracy - 0.69), bool(cause), collapse_step, cause, rollbacks, 0.1, 0.0, 0.9, 0.8, 1.5
+    )
+
+
+def test_an_arms_row_counts_collapses_with_their_steps():
+    runs = [_seed(1, 0.90), _seed(2, 0.20, 160, "reward+eval", 0), _seed(3, 0.60, None, "eval", 1)]
+    row = arm_row(ArmResult("grpo", runs, [[], [], []], "sweep-x"))
+    assert row["runs"] == 3 and row["mean"] == pytest.approx(56.6667, abs=1e-4)
+    assert (row["min"], row["max"]) == pytest.approx((20.0, 90.0))
+    assert row["vs_sft"] == pytest.approx(56.6667 - 69.0, abs=1e-4)
+    assert row["collapsed"] == 2 and row["collapse_steps"] == "160 -" and row["rollbacks"] == 1
+    assert row["minutes"] == pytest.approx(4.5)
+
+
+def test_phase_rows_give_each_phases_ceiling_and_recovery_over_seeds():
+    # Phases of 4 steps; the window is 5 steps, so a phase's ceiling is its mean. Seed 1 reaches 0.9 * 0.8 = 0.72 with
+    # the mean of phase 2's first 4 steps (0.75) and never in phase 3 (0.9 * 0.75 = 0.675); seed 2 at the first step.
+    curves = [
+        [0.8, 0.8, 0.8, 0.8, 0.1, 0.9, 1.0, 1.0, 0.0, 0.1, 0.2, 0.3],
+        [0.6, 0.6, 0.6, 0.6, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7],
+    ]
+    rows = phase_rows(ArmResult("sao", [_seed(1, 0.9), _seed(2, 0.9)], curves, "sweep-x"), 4)
+    assert [r["style"] for r in rows] == ["cute", "chuunibyou", "classical"]
+    assert rows[0]["ceiling_mean"] == pytest.approx(0.7) and rows[0]["recovered"] == "-"
+    assert (rows[1]["ceiling_min"], rows[1]["ceiling_max"]) == pytest.approx((0.7, 0.75))
+    assert rows[1]["recovered"] == "2/2" and rows[2]["recovered"] == "1/2"
+    assert rows[1]["recover_steps_mean"] == pytest.approx(2.5) and rows[2]["recover_steps_mean"] == pytest.approx(1.0)
+
+
+def test_a_quick_experiment_runs_its_arms_as_sweeps_under_one_parent_and_continues(seeded_home, prefect_api, capsys):
+    from mlflow.tracking import MlflowClient
+
+    home = seeded_home
+    args = ["experiment", "value-pretraining", "--quick", "--home", str(home)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    root = home / "experiments" / "value-pretraining-quick"
+    rows = list(csv.DictReader((root / "results.csv").open()))
+    assert [(r["arm"], r["runs"]) for r in rows] == [("cold", "2"), ("warm", "2")]
+    assert "| cold | 2 |" in out and (root / "curves.png").stat().st_size > 10_000
+    for row in rows:  # each arm is a sweep of its own config, by the config's hash
+        assert len(list(csv.DictReader((home / "sweeps" / row["sweep"] / "results.csv").open()))) == 2
+    client = MlflowClient(f"sqlite:///{home.resolve()}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("sao").experiment_id])
+    parent = next(r for r in runs if r.data.tags.get("sao.experiment") == "value-pretraining-quick")
+    arms = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.data.tags["sao.sweep"] for r in arms) == sorted(r["sweep"] for r in rows)
+    seeds = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in {a.info.run_id for a in arms}]
+    assert len(seeds) == 4
+    assert {"results.md", "curves.png"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+
+    # Re-running reads every finished seed back: no new runs.
+    assert main([*args, "--arms", "warm"]) == 0
+    captured = capsys.readouterr()
+    assert "seed 1 finished earlier" in captured.out + captured.err and "chuunibyou" not in captured.out
+    assert len(client.search_runs([client.get_experiment_by_name("sao").experiment_id])) == len(runs)
+
+
+def test_an_unknown_experiment_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["experiment", "claims", "--home", str(tmp_path)])
+    assert exit_info.value.code == 2 and "unknown experiment 'claims'" in capsys.readouterr().err
