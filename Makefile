@@ -20,7 +20,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export GX_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test lint format test-slow test-ops test-vllm test-reliability soak infra-check bench gpu-check gpu-wheels sweep server deploy worker prefect-ui mlflow-ui clean
+.PHONY: setup run test lint format test-slow test-ops test-vllm test-reliability soak infra-check bench gpu-check gpu-wheels sweep experiment server deploy worker prefect-ui mlflow-ui clean
 
 setup: $(STAMP)
 
@@ -118,6 +118,11 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 SEEDS ?= 10
 sweep: $(STAMP)
 	$(VENV)/bin/sao sweep --preset $(PRESET) --home $(SAO_HOME) --seeds $(SEEDS) $(ARGS)
+
+# One of the paper's claims as arms x seeds (docs/results.md): NAME is stability, ablation, value-pretraining or
+# style-shift; ARGS='--quick' for a CI-sized run, '--setting hard' for the wider task.
+experiment: $(STAMP)
+	$(VENV)/bin/sao experiment $(NAME) --preset $(PRESET) --home $(SAO_HOME) $(ARGS)
 
 # The GPU check (docs/gpu.md, "The GPU check"): the trainer's loop with the embedded engine on one GPU, bf16, ZeRO-0
 # and ZeRO-3; step time, tokens/s, MFU, engine tokens/s, bf16 vs fp32 log-probs, peak memory against `sao plan`.
