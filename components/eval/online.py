@@ -8,7 +8,17 @@ None when the phase ends first.
 
 from __future__ import annotations
 
+from pathlib import Path
 from statistics import fmean
+
+from components.tracking import DiskTracker
+
+
+def reward_curve(metrics: Path) -> list[float]:
+    """`reward/mean` per policy step of a run, from its JSON lines (`runs/<name>/<algo>.jsonl`), in step order."""
+    records = DiskTracker.read(Path(metrics))
+    by_step = {r["step"]: r["metrics"]["reward/mean"] for r in records if "reward/mean" in r.get("metrics", {})}
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def phase_table(

@@ -30,12 +30,11 @@ from pathlib import Path
 import matplotlib
 
 from components.config import STYLES, Config, load_config
-from components.eval.online import phase_table
+from components.eval.online import phase_table, reward_curve
 from components.stages.home import Log
 from components.stages.style_shift import schedule
 from components.stages.sweep import SeedResult, run_sweep, sweep_name
 from components.storage import write_json
-from components.tracking import DiskTracker
 from components.tracking.stage_runs import tagged_run
 
 matplotlib.use("Agg")
@@ -228,9 +227,7 @@ def run_experiment(
 
 
 def _reward_curve(home: Path, sweep: str, cfg: Config, seed: int) -> list[float]:
-    records = DiskTracker.read(home / "sweeps" / sweep / f"seed-{seed}" / "runs" / cfg.name / f"{cfg.train.algo}.jsonl")
-    by_step = {r["step"]: r["metrics"]["reward/mean"] for r in records if "reward/mean" in r.get("metrics", {})}
-    return [by_step[s] for s in sorted(by_step)]
+    return reward_curve(home / "sweeps" / sweep / f"seed-{seed}" / "runs" / cfg.name / f"{cfg.train.algo}.jsonl")
 
 
 def interval95(values: list[float]) -> tuple[float, float]:

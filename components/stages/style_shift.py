@@ -13,8 +13,8 @@ from pathlib import Path
 import matplotlib
 
 from components.config import STYLES, Config
+from components.eval import online
 from components.eval.online import phase_table
-from components.tracking import DiskTracker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
@@ -44,9 +44,7 @@ def run_overrides(cfg: Config, overrides: list[str], algo: str, steps_per_phase:
 
 def reward_curve(home: Path, cfg: Config, algo: str) -> list[float]:
     """`reward/mean` per policy step of `algo`'s run, from its JSON lines."""
-    records = DiskTracker.read(Path(home) / "runs" / run_name(cfg, algo) / f"{algo}.jsonl")
-    by_step = {r["step"]: r["metrics"]["reward/mean"] for r in records if "reward/mean" in r.get("metrics", {})}
-    return [by_step[s] for s in sorted(by_step)]
+    return online.reward_curve(Path(home) / "runs" / run_name(cfg, algo) / f"{algo}.jsonl")
 
 
 def phase_rows(curves: dict[str, list[float]], steps_per_phase: int) -> list[dict]:
