@@ -60,6 +60,9 @@ class Experiment:
     """Overrides every arm shares, before its own."""
     steps_per_phase: int = 0
     """Preference phases of this many steps (style-shift): the table adds reward per phase and steps to recover."""
+    reference: str = "sao"
+    """The arm every other arm is compared with: the difference of mean held-out accuracy, its Welch 95% interval
+    and p-value."""
 
 
 STEPS_PER_PHASE = 60
@@ -102,6 +105,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         "(g) value-model pretraining overcomes the critic's cold start",
         (Arm("cold", ("value_pretrain.warm_start=false",)), Arm("warm")),
         seeds=5,
+        reference="warm",
     ),
     "style-shift": Experiment(
         "(f) after a reward preference flips, the critic re-aligns while the running mean lags",
@@ -241,12 +245,29 @@ def interval95(values: list[float]) -> tuple[float, float]:
     return mean - half, mean + half
 
 
-def arm_row(result: ArmResult) -> dict:
+def welch(a: list[float], b: list[float]) -> tuple[float, float, float, float]:
+    """mean(a) - mean(b), the Welch 95% interval of that difference and its two-sided p-value (NaNs with fewer than
+    two values on a side, or none spread on both)."""
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    if min(len(a), len(b)) < 2 or statistics.stdev(a) + statistics.stdev(b) == 0:
+        return diff, math.nan, math.nan, math.nan
+    from scipy.stats import ttest_ind  # loaded here: only the table needs it
+
+    test = ttest_ind(a, b, equal_var=False)
+    interval = test.confidence_interval(0.95)
+    return diff, float(interval.low), float(interval.high), float(test.pvalue)
+
+
+def arm_row(result: ArmResult, reference: ArmResult | None = None) -> dict:
     """The table's row of one arm: held-out accuracy in percent (mean, min, max, 95% interval), points over SFT,
-    collapses with the step each fired at (`-`: only on the held-out set), rollbacks, minutes."""
+    against the reference arm (difference of means, its Welch 95% interval, p), collapses with the step each fired
+    at (`-`: only on the held-out set), rollbacks, minutes."""
     accs = [100 * r.accuracy for r in result.runs]
     low, high = interval95(accs)
     collapsed = [r for r in result.runs if r.collapsed]
+    versus = (math.nan,) * 4
+    if reference is not None and reference is not result:
+        versus = welch(accs, [100 * r.accuracy for r in reference.runs])
     return {
         "arm": result.arm,
         "runs": len(accs),
@@ -256,6 +277,10 @@ def arm_row(result: ArmResult) -> dict:
         "ci95_low": low,
         "ci95_high": high,
         "vs_sft": statistics.fmean(r.delta for r in result.runs),
+        "vs_reference": versus[0],
+        "vs_reference_low": versus[1],
+        "vs_reference_high": versus[2],
+        "p": versus[3],
         "collapsed": len(collapsed),
         "collapse_steps": " ".join(str(r.collapse_step or "-") for r in collapsed),
         "rollbacks": sum(r.rollbacks for r in result.runs),
@@ -292,7 +317,8 @@ def phase_rows(result: ArmResult, steps_per_phase: int) -> list[dict]:
 def write_report(
     out: Path, label: str, experiment: Experiment, setting: str, results: list[ArmResult], steps_per_phase: int
 ) -> dict:
-    rows = [arm_row(r) for r in results]
+    reference = next((r for r in results if r.arm == experiment.reference), None)
+    rows = [arm_row(r, reference) for r in results]
     phases = [row for r in results for row in phase_rows(r, steps_per_phase)] if steps_per_phase else []
     out.mkdir(parents=True, exist_ok=True)
     buffer = io.StringIO()
@@ -309,7 +335,7 @@ def write_report(
         "",
         f"Claims: {experiment.claims}. Setting: {setting} ({', '.join(SETTINGS[setting]) or 'the preset task'}).",
         "",
-        markdown(rows, ARM_COLUMNS),
+        markdown(rows, ARM_COLUMNS | {"vs_reference": f"vs {experiment.reference} (points)"}),
     ]
     if phases:
         lines += ["", f"Per preference phase ({steps_per_phase} steps each):", "", markdown(phases, PHASE_COLUMNS)]
@@ -327,6 +353,10 @@ ARM_COLUMNS = {
     "ci95_low": "95% CI low",
     "ci95_high": "95% CI high",
     "vs_sft": "vs SFT (points)",
+    "vs_reference": "vs the reference (points)",
+    "vs_reference_low": "95% CI low",
+    "vs_reference_high": "95% CI high",
+    "p": "p (Welch)",
     "collapsed": "collapsed",
     "collapse_steps": "collapse steps",
     "rollbacks": "rollbacks",
@@ -354,7 +384,7 @@ def markdown(rows: list[dict], columns: dict[str, str]) -> str:
 
 def _cell(value: object) -> str:
     if isinstance(value, float):
-        return "-" if math.isnan(value) else f"{value:.1f}" if abs(value) >= 1 else f"{value:.3f}"
+        return "-" if math.isnan(value) else f"{value:.1f}" if abs(value) >= 1 or value == 0 else f"{value:.3f}"
     return str(value) if value != "" else "-"
 
 

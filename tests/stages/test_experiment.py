@@ -15,6 +15,7 @@ from components.stages.experiment import (
     arm_row,
     interval95,
     phase_rows,
+    welch,
 )
 from components.stages.sweep import SeedResult, sweep_name
 
@@ -68,6 +69,15 @@ def test_the_95_percent_interval_is_students_t():
     assert all(math.isnan(x) for x in interval95([0.9]))
 
 
+def test_arms_are_compared_with_the_reference_by_welchs_interval():
+    # a = [1, 2, 3], b = [2, 4, 6, 8]: difference -3, standard error sqrt(1/3 + 20/3/4) = sqrt(2), Welch's degrees of
+    # freedom 2^2 / ((1/3)^2 / 2 + (5/3)^2 / 3) = 4.0755, t(0.975, 4.0755) = 2.7563: -3 -+ 3.8980.
+    diff, low, high, p = welch([1.0, 2.0, 3.0], [2.0, 4.0, 6.0, 8.0])
+    assert diff == -3.0 and (low, high) == pytest.approx((-6.8980, 0.8980), abs=1e-4)
+    assert p == pytest.approx(0.0999, abs=1e-4)  # |t| = 3 / sqrt(2) = 2.1213 on 4.0755 degrees of freedom
+    assert all(math.isnan(x) for x in welch([1.0], [2.0, 3.0])[1:])
+
+
 def _seed(seed, accuracy, collapse_step=None, cause="", rollbacks=0):
     return SeedResult(
         seed, accuracy, 100 * (accuracy - 0.69), bool(cause), collapse_step, cause, rollbacks, 0.1, 0.0, 0.9, 0.8, 1.5
@@ -76,7 +86,10 @@ def _seed(seed, accuracy, collapse_step=None, cause="", rollbacks=0):
 
 def test_an_arms_row_counts_collapses_with_their_steps():
     runs = [_seed(1, 0.90), _seed(2, 0.20, 160, "reward+eval", 0), _seed(3, 0.60, None, "eval", 1)]
-    row = arm_row(ArmResult("grpo", runs, [[], [], []], "sweep-x"))
+    reference = ArmResult("sao", [_seed(1, 0.90), _seed(2, 0.80)], [[], []], "sweep-y")
+    row = arm_row(ArmResult("grpo", runs, [[], [], []], "sweep-x"), reference)
+    assert row["vs_reference"] == pytest.approx(56.6667 - 85.0, abs=1e-4) and row["p"] > 0.05
+    assert math.isnan(arm_row(reference, reference)["vs_reference"])
     assert row["runs"] == 3 and row["mean"] == pytest.approx(56.6667, abs=1e-4)
     assert (row["min"], row["max"]) == pytest.approx((20.0, 90.0))
     assert row["vs_sft"] == pytest.approx(56.6667 - 69.0, abs=1e-4)
