@@ -378,13 +378,17 @@ PHASE_COLUMNS = {
 def markdown(rows: list[dict], columns: dict[str, str]) -> str:
     lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(_cell(row[key]) for key in columns) + " |")
+        lines.append("| " + " | ".join(_cell(key, row[key]) for key in columns) + " |")
     return "\n".join(lines)
 
 
-def _cell(value: object) -> str:
+FRACTIONS = {"p", "final_reward", "ceiling_mean", "ceiling_min", "ceiling_max"}
+"""Columns shown to 3 decimals; the others are points or steps, shown to 1."""
+
+
+def _cell(key: str, value: object) -> str:
     if isinstance(value, float):
-        return "-" if math.isnan(value) else f"{value:.1f}" if abs(value) >= 1 or value == 0 else f"{value:.3f}"
+        return "-" if math.isnan(value) else f"{value:.3f}" if key in FRACTIONS else f"{value:.1f}"
     return str(value) if value != "" else "-"
 
 
