@@ -7,11 +7,14 @@ config>/`: an arm whose config another experiment (or a plain `sao sweep`) alrea
 and a re-run of the command continues where it stopped (finished seeds are read back, an interrupted one resumes
 from its newest checkpoint).
 
-    home/experiments/<name>[-<setting>][-quick]/results.{md,csv,json}  the table: per arm, runs, held-out accuracy
-                                                                       (mean, min-max, 95% t-interval), collapses
-                                                                       and their steps, rollbacks
-    home/experiments/<name>[-<setting>][-quick]/curves.png             reward per step per arm (mean, min-max band)
-                                                                       and each seed's held-out accuracy
+    home/experiments/<label>/results.{md,csv,json}  the table: per arm, runs, held-out accuracy (mean, min-max, 95%
+                                                    t-interval; against the reference arm, Welch's interval),
+                                                    collapses and their steps, rollbacks
+    home/experiments/<label>/curves.png             reward per step per arm (mean, min-max band) and each seed's
+                                                    held-out accuracy
+
+The label is the name, then the preset unless `tiny-cpu`, the setting unless `default`, `quick`, and a hash of
+`--set` overrides when there are any.
 
 MLflow: a parent run `experiment/<name>` with each arm's sweep run nested under it (and each seed's run under
 that), the table and plot as its artifacts. Settings: `default` is the preset's task; `hard` widens it (two-call
@@ -32,6 +35,7 @@ import matplotlib
 from components.config import STYLES, Config, load_config
 from components.eval.online import phase_table, reward_curve
 from components.stages.home import Log
+from components.stages.recipes import fingerprint
 from components.stages.style_shift import schedule
 from components.stages.sweep import SeedResult, run_sweep, sweep_name
 from components.storage import write_json
@@ -173,6 +177,18 @@ def experiment_named(name: str) -> Experiment:
     return EXPERIMENTS[name]
 
 
+def experiment_label(
+    name: str, overrides: list[str], setting: str = "default", quick: bool = False, preset: str = "tiny-cpu"
+) -> str:
+    """Where an experiment's table lives and how MLflow finds its parent again: the name, the preset unless
+    `tiny-cpu`, the setting unless `default`, `quick`, and a hash of the user's overrides when there are any (so
+    that `--set` studies of one experiment keep their own tables)."""
+    parts = [name, "" if preset == "tiny-cpu" else preset, "" if setting == "default" else setting]
+    parts.append("quick" if quick else "")
+    parts.append(fingerprint({"overrides": list(overrides)})[:8] if overrides else "")
+    return "-".join(p for p in parts if p)
+
+
 def _quick_phases(experiment: Experiment) -> list[str]:
     if not experiment.steps_per_phase:
         return []
@@ -203,7 +219,7 @@ def run_experiment(
             raise ValueError(f"--arms: unknown arm(s) {unknown} of {name}; known: {[a.name for a, _ in configs]}")
         configs = [(arm, cfg) for arm, cfg in configs if arm.name in arms]
     seeds = seeds or (QUICK_SEEDS if quick else experiment.seeds)
-    label = name + ("" if setting == "default" else f"-{setting}") + ("-quick" if quick else "")
+    label = experiment_label(name, overrides, setting, quick, preset)
     out = home / "experiments" / label
     parent = tagged_run(configs[0][1], home, EXPERIMENT_TAG, label, f"experiment/{label}")
     log(f"experiment {label}: {experiment.claims}; {len(configs)} arm(s) x {seeds} seed(s); table at {out}/results.md")

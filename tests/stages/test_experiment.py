@@ -13,6 +13,7 @@ from components.stages.experiment import (
     ArmResult,
     arm_configs,
     arm_row,
+    experiment_label,
     interval95,
     phase_rows,
     welch,
@@ -50,6 +51,14 @@ def test_the_experiments_set_what_their_claims_need():
     style = dict(arm_configs("style-shift", "tiny-cpu", []))
     assert {cfg.env.name for cfg in style.values()} == {"style"}
     assert all(cfg.train.max_steps == 180 for cfg in style.values())
+
+
+def test_each_study_of_an_experiment_keeps_its_own_table():
+    assert experiment_label("stability", []) == "stability"
+    assert experiment_label("ablation", [], "hard", quick=True) == "ablation-hard-quick"
+    assert experiment_label("ablation", [], preset="tiny-qwen3-cpu") == "ablation-tiny-qwen3-cpu"
+    lr = experiment_label("stability", ["train.policy_lr=1e-3"])
+    assert lr.startswith("stability-") and lr != experiment_label("stability", ["train.policy_lr=2e-3"])
 
 
 def test_unknown_names_are_refused_naming_the_known_ones():
