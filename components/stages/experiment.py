@@ -88,7 +88,14 @@ FORCED_LAG = (
 EXPERIMENTS: dict[str, Experiment] = {
     "stability": Experiment(
         "(a) GRPO collapses under policy lag, (b) DIS removes the collapse, (c) SAO pulls ahead of GRPO+DIS",
-        (Arm("grpo", ('train.algo="grpo"',)), Arm("grpo-dis", ('train.algo="grpo-dis"',)), Arm("sao")),
+        (
+            Arm("grpo", ('train.algo="grpo"',)),
+            Arm("grpo-dis", ('train.algo="grpo-dis"',)),
+            Arm("sao"),
+            # The control: the same run without the forced lag (the preset's in-flight count, staleness bound and
+            # tools), so that a collapse of the lagged arms can be told from one the constant learning rate causes.
+            Arm("sao-preset-lag", ("rollout.concurrency=16", "train.max_staleness=2", 'rollout.latency="none"')),
+        ),
         seeds=3,
         overrides=FORCED_LAG,
     ),

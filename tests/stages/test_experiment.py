@@ -35,11 +35,15 @@ def test_every_arm_is_a_config_of_its_own(name, setting, quick):
 
 
 def test_the_experiments_set_what_their_claims_need():
-    stability = dict(arm_configs("stability", "tiny-cpu", []))
+    stability = {arm.name: cfg for arm, cfg in arm_configs("stability", "tiny-cpu", [])}
+    control = stability.pop("sao-preset-lag")
     for cfg in stability.values():
         assert cfg.rollout.concurrency == 64 and cfg.train.max_staleness == 8  # preset: 16 and 2
         assert cfg.rollout.latency == "lognormal" and cfg.train.collapse_guard == "off"
     assert [cfg.train.algo for cfg in stability.values()] == ["grpo", "grpo-dis", "sao"]
+    # The control differs from the sao arm only in the lag.
+    assert (control.rollout.concurrency, control.train.max_staleness, control.rollout.latency) == (16, 2, "none")
+    assert control.train.collapse_guard == "off" and control.train.min_lr_ratio == stability["sao"].train.min_lr_ratio
     ablation = {arm.name: cfg for arm, cfg in arm_configs("ablation", "tiny-cpu", [])}
     assert ablation["sao-no-skip-obs"].train.algo == "sao" and not ablation["sao-no-skip-obs"].algo.skip_observations
     assert ablation["sao"].algo.skip_observations
