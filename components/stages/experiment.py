@@ -100,8 +100,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         overrides=FORCED_LAG,
     ),
     "ablation": Experiment(
-        "(d) K=2 over K=1, (e) frozen attention over a full-parameter critic, (f) a critic over a running mean; "
-        "PPO's clip in place of DIS, and GAE through observation tokens",
+        "(c) SAO against GRPO+DIS at the preset's lag, (d) K=2 over K=1, (e) frozen attention over a full-parameter "
+        "critic, (f) a critic over a running mean; PPO's clip in place of DIS, and GAE through observation tokens",
         (
             Arm("sao"),
             Arm("sao-k1", ('train.algo="sao-k1"',)),
@@ -109,6 +109,7 @@ EXPERIMENTS: dict[str, Experiment] = {
             Arm("sao-running-mean", ('train.algo="sao-running-mean"',)),
             Arm("ppo", ('train.algo="ppo"',)),
             Arm("sao-no-skip-obs", ("algo.skip_observations=false",)),
+            Arm("grpo-dis", ('train.algo="grpo-dis"',)),
         ),
         seeds=5,
     ),
