@@ -127,6 +127,8 @@ EXPERIMENTS: dict[str, Experiment] = {
             'env.name="style"',
             f'env.preference_schedule="{schedule(STEPS_PER_PHASE)}"',
             f"train.max_steps={STEPS_PER_PHASE * len(STYLES)}",
+            # A flip drops the reward by design; the guard would take it for a collapse and roll back across it.
+            'train.collapse_guard="off"',
         ),
         steps_per_phase=STEPS_PER_PHASE,
     ),
@@ -168,15 +170,16 @@ class ArmResult:
 def arm_configs(
     name: str, preset: str, overrides: list[str], setting: str = "default", quick: bool = False
 ) -> list[tuple[Arm, Config]]:
-    """Each arm of experiment `name` with its config: the preset, then `overrides`, the setting's, the experiment's
-    shared ones and the arm's own (a later override wins). A bad name or setting is refused naming the known ones."""
+    """Each arm of experiment `name` with its config: the preset, then the setting's overrides, the experiment's
+    shared ones, the quick ones, the user's `overrides` and the arm's own (a later override wins: the user can change
+    what the experiment sets, the arm keeps what defines it). A bad name or setting is refused naming the known ones."""
     experiment = experiment_named(name)
     if setting not in SETTINGS:
         raise ValueError(f"--setting: unknown setting {setting!r}; known: {sorted(SETTINGS)}")
-    shared = [*overrides, *SETTINGS[setting], *experiment.overrides]
+    shared = [*SETTINGS[setting], *experiment.overrides]
     if quick:
         shared += [*QUICK, *_quick_phases(experiment)]
-    return [(arm, load_config(preset, [*shared, *arm.overrides])) for arm in experiment.arms]
+    return [(arm, load_config(preset, [*shared, *overrides, *arm.overrides])) for arm in experiment.arms]
 
 
 def experiment_named(name: str) -> Experiment:

@@ -49,12 +49,19 @@ def test_the_experiments_set_what_their_claims_need():
     assert ablation["sao"].algo.skip_observations
     warm = {arm.name: cfg.value_pretrain.warm_start for arm, cfg in arm_configs("value-pretraining", "tiny-cpu", [])}
     assert warm == {"cold": False, "warm": True}
-    # A later override wins over the experiment's: the user's go first.
+    # The user's overrides win over the experiment's, the arm's over the user's.
     (_, cfg), *_ = arm_configs("ablation", "tiny-cpu", ["train.max_steps=7", "algo.skip_observations=false"])
     assert cfg.train.max_steps == 7 and not cfg.algo.skip_observations
+    lagged = dict(arm_configs("stability", "tiny-cpu", ["train.max_staleness=4", 'train.algo="ppo"']))
+    assert [(c.train.max_staleness, c.train.algo) for c in lagged.values()] == [
+        (4, "grpo"),
+        (4, "grpo-dis"),
+        (4, "ppo"),  # the sao arm takes the preset's algorithm, which the user changed
+        (2, "ppo"),
+    ]
     style = dict(arm_configs("style-shift", "tiny-cpu", []))
     assert {cfg.env.name for cfg in style.values()} == {"style"}
-    assert all(cfg.train.max_steps == 180 for cfg in style.values())
+    assert all(cfg.train.max_steps == 180 and cfg.train.collapse_guard == "off" for cfg in style.values())
 
 
 def test_each_study_of_an_experiment_keeps_its_own_table():
