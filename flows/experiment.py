@@ -5,6 +5,8 @@ stopped: finished seeds are read back, an interrupted one resumes from its newes
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
@@ -28,5 +30,5 @@ def experiment(
     result = stage.run_experiment(
         name, preset, list(overrides or []), ctx.home, setting, quick, seeds, arms, log=ctx.log
     )
-    create_markdown_artifact(key=f"experiment-{name}", markdown=open(result["report"]).read())
+    create_markdown_artifact(key=f"experiment-{name}", markdown=Path(result["report"]).read_text())
     return result

@@ -111,7 +111,7 @@ def run_flow(args: argparse.Namespace, home: Path) -> None:
         )  # bad input: refused before Prefect
         arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
         result = experiment(args.name, **params, setting=args.setting, quick=args.quick, seeds=args.seeds, arms=arms)
-        print(open(result["report"]).read().rstrip())
+        print(Path(result["report"]).read_text().rstrip())
 
 
 class _NoTracebackForInputErrors(logging.Filter):
