@@ -189,14 +189,21 @@ def experiment_named(name: str) -> Experiment:
 
 
 def experiment_label(
-    name: str, overrides: list[str], setting: str = "default", quick: bool = False, preset: str = "tiny-cpu"
+    name: str,
+    overrides: list[str],
+    setting: str = "default",
+    quick: bool = False,
+    preset: str = "tiny-cpu",
+    arms: list[str] | None = None,
 ) -> str:
     """Where an experiment's table lives and how MLflow finds its parent again: the name, the preset unless
-    `tiny-cpu`, the setting unless `default`, `quick`, and a hash of the user's overrides when there are any (so
-    that `--set` studies of one experiment keep their own tables)."""
+    `tiny-cpu`, the setting unless `default`, `quick`, a hash of the user's overrides when there are any (so that
+    `--set` studies of one experiment keep their own tables), and the arms when only some run (a partial table
+    never replaces the whole one)."""
     parts = [name, "" if preset == "tiny-cpu" else preset, "" if setting == "default" else setting]
     parts.append("quick" if quick else "")
     parts.append(fingerprint({"overrides": list(overrides)})[:8] if overrides else "")
+    parts.append("+".join(sorted(arms)) if arms else "")
     return "-".join(p for p in parts if p)
 
 
@@ -230,7 +237,7 @@ def run_experiment(
             raise ValueError(f"--arms: unknown arm(s) {unknown} of {name}; known: {[a.name for a, _ in configs]}")
         configs = [(arm, cfg) for arm, cfg in configs if arm.name in arms]
     seeds = seeds or (QUICK_SEEDS if quick else experiment.seeds)
-    label = experiment_label(name, overrides, setting, quick, preset)
+    label = experiment_label(name, overrides, setting, quick, preset, arms)
     out = home / "experiments" / label
     parent = tagged_run(configs[0][1], home, EXPERIMENT_TAG, label, f"experiment/{label}")
     log(f"experiment {label}: {experiment.claims}; {len(configs)} arm(s) x {seeds} seed(s); table at {out}/results.md")

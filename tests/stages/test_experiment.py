@@ -68,6 +68,7 @@ def test_each_study_of_an_experiment_keeps_its_own_table():
     assert experiment_label("stability", []) == "stability"
     assert experiment_label("ablation", [], "hard", quick=True) == "ablation-hard-quick"
     assert experiment_label("ablation", [], preset="tiny-qwen3-cpu") == "ablation-tiny-qwen3-cpu"
+    assert experiment_label("ablation", [], arms=["sao-k1", "sao"]) == "ablation-sao+sao-k1"
     lr = experiment_label("stability", ["train.policy_lr=1e-3"])
     assert lr.startswith("stability-") and lr != experiment_label("stability", ["train.policy_lr=2e-3"])
 
@@ -160,7 +161,12 @@ def test_a_quick_experiment_runs_its_arms_as_sweeps_under_one_parent_and_continu
     assert main([*args, "--arms", "warm"]) == 0
     assert "chuunibyou" not in capsys.readouterr().out  # no phase table outside style-shift
     assert [p.stat().st_mtime_ns for p in results] == written
-    assert len(client.search_runs([client.get_experiment_by_name("sao").experiment_id])) == len(runs)
+    # The partial table has its own place; the whole one is left as it was.
+    assert "| cold |" in (root / "results.md").read_text()
+    assert "| cold |" not in (home / "experiments" / "value-pretraining-quick-warm" / "results.md").read_text()
+    after = client.search_runs([client.get_experiment_by_name("sao").experiment_id])
+    new = [r for r in after if r.info.run_id not in {r.info.run_id for r in runs}]
+    assert [r.data.tags.get("sao.experiment") for r in new] == ["value-pretraining-quick-warm"]  # its parent only
 
 
 def test_an_unknown_experiment_is_one_line(tmp_path, capsys):
