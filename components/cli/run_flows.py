@@ -98,7 +98,7 @@ def run_flow(args: argparse.Namespace, home: Path) -> None:
         # loaded after parsing (module docstring)
         from flows.style_shift import style_shift
 
-        algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+        algos = _names(args.algos)
         result = style_shift(**params, steps_per_phase=args.steps_per_phase, algos=algos)
         print(f"style-shift: {result['report']}")
     elif command == "experiment":
@@ -106,12 +106,16 @@ def run_flow(args: argparse.Namespace, home: Path) -> None:
         from components.stages.experiment import arm_configs
         from flows.experiment import experiment
 
-        arm_configs(
-            args.name, args.preset, args.overrides, args.setting, args.quick
-        )  # bad input: refused before Prefect
-        arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+        # Bad input is refused before Prefect starts.
+        arm_configs(args.name, args.preset, args.overrides, args.setting, args.quick)
+        arms = _names(args.arms) if args.arms else None
         result = experiment(args.name, **params, setting=args.setting, quick=args.quick, seeds=args.seeds, arms=arms)
         print(Path(result["report"]).read_text().rstrip())
+
+
+def _names(text: str) -> list[str]:
+    """A comma-separated option (`--algos`, `--arms`) as its names."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 class _NoTracebackForInputErrors(logging.Filter):

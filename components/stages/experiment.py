@@ -251,8 +251,9 @@ def run_experiment(
     except BaseException:
         parent.close(failed=True)  # a re-run finds it again by its tag and continues under it
         raise
-    steps_per_phase = QUICK_STEPS_PER_PHASE if quick and experiment.steps_per_phase else experiment.steps_per_phase
-    report = write_report(out, label, experiment, setting, results, steps_per_phase)
+    env = configs[0][1].env
+    phases = list(env.preference_phases) if env.preference_schedule else []
+    report = write_report(out, label, experiment, setting, results, phases)
     parent.log_metrics(
         {f"experiment/{r.arm}/accuracy_mean": statistics.fmean(s.accuracy for s in r.runs) for r in results}
         | {f"experiment/{r.arm}/collapsed": float(sum(s.collapsed for s in r.runs)) for r in results}
@@ -324,13 +325,13 @@ def arm_row(result: ArmResult, reference: ArmResult | None = None) -> dict:
     }
 
 
-def phase_rows(result: ArmResult, steps_per_phase: int) -> list[dict]:
-    """Per preference phase of one arm: its mean reward over the last 5 steps (the phase's ceiling) over seeds, and
-    the steps to recover after the flip (mean over the seeds that recovered, and how many did)."""
-    phases = [(style, steps_per_phase) for style in STYLES]
+def phase_rows(result: ArmResult, phases: list[tuple[str, int]]) -> list[dict]:
+    """Per preference phase (`(style, steps)`, the schedule's) of one arm: its mean reward over the last 5 steps (the
+    phase's ceiling) over seeds, and the steps to recover after the flip (mean over the seeds that recovered, and how
+    many did)."""
     tables = [phase_table(curve, phases) for curve in result.curves if curve]
     rows = []
-    for i, style in enumerate(STYLES):
+    for i, (style, _) in enumerate(phases):
         ends = [t[i]["reward_end"] for t in tables if len(t) > i]
         recovered = [t[i]["steps_to_recover"] for t in tables if len(t) > i and t[i]["steps_to_recover"] is not None]
         rows.append(
@@ -349,11 +350,11 @@ def phase_rows(result: ArmResult, steps_per_phase: int) -> list[dict]:
 
 
 def write_report(
-    out: Path, label: str, experiment: Experiment, setting: str, results: list[ArmResult], steps_per_phase: int
+    out: Path, label: str, experiment: Experiment, setting: str, results: list[ArmResult], phases: list[tuple[str, int]]
 ) -> dict:
     reference = next((r for r in results if r.arm == experiment.reference), None)
     rows = [arm_row(r, reference) for r in results]
-    phases = [row for r in results for row in phase_rows(r, steps_per_phase)] if steps_per_phase else []
+    schedule_rows = [row for r in results for row in phase_rows(r, phases)] if phases else []
     out.mkdir(parents=True, exist_ok=True)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, list(rows[0]))
@@ -362,7 +363,7 @@ def write_report(
     (out / "results.csv").write_text(buffer.getvalue())
     write_json(
         out / "results.json",
-        {"table": rows, "phases": phases, "runs": {r.arm: [asdict(s) for s in r.runs] for r in results}},
+        {"table": rows, "phases": schedule_rows, "runs": {r.arm: [asdict(s) for s in r.runs] for r in results}},
     )
     lines = [
         f"# Experiment {label}",
@@ -371,11 +372,12 @@ def write_report(
         "",
         markdown(rows, ARM_COLUMNS | {"vs_reference": f"vs {experiment.reference} (points)"}),
     ]
-    if phases:
-        lines += ["", f"Per preference phase ({steps_per_phase} steps each):", "", markdown(phases, PHASE_COLUMNS)]
+    if schedule_rows:
+        schedule = ", ".join(f"{style} {steps} steps" for style, steps in phases)
+        lines += ["", f"Per preference phase ({schedule}):", "", markdown(schedule_rows, PHASE_COLUMNS)]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     plot(out / "curves.png", label, results)
-    return {"table": rows, "phases": phases, "report": str(out / "results.md")}
+    return {"table": rows, "phases": schedule_rows, "report": str(out / "results.md")}
 
 
 ARM_COLUMNS = {

@@ -125,7 +125,8 @@ def test_phase_rows_give_each_phases_ceiling_and_recovery_over_seeds():
         [0.8, 0.8, 0.8, 0.8, 0.1, 0.9, 1.0, 1.0, 0.0, 0.1, 0.2, 0.3],
         [0.6, 0.6, 0.6, 0.6, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7],
     ]
-    rows = phase_rows(ArmResult("sao", [_seed(1, 0.9), _seed(2, 0.9)], curves, "sweep-x"), 4)
+    phases = [("cute", 4), ("chuunibyou", 4), ("classical", 4)]
+    rows = phase_rows(ArmResult("sao", [_seed(1, 0.9), _seed(2, 0.9)], curves, "sweep-x"), phases)
     assert [r["style"] for r in rows] == ["cute", "chuunibyou", "classical"]
     assert rows[0]["ceiling_mean"] == pytest.approx(0.7) and rows[0]["recovered"] == "-"
     assert (rows[1]["ceiling_min"], rows[1]["ceiling_max"]) == pytest.approx((0.7, 0.75))
