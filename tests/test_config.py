@@ -98,6 +98,16 @@ def test_int_becomes_float_and_arrays_become_tuples():
     assert cfg.task.kinds == ("affine", "two_step")
 
 
+def test_the_tiny_cpu_dataset_keeps_its_key_and_the_teachers_share_changes_it():
+    """A field added to the task leaves stored datasets where they were (their key is their recipe's hash)."""
+    from components.stages.recipes import dataset_key
+
+    assert dataset_key(_load()) == "data/sft-tir_math-f457ccc6d3b2"
+    assert dataset_key(_load("task.teacher_mental_frac=0.7")) != dataset_key(_load())
+    with pytest.raises(ConfigError, match=r"task\.teacher_mental_frac"):
+        _load("task.teacher_mental_frac=1.5")
+
+
 def test_unknown_keys_are_refused_by_path():
     with pytest.raises(
         ConfigError,

@@ -71,7 +71,7 @@ def _main(args: argparse.Namespace) -> int:
         from components.data.solver_server import serve_solver
 
         _check_port(args.host, args.port)
-        serve_solver(args.host, args.port, args.mental_max)
+        serve_solver(args.host, args.port, args.mental_max, args.mental_frac)
         return 0
     cfg = load_config(args.preset, args.overrides)
     if args.command == "plan":

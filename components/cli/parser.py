@@ -49,6 +49,20 @@ def _positive_number(text: str) -> float:
 
 _positive_number.__name__ = "number"
 
+
+def _fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+_fraction.__name__ = "fraction"
+
 PORT = _int_at_least(0, 65535)
 POSITIVE = _int_at_least(1)
 NON_NEGATIVE = _int_at_least(0)
@@ -159,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_tserve.add_argument("--host", default="127.0.0.1")
     p_tserve.add_argument("--port", type=PORT, default=8100)
     p_tserve.add_argument("--mental-max", type=NON_NEGATIVE, default=0, help="answer a*b < this without a tool call")
+    p_tserve.add_argument(
+        "--mental-frac", type=_fraction, default=1.0, help="the share of those answered without a tool call (default 1)"
+    )
 
     p_eval = sub.add_parser(
         "eval",

@@ -87,6 +87,10 @@ class TaskConfig:
     teacher_mental_max: NonNegativeInt = 700
     """The teacher answers without a tool call when a*b < this (a strong model's mental arithmetic, which
     the tiny student cannot imitate; the gap RL closes). 0: always use the tool."""
+    teacher_mental_frac: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    """The share of the problems below `teacher_mental_max` the teacher answers in its head (fixed per question by
+    a hash); it calls the tool on the rest, so the student sees tool calls and output copies on small problems
+    too. 1: all of them."""
     max_turns: PositiveInt = 4
     """Model turns per episode (each turn ends at a tool call or the final answer)."""
     max_new_tokens: PositiveInt = 48

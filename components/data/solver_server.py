@@ -92,7 +92,7 @@ def parse_question(question: str, problem_id: str = "chat") -> Problem:
     raise ValueError(f"not a question of the synthetic task: {question!r}")
 
 
-def next_turn(messages: list[ChatMessage], mental_max: int) -> Turn:
+def next_turn(messages: list[ChatMessage], mental_max: int, mental_frac: float = 1.0) -> Turn:
     """The solver's next assistant turn after `messages`; `BadRequest` naming the message that departs from
     the solver's own trace."""
     history = [(i, m) for i, m in enumerate(messages) if m.role != "system"]
@@ -103,7 +103,7 @@ def next_turn(messages: list[ChatMessage], mental_max: int) -> Turn:
         problem = parse_question(user.content or "")
     except ValueError as exc:
         raise BadRequest(f"messages[{first}].content", str(exc)) from exc
-    trace = teacher_trace(problem, mental_max)
+    trace = teacher_trace(problem, mental_max, mental_frac)
     call_id = None
     for step, (i, message) in enumerate(history[1:], start=1):
         if step >= len(trace.turns):
@@ -202,10 +202,12 @@ def _error(status: int, message: str, param: str | None) -> JSONResponse:
     )
 
 
-def create_app(mental_max: int = 0, model_name: str = SOLVER_MODEL) -> FastAPI:
-    """The solver's FastAPI app; `mental_max` as in `teacher_trace`."""
+def create_app(mental_max: int = 0, model_name: str = SOLVER_MODEL, mental_frac: float = 1.0) -> FastAPI:
+    """The solver's FastAPI app; `mental_max` and `mental_frac` as in `teacher_trace`."""
     if mental_max < 0:
         raise ValueError(f"mental_max: must be >= 0, got {mental_max}")
+    if not 0.0 <= mental_frac <= 1.0:
+        raise ValueError(f"mental_frac: must be in [0, 1], got {mental_frac}")
     app = FastAPI(title="sao programmatic solver")
 
     @app.exception_handler(RequestValidationError)
@@ -232,18 +234,18 @@ def create_app(mental_max: int = 0, model_name: str = SOLVER_MODEL) -> FastAPI:
         names = [(t.get("function") or {}).get("name") for t in body.tools or []]
         if "python" not in names:
             raise BadRequest("tools", f"the solver needs a function tool named 'python', got {names}")
-        return chat_response(next_turn(body.messages, mental_max), body, model_name)
+        return chat_response(next_turn(body.messages, mental_max, mental_frac), body, model_name)
 
     return app
 
 
-def serve_solver(host: str = "127.0.0.1", port: int = 8000, mental_max: int = 0) -> None:
+def serve_solver(host: str = "127.0.0.1", port: int = 8000, mental_max: int = 0, mental_frac: float = 1.0) -> None:
     """Serve the solver with uvicorn until interrupted (`sao` CLI); its base URL is `http://host:port/v1`."""
-    uvicorn.run(create_app(mental_max), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(mental_max, mental_frac=mental_frac), host=host, port=port, log_level="warning")
 
 
 @contextlib.contextmanager
-def running_solver(mental_max: int = 0) -> Iterator[str]:
+def running_solver(mental_max: int = 0, mental_frac: float = 1.0) -> Iterator[str]:
     """The solver on a free 127.0.0.1 port in a background thread; yields its base URL (ending in `/v1`)."""
-    with ServerThread(create_app(mental_max)) as url:
+    with ServerThread(create_app(mental_max, mental_frac=mental_frac)) as url:
         yield f"{url}/v1"

@@ -150,7 +150,7 @@ def _style(cfg: Config) -> EnvSetup:
 
 def _tir_math_traces(cfg: Config) -> list[Trace]:
     problems = generate_problems(cfg.task.kinds, cfg.task.train_size, cfg.task.seed, cfg.task.operand_max, "train")
-    return [teacher_trace(p, cfg.task.teacher_mental_max) for p in problems]
+    return [teacher_trace(p, cfg.task.teacher_mental_max, cfg.task.teacher_mental_frac) for p in problems]
 
 
 def _style_traces(cfg: Config) -> list[Trace]:

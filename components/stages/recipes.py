@@ -21,8 +21,10 @@ from components.config import Config, to_dict
 from components.storage import weights_fingerprint
 from components.training.algorithms import ALGORITHMS
 
-SFT_TASK_FIELDS = ("kinds", "operand_max", "train_size", "seed", "teacher_mental_max")
+SFT_TASK_FIELDS = ("kinds", "operand_max", "train_size", "seed", "teacher_mental_max", "teacher_mental_frac")
 """The task fields that shape the SFT problems (the eval set size or turn limits do not)."""
+_RECIPE_DEFAULTS = {"teacher_mental_frac": 1.0}
+"""Fields added after datasets were stored: left out of a recipe at their default, so its key stays the same."""
 EVAL_TASK_FIELDS = ("kinds", "operand_max", "eval_size", "seed", "max_turns", "max_new_tokens")
 """The task fields that shape the held-out episodes."""
 PROMPT_SEED_SHIFT = 10_000
@@ -42,7 +44,11 @@ def _normalised(recipe: dict) -> dict:
 def data_recipe(cfg: Config) -> dict:
     """What the SFT dataset depends on: the environment, the task fields of the training problems, and the
     teacher when it is an endpoint."""
-    task = {k: v for k, v in to_dict(cfg.task).items() if k in SFT_TASK_FIELDS}
+    task = {
+        k: v
+        for k, v in to_dict(cfg.task).items()
+        if k in SFT_TASK_FIELDS and (k not in _RECIPE_DEFAULTS or v != _RECIPE_DEFAULTS[k])
+    }
     recipe: dict = {"env": {"name": cfg.env.name, "tasks": cfg.env.tasks}, "task": task}
     if cfg.distill.teacher != "programmatic":  # the embedded default keeps the keys it always had
         d = cfg.distill

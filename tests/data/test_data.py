@@ -122,6 +122,21 @@ def test_teacher_answers_small_products_without_the_tool():
     assert tool.turns[1].tool_code == "print(51*99+55)"
 
 
+def test_teacher_mental_frac_answers_a_fixed_share_of_the_small_products_in_its_head():
+    problems = generate_problems(("affine",), 2000, 0, 99, "train")
+    small = [p for p in problems if p.operands[0] * p.operands[1] < 700]
+
+    def mental(frac):
+        return {p.question for p in problems if len(teacher_trace(p, 700, frac).turns) == 2}
+
+    assert mental(1.0) == {p.question for p in small}  # the default: every small product, as before
+    assert mental(0.0) == set()
+    share = len(mental(0.7)) / len(small)
+    assert 0.65 < share < 0.75, share  # a hash of the question: about 70% of the 460-odd small problems
+    assert mental(0.4) < mental(0.7) < mental(1.0)  # a question answered in the head stays so at a larger share
+    assert mental(0.7) == mental(0.7)  # fixed per question, not drawn per call
+
+
 def test_teacher_observations_are_what_the_sandbox_prints():
     from components.sandbox.run import run_python
 

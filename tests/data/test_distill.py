@@ -57,17 +57,18 @@ def _without_reasoning(trace):
 
 
 @pytest.mark.parametrize(
-    "mental_max, tool_turns",
+    "mental_max, mental_frac, tool_turns",
     [
-        (0, 3 * 1 + 3 * 2),  # every problem uses the tool: one call per affine, two per two_step problem
-        (LARGE, 0),  # every problem is answered directly
+        (0, 1.0, 3 * 1 + 3 * 2),  # every problem uses the tool: one call per affine, two per two_step problem
+        (LARGE, 1.0, 0),  # every problem is answered directly
+        (LARGE, 0.0, 3 * 1 + 3 * 2),  # every problem is small, but none is answered in the head
     ],
 )
-def test_distilled_traces_are_byte_identical_to_teacher_traces(problems, mental_max, tool_turns, tmp_path):
+def test_distilled_traces_are_byte_identical_to_teacher_traces(problems, mental_max, mental_frac, tool_turns, tmp_path):
     """The teacher's reasoning is kept on each assistant turn (a student format with a reasoning channel trains on
     it); the rest is the programmatic teacher's trace, byte for byte."""
     seen = []
-    with running_solver(mental_max) as url:
+    with running_solver(mental_max, mental_frac) as url:
         result = distill(
             TeacherEndpoint(url, SOLVER_MODEL),
             tasks_from_problems(problems),
@@ -77,7 +78,7 @@ def test_distilled_traces_are_byte_identical_to_teacher_traces(problems, mental_
             progress=lambda done, total: seen.append((done, total)),
             grade=grade_answer,
         )
-    expected = [teacher_trace(p, mental_max) for p in problems]
+    expected = [teacher_trace(p, mental_max, mental_frac) for p in problems]
     reasoning = [t.reasoning for trace in result.traces for t in trace.turns if t.role == "assistant"]
     assert reasoning and all(r in ("Box the answer.",) or r.startswith("Run print(") for r in reasoning)
     traces = [_without_reasoning(t) for t in result.traces]
