@@ -91,6 +91,7 @@ CLI_CASES = [
     (["engine", "serve", "--model", "m", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
     (["engine", "serve", "--model", "m", "--max-batch", "0"], "argument --max-batch: must be >= 1, got 0"),
     (["teacher", "serve", "--port", "99999"], "argument --port: must be in [0, 65535], got 99999"),
+    (["teacher", "serve", "--mental-frac", "1.5"], "argument --mental-frac: must be in [0, 1], got 1.5"),
     (["style-shift", "--steps-per-phase", "0"], "argument --steps-per-phase: must be >= 1, got 0"),
     # the config: presets and --set
     (["train", "--preset", "nope"], "config error: preset: unknown preset 'nope'"),

@@ -36,36 +36,27 @@ def _int_at_least(minimum: int, maximum: int | None = None):
     return parse
 
 
-def _positive_number(text: str) -> float:
-    """An argparse type: a number > 0; argparse names the flag in the message."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+def _number_where(ok, bound: str):
+    """An argparse type: a number for which `ok` holds (`bound` says which in the message)."""
 
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
 
-_positive_number.__name__ = "number"
+    parse.__name__ = "number"
+    return parse
 
-
-def _fraction(text: str) -> float:
-    """An argparse type: a number in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
-
-
-_fraction.__name__ = "fraction"
 
 PORT = _int_at_least(0, 65535)
 POSITIVE = _int_at_least(1)
 NON_NEGATIVE = _int_at_least(0)
+POSITIVE_NUMBER = _number_where(lambda v: v > 0, "> 0")
+FRACTION = _number_where(lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_tserve.add_argument("--port", type=PORT, default=8100)
     p_tserve.add_argument("--mental-max", type=NON_NEGATIVE, default=0, help="answer a*b < this without a tool call")
     p_tserve.add_argument(
-        "--mental-frac", type=_fraction, default=1.0, help="the share of those answered without a tool call (default 1)"
+        "--mental-frac", type=FRACTION, default=1.0, help="the share of those answered without a tool call (default 1)"
     )
 
     p_eval = sub.add_parser(
@@ -228,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--gpus", type=POSITIVE, required=True, help="GPUs that train (the torchrun ranks)")
     p_plan.add_argument(
         "--gpu-memory-gb",
-        type=_positive_number,
+        type=POSITIVE_NUMBER,
         default=141.0,
         help="memory of one GPU for training, in GB of 1e9 bytes (default 141: an H200)",
     )
