@@ -202,7 +202,7 @@ def _error(status: int, message: str, param: str | None) -> JSONResponse:
     )
 
 
-def create_app(mental_max: int = 0, model_name: str = SOLVER_MODEL, mental_frac: float = 1.0) -> FastAPI:
+def create_app(mental_max: int = 0, mental_frac: float = 1.0, model_name: str = SOLVER_MODEL) -> FastAPI:
     """The solver's FastAPI app; `mental_max` and `mental_frac` as in `teacher_trace`."""
     if mental_max < 0:
         raise ValueError(f"mental_max: must be >= 0, got {mental_max}")
@@ -241,11 +241,11 @@ def create_app(mental_max: int = 0, model_name: str = SOLVER_MODEL, mental_frac:
 
 def serve_solver(host: str = "127.0.0.1", port: int = 8000, mental_max: int = 0, mental_frac: float = 1.0) -> None:
     """Serve the solver with uvicorn until interrupted (`sao` CLI); its base URL is `http://host:port/v1`."""
-    uvicorn.run(create_app(mental_max, mental_frac=mental_frac), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(mental_max, mental_frac), host=host, port=port, log_level="warning")
 
 
 @contextlib.contextmanager
 def running_solver(mental_max: int = 0, mental_frac: float = 1.0) -> Iterator[str]:
     """The solver on a free 127.0.0.1 port in a background thread; yields its base URL (ending in `/v1`)."""
-    with ServerThread(create_app(mental_max, mental_frac=mental_frac)) as url:
+    with ServerThread(create_app(mental_max, mental_frac)) as url:
         yield f"{url}/v1"
