@@ -1,6 +1,6 @@
 """Asynchronous single-rollout SAO vs synchronous GRPO (issue 5), measured in one run on equal terms.
 
-Every arm runs the same trainer loop (`components.training.trainer.train`) with the same embedded engine,
+Every arm runs the same trainer loop (`components.training.rl.trainer.train`) with the same embedded engine,
 the same SFT policy (the preset's, built once under the home), the same batch of 16 trajectories per policy
 update, and the same heavy-tailed simulated tool latency (lognormal, seeded per episode), which stands in
 for real tools: sandboxes, search, compilers.
@@ -26,8 +26,8 @@ from components.config import load_config
 from components.envs.registry import build_env
 from components.stages.sft import run_sft
 from components.tracking import NullTracker
-from components.training.parts import thread_budget
-from components.training.trainer import train
+from components.training.rl.parts import thread_budget
+from components.training.rl.trainer import train
 
 STEPS = int(os.environ.get("BENCH_ASYNC_STEPS", "20"))
 HEAVY_TAIL = ['rollout.latency="lognormal"', "rollout.latency_mean_s=0.5", "rollout.latency_sigma=1.5"]

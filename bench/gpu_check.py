@@ -39,11 +39,11 @@ from components.config import load_config  # noqa: E402
 from components.models import load_policy, token_logprobs  # noqa: E402
 from components.rollout.embedded import EmbeddedEngine  # noqa: E402
 from components.rollout.protocol import SamplingRequest  # noqa: E402
-from components.training.algorithms import settings_from  # noqa: E402
-from components.training.learner import Learner  # noqa: E402
 from components.training.plan.layout import Workload, plan  # noqa: E402
 from components.training.plan.memory import Zero  # noqa: E402
 from components.training.plan.model import decoder_sizes, policy_and_critic  # noqa: E402
+from components.training.rl.algorithms import settings_from  # noqa: E402
+from components.training.rl.learner import Learner  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # DeepSpeed's ZeRO-3 calls
 H200_BF16_PEAK = 989e12

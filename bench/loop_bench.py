@@ -1,6 +1,6 @@
 """The preset's RL loop, where its time goes, and how far it is from the hardware's bound (issue 14).
 
-`make bench BENCH=loop`. Each arm runs `components.training.trainer.train` on the `tiny-cpu` preset (its SFT
+`make bench BENCH=loop`. Each arm runs `components.training.rl.trainer.train` on the `tiny-cpu` preset (its SFT
 policy, built first if missing) in a fresh process, so arms do not share warm caches or threads:
 
 - `sao async`: the preset as `make run` trains it (16 trajectories per update, one rollout per prompt).
@@ -65,7 +65,7 @@ def probe(arm: str, steps: int, home: Path) -> dict:
     from components.envs.registry import build_env
     from components.stages.sft import run_sft
     from components.tracking import NullTracker
-    from components.training.trainer import train
+    from components.training.rl.trainer import train
 
     cfg = load_config("tiny-cpu", COMMON + ARMS[arm] + [f"train.max_steps={steps}"])
     sft_dir = run_sft(load_config("tiny-cpu"), home, log=lambda _: None)
@@ -296,7 +296,7 @@ def bound(result: dict, home: Path) -> dict:
     from components.config import load_config
     from components.models import ValueModel, load_policy, token_logprobs
     from components.stages.sft import run_sft
-    from components.training.algorithms import ALGORITHMS
+    from components.training.rl.algorithms import ALGORITHMS
 
     rows = result["rows"][WARMUP:]
     batch = round(statistics.fmean(r["n"] for r in rows))

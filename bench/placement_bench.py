@@ -1,5 +1,5 @@
 """The critic on a rank of its own (`train.critic_ranks`): what overlapping the policy's first forward pass with
-the critic's K updates buys (issue 26, components/training/placement.py).
+the critic's K updates buys (issue 26, components/training/rl/placement.py).
 
 `make bench BENCH=placement`. Two gloo ranks on this machine, one torch thread each (a core each on a 2-core
 machine): the policy on rank 0, the critic on rank 1, `tiny-cpu`'s model (built from its config, untrained: time
@@ -62,10 +62,10 @@ def _rank(rank: int, port: int, results) -> None:
     from components.config import load_config
     from components.models import ValueModel, build_policy, freeze_attention
     from components.models.tokenizer import build_tokenizer
-    from components.training.algorithms import settings_from
-    from components.training.collective import from_environment
-    from components.training.engines import TorchEngine
-    from components.training.placement import Placement, split_step
+    from components.training.engines.collective import from_environment
+    from components.training.engines.engine import TorchEngine
+    from components.training.rl.algorithms import settings_from
+    from components.training.rl.placement import Placement, split_step
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)

@@ -24,8 +24,8 @@ from components.config import Config
 from components.contracts.markers import CALL, CALL_END, END, OUTPUT, OUTPUT_END, prompt_text
 from components.envs.registry import build_env
 from components.models import load_policy, load_tokenizer
-from components.training.engines import read_module_state
-from components.training.recording import Recording
+from components.training.engines.engine import read_module_state
+from components.training.rl.recording import Recording
 
 EXPRESSION = re.compile(r"Compute (.*)\.")
 

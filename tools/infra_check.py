@@ -29,7 +29,7 @@ import yaml
 from components.config import Config, ConfigError
 from components.rollout.access import API_KEY_ENV, WEIGHTS_TOKEN_ENV, Access, check_bind
 from components.tracking.prometheus import EXPORTED
-from components.training.deepspeed_config import (
+from components.training.engines.deepspeed_config import (
     builtin_deepspeed_config,
     deepspeed_file_problems,
     deepspeed_schema_problems,

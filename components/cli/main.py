@@ -139,7 +139,7 @@ def _check_port(host: str, port: int) -> None:
 
 def _check_checkpoint(cfg, home: Path, step: int) -> None:
     # loaded after parsing (module docstring)
-    from components.training.checkpoint import checkpoint_store
+    from components.training.rl.checkpoint import checkpoint_store
 
     store = checkpoint_store(cfg, home)
     steps = store.steps()
@@ -210,7 +210,7 @@ def _train_replay(args: argparse.Namespace) -> int:
 
 def _rollback(cfg, home: Path, step: int) -> None:
     # loaded after parsing (module docstring)
-    from components.training.checkpoint import checkpoint_store
+    from components.training.rl.checkpoint import checkpoint_store
 
     deleted = checkpoint_store(cfg, home).discard_after(step, print)
     print(f"train: rolled back to step {step} ({len(deleted)} newer checkpoint(s) deleted); resuming")

@@ -15,9 +15,9 @@ from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 EnvName = Literal["tir_math", "coding", "style"]
 """Environments (components/envs/registry.py builds each)."""
 AlgoName = Literal["sao", "sao-k1", "sao-full-critic", "sao-running-mean", "grpo", "grpo-dis", "ppo"]
-"""Algorithms, all trained by one loop (components/training/algorithms.py defines each)."""
+"""Algorithms, all trained by one loop (components/training/rl/algorithms.py defines each)."""
 AdmissionRule = Literal["capacity", "oldest"]
-"""How the trajectory buffer bounds staleness (components/training/buffer.py)."""
+"""How the trajectory buffer bounds staleness (components/training/rl/buffer.py)."""
 LatencyKind = Literal["none", "fixed", "lognormal"]
 """Tool-latency models of `rollout.latency`."""
 TokenizerName = Literal["characters", "qwen3"]

@@ -256,7 +256,7 @@ class RolloutConfig:
 @section("train")
 class TrainConfig:
     algo: AlgoName = "sao"
-    """Algorithm (one loop for all; see components/training/algorithms.py)."""
+    """Algorithm (one loop for all; see components/training/rl/algorithms.py)."""
     batch_size: PositiveInt = 16
     """Trajectories per policy update (whole groups for GRPO)."""
     max_steps: PositiveInt = 200
@@ -266,7 +266,7 @@ class TrainConfig:
     admission: AdmissionRule = "capacity"
     """capacity: at most (version + max_staleness + 1) x batch_size episodes ever started (AReaL); oldest: no
     new episode while the oldest in-flight one started more than max_staleness versions ago (one straggler
-    stalls every start). See components/training/buffer.py."""
+    stalls every start). See components/training/rl/buffer.py."""
     sync: bool = False
     """Synchronous mode: generate a batch, wait for all of it, train (same code, for async-vs-sync)."""
     sync_lag: NonNegativeInt = 0
@@ -295,7 +295,7 @@ class TrainConfig:
     min_lr_ratio: Annotated[float, Field(gt=0, le=1)] = 1.0
     """Cosine decay of both learning rates to this fraction of their peak at `max_steps` (1.0: constant)."""
     collapse_guard: Literal["rollback", "stop", "off"] = "rollback"
-    """When the collapse rule fires (components/training/stability.py): roll back to the newest checkpoint
+    """When the collapse rule fires (components/training/rl/stability.py): roll back to the newest checkpoint
     before the collapse and continue with the learning rates scaled by `rollback_lr_scale` (rollback), roll
     back and end the run there (stop), or only log it (off)."""
     rollback_lr_scale: Annotated[float, Field(gt=0, le=1)] = 0.5
@@ -313,7 +313,7 @@ class TrainConfig:
     whole batch's (token-weighted). 0: a rank's rows in one pass."""
     critic_ranks: NonNegativeInt = 0
     """Ranks of their own for the critic, the last of the torchrun world (the policy on the others), each model
-    data-parallel over its own ranks (components/training/placement.py); 0: both models on every rank. `sao plan`
+    data-parallel over its own ranks (components/training/rl/placement.py); 0: both models on every rank. `sao plan`
     prices either."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them (policy and critic):
@@ -336,7 +336,7 @@ class TrainConfig:
     record_batches: bool = True
     """Write every step's batch (its trajectories in the order trained, the version it started from, its learning-rate
     factor and metrics) under `<home>/batches/`, so that `sao train --replay` can repeat the run's updates exactly,
-    without the engine's timing (components/training/replay.py). About 16 KB per step on the tiny preset."""
+    without the engine's timing (components/training/rl/replay.py). About 16 KB per step on the tiny preset."""
     critic_path: str = ""
     """HF directory of a pretrained critic (`ValueModel.save`, e.g. written by value pretraining); empty: start
     the critic from the SFT policy with a fresh head. Ignored by algorithms without a critic."""

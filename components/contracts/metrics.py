@@ -16,7 +16,7 @@ ALGORITHM_METRICS = (
     "adv/mean",
     "adv/std",
 )
-"""What an algorithm step reports (components/training/algorithms.py): the policy update, DIS, the critic, the
+"""What an algorithm step reports (components/training/rl/algorithms.py): the policy update, DIS, the critic, the
 advantages."""
 
 LOOP_METRICS = (
@@ -30,7 +30,7 @@ LOOP_METRICS = (
     "trainer/idle_frac",
     "trainer/step_s",
 )
-"""What the loop adds to every step's row (components/training/trainer.py)."""
+"""What the loop adds to every step's row (components/training/rl/trainer.py)."""
 
 DESIGN_METRICS = ALGORITHM_METRICS + LOOP_METRICS
 """docs/design.md section 6's names (with `eval/<benchmark>/accuracy`, logged by evaluation)."""
@@ -43,4 +43,4 @@ DIAGNOSTIC_METRICS = (
     "adv/success_mean",
     "adv/traj_extreme",
 )
-"""Added to the algorithm's for collapse diagnosis (components/training/diagnostics.py, docs/stability.md)."""
+"""Added to the algorithm's for collapse diagnosis (components/training/rl/diagnostics.py, docs/stability.md)."""

@@ -213,7 +213,7 @@ def trajectory_from_dict(record: Mapping[str, Any]) -> Trajectory:
 
 
 class TrainBatch(TypedDict):
-    """A padded batch of trajectories, the one input of every trainer step (components/training/algorithms.py).
+    """A padded batch of trajectories, the one input of every trainer step (components/training/rl/algorithms.py).
 
     B trajectories, right-padded to the longest one's T tokens. Padding positions have attention_mask 0 and
     action_mask 0, so they never count anywhere.

@@ -30,6 +30,7 @@ import httpx
 import torch
 from torch import nn
 
+from components.config import RolloutConfig
 from components.faults import fault_point
 from components.rollout.access import OPEN, Access
 from components.rollout.client import EngineClient, health_json, server_failed
@@ -364,3 +365,41 @@ def _probe(url: str, timeout_s: float) -> dict | None:
         return health_json(httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s))
     except httpx.HTTPError:
         return None
+
+
+def open_rollouts(
+    rc: RolloutConfig,
+    module: nn.Module,
+    tokenizer,
+    home: Path,
+    version: int,
+    engine_threads: int,
+    log: Callable[[str], None] = print,
+) -> Rollouts:
+    """Where episodes are generated (`rollout.backend`): the embedded engine on a copy of `module` in this
+    process, or the `rollout.urls` servers, which load each version from `rollout.publish_dir`."""
+    backends: dict[str, Callable[[], Rollouts]] = {
+        "embedded": lambda: EmbeddedRollouts(module, tokenizer, rc.max_batch, version, engine_threads),
+        "http": lambda: HttpRollouts(
+            list(rc.urls),
+            module,
+            tokenizer,
+            Path(rc.publish_dir or home / "published"),
+            rc.server,
+            rc.request_timeout_s,
+            rc.request_retries,
+            version,
+            max_wait_s=rc.engine_wait_s,
+            transfer=rc.weight_transfer,
+            bucket_mb=rc.transfer_bucket_mb,
+            transfer_address=rc.transfer_address,
+            transfer_timeout_s=rc.transfer_timeout_s,
+            transfer_fallback=rc.transfer_fallback,
+            probe_every=rc.probe_every,
+            probe_tolerance=rc.probe_tolerance,
+            overlap=rc.publish_overlap,
+            access=Access.from_environment(),
+            log=log,
+        ),
+    }
+    return backends[rc.backend]()

@@ -4,7 +4,7 @@ path, then the model registry.
     checkpoint step N -> HF directory (models/<name>-<algo>-step-<N>/) -> episodes (greedy + K samples)
                       -> reports/<name>.{json,parquet} -> registry `candidate`, `champion` when it wins
 
-Checkpoints hold the learner's states (`policy/`: the engine's own files, components/training/learner.py).
+Checkpoints hold the learner's states (`policy/`: the engine's own files, components/training/rl/learner.py).
 Evaluation needs an HF directory: the policy is rebuilt from the SFT directory's config and tokenizer, the
 checkpoint's module weights are loaded into it (consolidated from every rank's partition for a ZeRO-3 checkpoint),
 and the result is written atomically (reused when complete).
@@ -27,9 +27,9 @@ from components.stages.home import Log, existing_sft
 from components.stages.recipes import eval_task
 from components.storage import atomic_dir, is_complete, weights_fingerprint, write_json
 from components.tracking.registry import Promotion, promote
-from components.training.algorithms import ALGORITHMS
-from components.training.checkpoint import checkpoint_store
-from components.training.engines import read_module_state
+from components.training.engines.engine import read_module_state
+from components.training.rl.algorithms import ALGORITHMS
+from components.training.rl.checkpoint import checkpoint_store
 
 
 def eval_tasks(cfg: Config, benchmark: str, tasks: str) -> tuple[list[Task] | None, str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from components.config import Config, to_dict
 from components.stages.recipes import fingerprint
 from components.tracking.stage_runs import pipeline_run, reopen
-from components.training.algorithms import ALGORITHMS
+from components.training.rl.algorithms import ALGORITHMS
 
 
 def parent_run(cfg: Config, home: Path):

@@ -29,7 +29,7 @@ from components.stages.pipeline import starts_warm, uses_critic
 from components.stages.sft import join_sft
 from components.stages.train import run_train
 from components.stages.value_pretrain import join_value_pretrain
-from components.training.collective import end_rank_process
+from components.training.engines.collective import end_rank_process
 
 
 def follow_pipeline(cfg: Config, home: Path, resume: bool) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from components.config import Config, to_dict
 from components.storage import weights_fingerprint
-from components.training.algorithms import ALGORITHMS
+from components.training.rl.algorithms import ALGORITHMS
 
 SFT_TASK_FIELDS = ("kinds", "operand_max", "train_size", "seed", "teacher_mental_max", "teacher_mental_frac")
 """The task fields that shape the SFT problems (the eval set size or turn limits do not)."""

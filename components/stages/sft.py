@@ -28,9 +28,9 @@ from components.stages.evaluate import run_eval
 from components.stages.home import SFT_RECIPE_FILE, Log, existing_sft, publish
 from components.stages.recipes import eval_task, sft_key, sft_recipe
 from components.storage import atomic_dir, weights_fingerprint, write_json
-from components.training.collective import SOLO, Collective, from_environment, launched_world_size, rank_cores
-from components.training.engines import init_single_process_group
-from components.training.loading import EngineSettings, load_model, open_engine, whole_module
+from components.training.engines.collective import SOLO, Collective, from_environment, launched_world_size, rank_cores
+from components.training.engines.engine import init_single_process_group
+from components.training.engines.loading import EngineSettings, load_model, open_engine, whole_module
 from components.training.sft import train_sft
 
 

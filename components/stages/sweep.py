@@ -13,7 +13,7 @@ so running two at once would only slow both. Re-running the same command continu
 finished seeds are read back, an interrupted one resumes from its newest checkpoint.
 
 MLflow: a parent run `sweep/<name>` with one nested run per seed, and the table as the parent's artifact.
-A collapse is what `components/training/stability.py` says it is, online (replayed from the logged reward
+A collapse is what `components/training/rl/stability.py` says it is, online (replayed from the logged reward
 curve, exactly as the trainer's guard saw it) or on the held-out set after training.
 """
 
@@ -38,8 +38,8 @@ from components.stages.value_pretrain import run_value_pretrain
 from components.storage import HomeStateError, write_json
 from components.tracking import DiskTracker, open_tracker
 from components.tracking.stage_runs import StageRun, tagged_run
-from components.training.stability import CollapseDetector, collapsed_on_eval
-from components.training.trainer import train
+from components.training.rl.stability import CollapseDetector, collapsed_on_eval
+from components.training.rl.trainer import train
 
 SWEEP_TAG = "sao.sweep"
 

@@ -20,12 +20,12 @@ from components.stages.home import Log, publish
 from components.stages.recipes import fingerprint
 from components.stages.sft import join_sft, run_sft, sft_eval
 from components.tracking import DiskTracker, NullTracker, mlflow_uri, open_tracker
-from components.training.checkpoint import checkpoint_store
-from components.training.collective import SOLO, from_environment, launched_world_size
-from components.training.engines import init_single_process_group
-from components.training.recording import Recording
-from components.training.replay import replay
-from components.training.trainer import train
+from components.training.engines.collective import SOLO, from_environment, launched_world_size
+from components.training.engines.engine import init_single_process_group
+from components.training.rl.checkpoint import checkpoint_store
+from components.training.rl.recording import Recording
+from components.training.rl.replay import replay
+from components.training.rl.trainer import train
 
 
 def run_train(

@@ -33,9 +33,9 @@ from components.stages.recipes import critic_key, prompt_config, value_pretrain_
 from components.stages.rollout import sample_episodes
 from components.stages.sft import join_sft, run_sft, world
 from components.storage import atomic_dir, write_json
-from components.training.algorithms import ALGORITHMS
-from components.training.collective import SOLO, Collective, rank_cores
-from components.training.loading import EngineSettings, load_model, open_engine, whole_module
+from components.training.engines.collective import SOLO, Collective, rank_cores
+from components.training.engines.loading import EngineSettings, load_model, open_engine, whole_module
+from components.training.rl.algorithms import ALGORITHMS
 from components.training.value_pretrain import FitSettings, fit_critic, split_by_prompt
 
 SUMMARY_FILE = "value_pretrain.json"

@@ -36,7 +36,7 @@ from components.contracts.metrics import DESIGN_METRICS, DIAGNOSTIC_METRICS
 TRAINER_METRICS = (
     *DESIGN_METRICS,  # docs/design.md section 6 (eval/<benchmark>/accuracy is EVAL_ACCURACY below)
     *DIAGNOSTIC_METRICS,
-    # what the trainer logs beyond them (components/training/trainer.py, algorithms.py, components/algo/losses.py,
+    # what the trainer logs beyond them (components/training/rl/trainer.py, algorithms.py, components/algo/losses.py,
     # components/rollout/backends.py, the style environment)
     "policy/clip_frac",
     "critic/clip_frac",

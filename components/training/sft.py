@@ -4,10 +4,10 @@ The loss is the mean negative log-likelihood over the assistant's tokens (tool c
 prompt and tool-output tokens only condition the model, they are never targets, which is what lets
 the policy learn to call the tool rather than to imitate the tool's output.
 
-The steps run on a training engine (components/training/engines.py): the torch engine in one process, or DeepSpeed
+The steps run on a training engine (components/training/engines/engine.py): the torch engine in one process, or DeepSpeed
 on every rank under torchrun. Every rank draws the same batch of traces (one seeded order) and trains its rows of
 it, in micro-batches within `train.micro_batch_tokens`, each micro-batch's loss scaled by its share of the batch's
-action tokens (components/training/micro.py): the step is the single-process step of the whole batch.
+action tokens (components/training/engines/micro.py): the step is the single-process step of the whole batch.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from components.chat import ChatFormat, render_trace
 from components.config import SFTConfig
 from components.contracts.trace import Trace
 from components.models.logprobs import head_positions, token_logprobs
-from components.training.batching import pad_batch
-from components.training.collective import SOLO, Collective
-from components.training.micro import MicroBatches, TokenWeighted, rank_share
-from components.training.schedule import warmup_cosine
+from components.training.engines.batching import pad_batch
+from components.training.engines.collective import SOLO, Collective
+from components.training.engines.micro import MicroBatches, TokenWeighted, rank_share
+from components.training.engines.schedule import warmup_cosine
 
 
 @dataclass(frozen=True)

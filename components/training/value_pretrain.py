@@ -34,8 +34,8 @@ from torch import Tensor
 from components.algo import clipped_value_loss, explained_variance, gae
 from components.contracts.trajectory import TrainBatch, Trajectory, to_tensors
 from components.models import ValueModel
-from components.training.collective import SOLO, Collective
-from components.training.micro import MicroBatches, TokenWeighted, rank_share
+from components.training.engines.collective import SOLO, Collective
+from components.training.engines.micro import MicroBatches, TokenWeighted, rank_share
 
 Log = Callable[[str], None]
 

@@ -46,7 +46,7 @@ ENV SAO_HOME=/data/sao PREFECT_HOME=/data/prefect
 
 EXPOSE 9400 8080
 HEALTHCHECK --interval=30s --timeout=10s --start-period=120s --retries=3 \
-    CMD ["python", "-c", "import torch, deepspeed, components.training.engines"]
+    CMD ["python", "-c", "import torch, deepspeed, components.training.engines.engine"]
 # As a worker: `prefect worker start --pool sao-gpu-k8s --type kubernetes` (or sao-gpu-docker / docker); as a
 # job image, Prefect replaces this command with the flow run's. Training under the DeepSpeed launcher:
 #   torchrun --nproc-per-node 8 -m components.cli train --preset qwen3-30b-a3b

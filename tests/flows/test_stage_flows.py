@@ -137,7 +137,7 @@ def test_the_evaluate_task_picks_the_newest_checkpoint_else_the_sft_policy(tmp_p
     import torch
 
     from components.models import load_policy, save_model_dir
-    from components.training.checkpoint import checkpoint_store
+    from components.training.rl.checkpoint import checkpoint_store
     from flows.evaluate import model_to_score
 
     model, tokenizer = sft_policy
@@ -152,7 +152,7 @@ def test_the_evaluate_task_picks_the_newest_checkpoint_else_the_sft_policy(tmp_p
     (tmp_path / "models" / "sft-tir_math" / "sao_sft.json").write_text(json.dumps({"recipe": sft_recipe(tiny_cfg)}))
     directory, source, label = model_to_score.fn(tiny_cfg, tmp_path, "", None, print)
     assert (directory.name, source, label) == ("sft-tir_math", None, "sft")
-    from components.training.engines import TorchEngine
+    from components.training.engines.engine import TorchEngine
 
     moved = copy.deepcopy(model)
     with torch.no_grad():

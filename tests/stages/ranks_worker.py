@@ -9,7 +9,7 @@ from components.config import load_config
 from components.stages.ranks import follow, is_driver
 from components.stages.sft import run_sft
 from components.stages.value_pretrain import run_value_pretrain
-from components.training.collective import end_rank_process
+from components.training.engines.collective import end_rank_process
 
 
 def main(home: str, stage: str, out: str, *overrides: str) -> None:

@@ -16,8 +16,8 @@ from components.models.value import HEAD_FILE
 from components.stages.recipes import PROMPT_SEED_SHIFT, value_pretrain_recipe
 from components.stages.value_pretrain import SUMMARY_FILE, pretrain_value
 from components.storage import is_complete
-from components.training.algorithms import settings_from
-from components.training.learner import Learner
+from components.training.rl.algorithms import settings_from
+from components.training.rl.learner import Learner
 from components.training.value_pretrain import split_by_prompt, value_targets
 
 

@@ -27,7 +27,7 @@ from components.storage import (
     open_store,
     resolve_store_uri,
 )
-from components.training.checkpoint import CheckpointStore, LocalCheckpointStore
+from components.training.rl.checkpoint import CheckpointStore, LocalCheckpointStore
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from components.storage import StoreError, open_store
-from components.training.checkpoint import CheckpointStore
+from components.training.rl.checkpoint import CheckpointStore
 from tests.faultproxy import FaultProxy
 
 MIB = 1024 * 1024

@@ -10,10 +10,10 @@ import torch
 from components.config import load_config
 from components.contracts.trajectory import read_trajectories, to_tensors
 from components.models import load_tokenizer, save_model_dir
-from components.training.algorithms import settings_from
-from components.training.collective import end_rank_process
-from components.training.engines import init_single_process_group
-from components.training.learner import Learner
+from components.training.engines.collective import end_rank_process
+from components.training.engines.engine import init_single_process_group
+from components.training.rl.algorithms import settings_from
+from components.training.rl.learner import Learner
 
 
 def _params(learner: Learner) -> torch.Tensor:

@@ -10,8 +10,8 @@ import torch
 
 from components.config import load_config
 from components.models import ValueModel, build_policy, build_tokenizer, freeze_attention, token_logprobs
-from components.training.collective import end_rank_process, from_environment, take_rows
-from components.training.engines import DeepSpeedEngine, init_single_process_group
+from components.training.engines.collective import end_rank_process, from_environment, take_rows
+from components.training.engines.engine import DeepSpeedEngine, init_single_process_group
 from tests.training.test_numerical_faults import SETTINGS, K, OneShot, make_batch, same, weights
 
 
@@ -48,7 +48,7 @@ def sao_case(model: torch.nn.Module, rank: int) -> dict:
     if rank == 1:
         faulty["rewards"][0, 15] = math.nan
     start = weights(policy, critic)
-    from components.training.algorithms import sao_step
+    from components.training.rl.algorithms import sao_step
 
     sao_step(policy, critic, faulty, SETTINGS, {}, comm)
     unchanged = same(weights(policy, critic), start)

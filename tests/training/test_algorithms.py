@@ -10,8 +10,8 @@ from components.config import load_config
 from components.contracts.metrics import ALGORITHM_METRICS, DIAGNOSTIC_METRICS
 from components.contracts.trajectory import to_tensors
 from components.models import ValueModel, freeze_attention
-from components.training.algorithms import ALGORITHMS, AlgoSettings, policy_advantages, settings_from
-from components.training.engines import TorchEngine
+from components.training.engines.engine import TorchEngine
+from components.training.rl.algorithms import ALGORITHMS, AlgoSettings, policy_advantages, settings_from
 
 DESIGN_METRICS = {*ALGORITHM_METRICS, *DIAGNOSTIC_METRICS}
 
@@ -87,7 +87,7 @@ def test_each_algorithm_updates_what_it_should(name, sft_policy, batch):
 def test_the_critic_step_shares_v_old_with_its_first_update(sft_policy, batch):
     """K updates cost K + 1 critic forwards: V_old is the first update's forward (same weights), and the values
     handed to the advantages are one forward of the updated critic, equal to computing them afresh."""
-    from components.training.algorithms import critic_updates
+    from components.training.rl.algorithms import critic_updates
 
     model = ValueModel.from_policy(copy.deepcopy(sft_policy[0]))
     freeze_attention(model)
@@ -107,7 +107,7 @@ def test_every_configurable_algorithm_is_defined_once():
     import typing
 
     from components.config import AlgoName
-    from components.training.algorithms import ALGORITHMS
+    from components.training.rl.algorithms import ALGORITHMS
 
     assert set(ALGORITHMS) == set(typing.get_args(AlgoName))
 

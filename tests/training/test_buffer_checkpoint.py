@@ -8,8 +8,8 @@ import torch
 from components.contracts.task import Task
 from components.contracts.trajectory import Timings, Trajectory
 from components.storage import CorruptArtifact, IncompleteArtifact
-from components.training.buffer import TrajectoryBuffer
-from components.training.checkpoint import LocalCheckpointStore
+from components.training.rl.buffer import TrajectoryBuffer
+from components.training.rl.checkpoint import LocalCheckpointStore
 
 
 def _traj(pid):

@@ -65,7 +65,7 @@ def test_a_store_that_never_took_a_checkpoint_stops_the_run_at_once(proxied_s3, 
 
 def _checkpointer(prefix: str, max_failures: int, tmp_dir):
     from components.storage import open_store
-    from components.training.checkpoint import Checkpointer, CheckpointStore
+    from components.training.rl.checkpoint import Checkpointer, CheckpointStore
 
     store = open_store(f"s3://{BUCKET}/{prefix}", attempts=2, backoff_s=0.05)
     stored, log = [], []

@@ -20,7 +20,7 @@ from components.rollout.server import ServerThread, create_app
 from components.stages.evaluate import run_eval
 from components.tracking import open_tracker
 from components.tracking.prometheus import EXPORTED, TRAINER_METRICS
-from components.training.trainer import train
+from components.training.rl.trainer import train
 from tests.conftest import free_port
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "sao-training.json"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from components.config import ConfigError, load_config
-from components.training.engines import DeepSpeedEngine
+from components.training.engines.engine import DeepSpeedEngine
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,8 +100,8 @@ def test_the_config_field_needs_the_deepspeed_backend():
 def test_the_learner_passes_the_file_to_both_engines(tmp_path):
     """Policy and critic both get ZeRO-2 and the file's clip, each keeping its own learning rate."""
     from components.models import init_model_dir
-    from components.training.algorithms import settings_from
-    from components.training.learner import Learner
+    from components.training.rl.algorithms import settings_from
+    from components.training.rl.learner import Learner
 
     path = _write(tmp_path, {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.25})
     cfg = load_config("tiny-cpu", [f'train.deepspeed_config="{path}"', "train.zero_stage=0"])
@@ -143,7 +143,7 @@ def test_train_adam_eps_is_the_rl_engines_adam_epsilon(backend):
     """`train.adam_eps` reaches RL's engines (SFT keeps 1e-8). loss = w . x with x = [1e-4, 1e-4] gives
     g = [1e-4, 1e-4] (below the clip); Adam's first step moves each weight by -lr * g / (|g| + eps):
     -2e-3 * 1e-4 / (1e-4 + 1e-4) = -1e-3 at eps 1e-4, where eps 1e-8 would give -2e-3 (a full lr step)."""
-    from components.training.loading import EngineSettings, open_engine
+    from components.training.engines.loading import EngineSettings, open_engine
 
     cfg = load_config("tiny-cpu", [f'train.backend="{backend}"', "train.adam_eps=1e-4", "train.policy_lr=2e-3"])
     settings = EngineSettings.rl(cfg.train, cfg.train.policy_lr)

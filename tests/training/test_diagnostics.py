@@ -1,11 +1,11 @@
-"""Collapse diagnostics (components/training/diagnostics.py) on a hand-made batch."""
+"""Collapse diagnostics (components/training/rl/diagnostics.py) on a hand-made batch."""
 
 import pytest
 import torch
 
 from components.models.logprobs import TokenStats
-from components.training.collective import SOLO
-from components.training.diagnostics import policy_diagnostics
+from components.training.engines.collective import SOLO
+from components.training.rl.diagnostics import policy_diagnostics
 
 
 def test_policy_diagnostics_by_hand():

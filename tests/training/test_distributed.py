@@ -12,7 +12,7 @@ import torch
 
 from components.contracts.trajectory import write_trajectories
 from components.models import load_policy, save_model_dir
-from components.training.collective import shard_rows
+from components.training.engines.collective import shard_rows
 from tests.cli_args import SMALL_TRAIN, sets
 from tests.conftest import child_env
 
@@ -169,8 +169,8 @@ def test_sao_train_under_torchrun_checkpoints_and_resumes(seeded_home, prefect_e
 )
 def test_a_critic_placement_that_cannot_work_is_refused_naming_the_field(sft_dir, sets, message):
     from components.config import load_config
-    from components.training.algorithms import settings_from
-    from components.training.learner import Learner
+    from components.training.rl.algorithms import settings_from
+    from components.training.rl.learner import Learner
 
     cfg = load_config("tiny-cpu", ['train.backend="deepspeed"', "train.batch_size=8", "train.group_size=4", *sets])
     with pytest.raises(ValueError, match=message):

@@ -1,4 +1,4 @@
-"""The collapse guard (components/training/guard.py) on a real learner and a real checkpoint store: which
+"""The collapse guard (components/training/rl/guard.py) on a real learner and a real checkpoint store: which
 checkpoint it returns to, the learning-rate factor, when the run ends, the task floor and its record."""
 
 from dataclasses import replace
@@ -6,11 +6,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from components.training.algorithms import settings_from
-from components.training.checkpoint import LocalCheckpointStore
-from components.training.guard import CollapseGuard
-from components.training.learner import Learner
-from components.training.stability import Collapse, CollapseDetector
+from components.training.rl.algorithms import settings_from
+from components.training.rl.checkpoint import LocalCheckpointStore
+from components.training.rl.guard import CollapseGuard
+from components.training.rl.learner import Learner
+from components.training.rl.stability import Collapse, CollapseDetector
 
 
 @pytest.fixture

@@ -28,9 +28,9 @@ from components.contracts.trajectory import Timings, Trajectory, to_tensors
 from components.envs.registry import build_env
 from components.models import build_policy, build_tokenizer, save_model_dir, token_logprobs
 from components.tracking import NullTracker
-from components.training.algorithms import settings_from
-from components.training.learner import Learner
-from components.training.trainer import train
+from components.training.rl.algorithms import settings_from
+from components.training.rl.learner import Learner
+from components.training.rl.trainer import train
 
 STORED = Path(__file__).with_name("learning_curve.json")
 KEYS = (

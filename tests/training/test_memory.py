@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from components.training import memory
+from components.training.engines import memory
 
 
 def _rss_mib() -> float:

@@ -1,4 +1,4 @@
-"""Micro-batches (components/training/micro.py) and activation checkpointing: how rows are split, and that a step
+"""Micro-batches (components/training/engines/micro.py) and activation checkpointing: how rows are split, and that a step
 in 4 micro-batches, or with activations recomputed, is the step of the whole batch. Real tiny policy and critic,
 real rollouts of the SFT policy, on the torch engine and on DeepSpeed at every ZeRO stage."""
 
@@ -12,10 +12,10 @@ import torch
 
 from components.contracts.trajectory import to_tensors
 from components.models import ValueModel, freeze_attention
-from components.training.algorithms import PolicyPasses, critic_updates, policy_update, sao_step
-from components.training.engines import DeepSpeedEngine, TorchEngine
-from components.training.loading import enable_activation_checkpointing
-from components.training.micro import MicroBatches, split_rows, spread
+from components.training.engines.engine import DeepSpeedEngine, TorchEngine
+from components.training.engines.loading import enable_activation_checkpointing
+from components.training.engines.micro import MicroBatches, split_rows, spread
+from components.training.rl.algorithms import PolicyPasses, critic_updates, policy_update, sao_step
 from tests.training.test_algorithms import SETTINGS
 
 ENGINES = {

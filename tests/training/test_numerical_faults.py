@@ -18,8 +18,8 @@ import torch
 
 from components.config import load_config
 from components.models import ValueModel, build_policy, build_tokenizer, freeze_attention, token_logprobs
-from components.training.algorithms import ALGORITHMS, sao_step
-from components.training.engines import DeepSpeedEngine, TorchEngine
+from components.training.engines.engine import DeepSpeedEngine, TorchEngine
+from components.training.rl.algorithms import ALGORITHMS, sao_step
 from tests.conftest import child_env
 from tests.training.test_algorithms import SETTINGS as ALGORITHM_SETTINGS
 
@@ -270,7 +270,7 @@ def test_a_run_with_a_fault_at_one_step_completes_and_logs_the_skip(tmp_path, po
     from components.envs.registry import build_env
     from components.models import save_model_dir
     from components.tracking import DiskTracker
-    from components.training import trainer
+    from components.training.rl import trainer
 
     start_dir = save_model_dir(policy_model, build_tokenizer(), tmp_path / "start")  # what the run starts from
     real_to_tensors, batches = trainer.to_tensors, []

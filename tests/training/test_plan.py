@@ -10,7 +10,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from components.cli import main
 from components.config import load_config
 from components.models import ValueModel
-from components.training.deepspeed_config import default_accelerator
+from components.training.engines.deepspeed_config import default_accelerator
 from components.training.plan.layout import Workload, cheapest, plan, plans
 from components.training.plan.memory import (
     Decoder,

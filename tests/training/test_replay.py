@@ -1,4 +1,4 @@
-"""Recorded batches and their replay (components/training/recording.py, replay.py): an asynchronous run records
+"""Recorded batches and their replay (components/training/rl/recording.py, replay.py): an asynchronous run records
 what it trained on; replays of it give bit-identical weights and the run's own metrics step for step, rollbacks
 included; a changed config replays the same batches as a study; a resumed run's recording drops what it retrains."""
 
@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 from components.envs.registry import build_env
 from components.storage import HomeStateError
 from components.tracking import NullTracker
-from components.training.recording import BATCHES, REPLAYED, BatchRecorder, Recording
-from components.training.replay import replay
-from components.training.stability import Collapse, CollapseDetector
-from components.training.trainer import train
+from components.training.rl.recording import BATCHES, REPLAYED, BatchRecorder, Recording
+from components.training.rl.replay import replay
+from components.training.rl.stability import Collapse, CollapseDetector
+from components.training.rl.trainer import train
 from tests.cli_args import sao
 
 STEPS = 6
@@ -105,7 +105,7 @@ def test_a_resumed_run_drops_the_recorded_steps_it_trains_again(tiny_cfg, record
     import shutil
 
     from components.storage import weights_fingerprint
-    from components.training.parts import RunStart
+    from components.training.rl.parts import RunStart
 
     home, _ = recorded
     copy = tmp_path / BATCHES

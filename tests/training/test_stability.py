@@ -1,11 +1,11 @@
-"""The collapse rule (components/training/stability.py) and its replay over a logged run (components/stages/sweep.py)."""
+"""The collapse rule (components/training/rl/stability.py) and its replay over a logged run (components/stages/sweep.py)."""
 
 import math
 
 import pytest
 
 from components.stages.sweep import replay_collapses, summarize
-from components.training.stability import CollapseDetector, collapsed_on_eval
+from components.training.rl.stability import CollapseDetector, collapsed_on_eval
 
 
 def _feed(detector, rewards, start=1):
@@ -105,7 +105,7 @@ def test_preset_learning_rate_warms_up_then_decays():
     to 0.1 of the peak at step 200. Scale at 0-based step s: (s + 1) / 20 during warm-up, then
     0.1 + 0.45 * (1 + cos(pi * (s - 20) / 180))."""
     from components.config import load_config
-    from components.training.trainer import lr_scale
+    from components.training.rl.trainer import lr_scale
 
     train = load_config("tiny-cpu").train
     assert (train.warmup_steps, train.min_lr_ratio, train.max_steps) == (20, 0.1, 200)
@@ -119,7 +119,7 @@ def test_preset_learning_rate_warms_up_then_decays():
 def test_learning_rate_scale_reaches_both_optimizers(backend):
     import torch
 
-    from components.training.engines import ENGINES
+    from components.training.engines.engine import ENGINES
 
     engine = ENGINES[backend](torch.nn.Linear(3, 1), lr=2e-3)
     engine.set_lr_scale(0.25)

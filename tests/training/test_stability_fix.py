@@ -16,9 +16,9 @@ import torch
 from components.config import load_config
 from components.contracts.trajectory import to_tensors
 from components.models import token_logprobs
-from components.training.algorithms import AlgoSettings, policy_update
-from components.training.engines import TorchEngine
-from components.training.trainer import lr_scale
+from components.training.engines.engine import TorchEngine
+from components.training.rl.algorithms import AlgoSettings, policy_update
+from components.training.rl.trainer import lr_scale
 
 
 def _drift(policy, batch, scale: float, steps: int = 20) -> tuple[float, int]:

@@ -3,7 +3,7 @@
 import pytest
 
 from components.config import load_config
-from components.training.parts import thread_budget
+from components.training.rl.parts import thread_budget
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ import pytest
 
 from components.envs.registry import build_env
 from components.tracking import DiskTracker, NullTracker
-from components.training.engines import read_module_state
-from components.training.trainer import train
+from components.training.engines.engine import read_module_state
+from components.training.rl.trainer import train
 from tests.cli_args import sao, sets
 
 
@@ -168,7 +168,7 @@ def test_a_rollout_budget_past_the_policys_window_is_refused_at_start(tmp_path, 
 
 def test_sao_train_cli_refuses_to_overwrite_checkpoints(seeded_home, capsys, prefect_api):
     from components.cli import main
-    from components.training.checkpoint import LocalCheckpointStore
+    from components.training.rl.checkpoint import LocalCheckpointStore
 
     LocalCheckpointStore(seeded_home / "checkpoints" / "tiny-cpu").save(3, {"state": {"step": 3}})
     with pytest.raises(SystemExit) as exit_info:
@@ -198,7 +198,7 @@ class _FireAt:
         self.step, self.onset, self.resets, self.fired = step, step if onset is None else onset, 0, False
 
     def update(self, step: int, reward: float):
-        from components.training.stability import Collapse
+        from components.training.rl.stability import Collapse
 
         if step != self.step or self.fired:
             return None
@@ -213,7 +213,7 @@ class _FireAt:
 def test_collapse_guard_restores_the_last_good_checkpoint(tmp_path, tiny_cfg, sft_dir, guard):
     import torch
 
-    from components.training.checkpoint import LocalCheckpointStore
+    from components.training.rl.checkpoint import LocalCheckpointStore
 
     cfg = _cfg(
         tiny_cfg, sync=True, max_steps=6, collapse_guard=guard, rollback_lr_scale=0.5, warmup_steps=0, min_lr_ratio=1.0

@@ -18,10 +18,10 @@ from components.config import load_config
 from components.envs.registry import build_env, env_tools, sft_traces
 from components.models import load_policy, load_tokenizer, save_model_dir, start_chat
 from components.tracking import DiskTracker
-from components.training.loading import EngineSettings, open_engine
-from components.training.recording import Recording
+from components.training.engines.loading import EngineSettings, open_engine
+from components.training.rl.recording import Recording
+from components.training.rl.trainer import train
 from components.training.sft import train_sft
-from components.training.trainer import train
 from tests.vllm.harness import dense_qwen3, logprob_gap, sample
 
 pytestmark = pytest.mark.vllm

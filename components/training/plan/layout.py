@@ -3,7 +3,7 @@ that fits, and, when none does, how many GPUs or how short the rows would have t
 (`planner.py` reads them from a config); the bytes come from memory.py.
 
 Placements: `shared` puts the policy and the critic on every rank; `separate` puts the policy on `gpus - c` ranks and
-the critic on `c` (`train.critic_ranks`, components/training/placement.py), at ZeRO stages 0-2 (the learner refuses
+the critic on `c` (`train.critic_ranks`, components/training/rl/placement.py), at ZeRO stages 0-2 (the learner refuses
 ZeRO-3 there). Each model's ranks split the batch evenly. A separate plan is the split whose fuller GPU holds the
 least.
 """

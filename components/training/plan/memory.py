@@ -56,7 +56,7 @@ holds about as many), 16 x chunk x vocab bytes.
 
 A GPU's peak: the states of every model it holds, plus the larger of one model's backward (activations, logits,
 buffers) and one model's optimizer step (step gradients). Policy and critic update one after the other
-(components/training/algorithms.py), so their working sets never coexist.
+(components/training/rl/algorithms.py), so their working sets never coexist.
 """
 
 from __future__ import annotations

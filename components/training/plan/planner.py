@@ -10,8 +10,7 @@ import json
 from pathlib import Path
 
 from components.config import Config, TrainConfig
-from components.training.algorithms import ALGORITHMS
-from components.training.deepspeed_config import read_deepspeed_file
+from components.training.engines.deepspeed_config import read_deepspeed_file
 from components.training.plan.layout import (
     PLACEMENTS,
     GpuPlan,
@@ -23,6 +22,7 @@ from components.training.plan.layout import (
 )
 from components.training.plan.memory import Params, Zero
 from components.training.plan.model import decoder_sizes, hf_config, policy_and_critic
+from components.training.rl.algorithms import ALGORITHMS
 
 GB = 1e9
 """The report's unit: decimal gigabytes, as GPU capacities are sold (an H200's 141 GB)."""

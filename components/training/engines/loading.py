@@ -26,9 +26,9 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Pretrained
 from components.config import Config, TrainConfig
 from components.models import ValueModel
 from components.models.value import HEAD_FILE
-from components.training.collective import Collective, local_device
-from components.training.deepspeed_config import resolve_deepspeed_config
-from components.training.engines import ENGINES, init_single_process_group
+from components.training.engines.collective import Collective, local_device
+from components.training.engines.deepspeed_config import resolve_deepspeed_config
+from components.training.engines.engine import ENGINES, init_single_process_group
 
 
 @dataclass(frozen=True)

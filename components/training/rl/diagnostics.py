@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from components.models.logprobs import TokenStats
-from components.training.collective import Collective
+from components.training.engines.collective import Collective
 
 
 def policy_diagnostics(

@@ -1,6 +1,6 @@
 """The learner: policy and critic engines on this rank, and the algorithm step, data-parallel under torchrun.
 
-Rank 0 runs the agent loop (components/training/trainer.py) and drives the other ranks with five messages,
+Rank 0 runs the agent loop (components/training/rl/trainer.py) and drives the other ranks with five messages,
 scattered so that each rank receives only its own part:
 
     ("step", (rows, lr scale))    every rank runs the algorithm step on its rows; DeepSpeed averages grads
@@ -15,7 +15,7 @@ With one process there is no messaging at all; the learner just runs the step.
 Devices: each rank trains on its own device (`local_device`: its GPU, else the host). Batches are built on the
 host and scattered as objects; a rank moves its rows to its device, and returns detached host metrics.
 
-Loading (components/training/loading.py): under ZeRO-3 both models load straight into their partitions, in the
+Loading (components/training/engines/loading.py): under ZeRO-3 both models load straight into their partitions, in the
 engines' dtype; the critic's backbone is loaded from the SFT directory, not copied from the policy.
 
 Checkpoints are directories: `policy/` and `critic/` hold each engine's own files (DeepSpeed's per-rank files,
@@ -35,17 +35,17 @@ from torch import nn
 from components.config import Config
 from components.models import freeze_attention, load_policy
 from components.storage import HomeStateError
-from components.training.algorithms import ALGORITHMS, AlgoSettings
-from components.training.collective import (
+from components.training.engines.collective import (
     from_environment,
     launched_world_size,
     local_device,
     shard_rows,
     take_rows,
 )
-from components.training.engines import init_single_process_group
-from components.training.loading import EngineSettings, initial_critic, load_model, open_engine, train_dtype
-from components.training.placement import Placement, split_step
+from components.training.engines.engine import init_single_process_group
+from components.training.engines.loading import EngineSettings, initial_critic, load_model, open_engine, train_dtype
+from components.training.rl.algorithms import ALGORITHMS, AlgoSettings
+from components.training.rl.placement import Placement, split_step
 
 LEARNER_FILE = "learner.pt"
 """The learner's own part of a checkpoint directory: the algorithm's state and the world size."""

@@ -1,5 +1,5 @@
 """A run's recorded batches (`train.record_batches`): what each step trained on, so that `sao train --replay` can
-repeat the run's updates (components/training/replay.py says how and why that is exact).
+repeat the run's updates (components/training/rl/replay.py says how and why that is exact).
 
     <home>/batches/manifest.json            the run's config, its starting weights (path and fingerprint), the
                                             trainer's thread count and the number of ranks
@@ -25,8 +25,8 @@ from components.contracts.trajectory import Trajectory, read_trajectories, write
 from components.storage import HomeStateError, write_json
 
 if TYPE_CHECKING:
-    from components.training.parts import RunStart
-    from components.training.trainer import Trainer
+    from components.training.rl.parts import RunStart
+    from components.training.rl.trainer import Trainer
 
 MANIFEST = "manifest.json"
 BATCHES = "batches"

@@ -29,14 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
-from components.training.algorithms import (
+from components.training.engines.collective import Collective, shard_rows, subgroup, take_rows
+from components.training.rl.algorithms import (
     PolicyPasses,
     critic_updates,
     inputs_finite,
     policy_advantages,
     policy_update,
 )
-from components.training.collective import Collective, shard_rows, subgroup, take_rows
 
 
 @dataclass(frozen=True)

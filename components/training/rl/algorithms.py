@@ -11,7 +11,7 @@ SAO (docs/design.md section 2; SAO paper, Algorithm 1):
      first, then estimates advantages).
   4. One DIS policy update against the rollout log-probs.
 
-Every step also takes a `Collective` (`components/training/collective.py`): with one rank it is the
+Every step also takes a `Collective` (`components/training/engines/collective.py`): with one rank it is the
 identity; under torchrun each rank holds some rows of the batch and the step stays exactly the
 single-process step of the whole batch (global token counts, moments and metrics).
 
@@ -50,9 +50,9 @@ from components.algo import (
 )
 from components.config import AlgoName, Config
 from components.models.logprobs import TokenStats, head_positions, token_logprobs
-from components.training.collective import SOLO, Collective, global_moments
-from components.training.diagnostics import policy_diagnostics
-from components.training.micro import MicroBatches, TokenWeighted
+from components.training.engines.collective import SOLO, Collective, global_moments
+from components.training.engines.micro import MicroBatches, TokenWeighted
+from components.training.rl.diagnostics import policy_diagnostics
 
 
 @dataclass(frozen=True)
@@ -311,7 +311,7 @@ class Algorithm:
     """One prompt is sampled `group_size` times and trained as a group (GRPO's barrier)."""
     dis: bool = True
     """The policy loss is DIS (else PPO's clip): what a critic algorithm's policy ranks run when the critic sits
-    on ranks of its own (`train.critic_ranks`, components/training/learner.py)."""
+    on ranks of its own (`train.critic_ranks`, components/training/rl/learner.py)."""
 
 
 ALGORITHMS: dict[AlgoName, Algorithm] = {

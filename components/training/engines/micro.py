@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from components.training.collective import SOLO, Collective
+from components.training.engines.collective import SOLO, Collective
 
 
 def split_rows(lengths: list[int], budget: int) -> list[range]:

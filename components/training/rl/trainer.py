@@ -8,13 +8,13 @@ In async mode nothing waits for a group. The buffer's admission control bounds s
 run the same code, so async and sync are measured on equal terms.
 
 The loop (`Trainer.run`) reads as a recipe: take a batch, step, publish, log, checkpoint, watch for a collapse.
-What it uses comes in as `TrainerParts` (components/training/parts.py builds them once for the flows, the CLI,
+What it uses comes in as `TrainerParts` (components/training/rl/parts.py builds them once for the flows, the CLI,
 the sweep and the benchmarks): the learner, the rollouts, the buffer and the runner, the checkpointer with its
 failure budget, the collapse guard and the tracker. Observers (`on_step`) see every step's batch and row, which
 is how the loop benchmark watches it.
 
 Under torchrun (DeepSpeed backend) rank 0 runs everything here and the learner splits each batch over the
-ranks (components/training/learner.py); the result is the single-process step of the whole batch.
+ranks (components/training/rl/learner.py); the result is the single-process step of the whole batch.
 
 Departures:
 - with the embedded engine (`rollout.backend = "embedded"`) the trainer and the engine share one process,
@@ -43,15 +43,15 @@ from components.faults import fault_point
 from components.models import save_model_dir
 from components.storage import atomic_dir
 from components.tracking import Tracker
-from components.training import memory
-from components.training.algorithms import settings_from
-from components.training.buffer import BatchesExhausted, TrajectoryBuffer
-from components.training.checkpoint import OnCheckpoint
-from components.training.learner import Learner
-from components.training.parts import TrainerParts, build_parts, thread_budget
-from components.training.recording import BATCHES, BatchRecorder
-from components.training.schedule import warmup_cosine
-from components.training.stability import CollapseDetector
+from components.training.engines import memory
+from components.training.engines.schedule import warmup_cosine
+from components.training.rl.algorithms import settings_from
+from components.training.rl.buffer import BatchesExhausted, TrajectoryBuffer
+from components.training.rl.checkpoint import OnCheckpoint
+from components.training.rl.learner import Learner
+from components.training.rl.parts import TrainerParts, build_parts, thread_budget
+from components.training.rl.recording import BATCHES, BatchRecorder
+from components.training.rl.stability import CollapseDetector
 
 Observer = Callable[["Trainer", list[Trajectory], dict], None]
 """Called with (trainer, batch, row) after every step's row is logged."""

@@ -1,5 +1,5 @@
 """The same updates again without the engine (`sao train --replay RUN`), from a run's recorded batches
-(components/training/recording.py).
+(components/training/rl/recording.py).
 
 A learner step depends on the learner's states (weights, optimizer moments, the algorithm's own state), the batch
 and the learning-rate factor, and not on when each episode finished. So the recorded batches fed in order to a
@@ -29,15 +29,15 @@ from components.contracts.trajectory import Trajectory
 from components.models import load_tokenizer
 from components.storage import HomeStateError, weights_fingerprint
 from components.tracking import Tracker
-from components.training.algorithms import settings_from
-from components.training.buffer import BatchesExhausted
-from components.training.checkpoint import Checkpointer, checkpoint_store
-from components.training.guard import CollapseGuard
-from components.training.learner import Learner
-from components.training.parts import Log, RunStart, TrainerParts
-from components.training.recording import RecordedStep, Recording
-from components.training.stability import CollapseDetector
-from components.training.trainer import Trainer, TrainResult
+from components.training.rl.algorithms import settings_from
+from components.training.rl.buffer import BatchesExhausted
+from components.training.rl.checkpoint import Checkpointer, checkpoint_store
+from components.training.rl.guard import CollapseGuard
+from components.training.rl.learner import Learner
+from components.training.rl.parts import Log, RunStart, TrainerParts
+from components.training.rl.recording import RecordedStep, Recording
+from components.training.rl.stability import CollapseDetector
+from components.training.rl.trainer import Trainer, TrainResult
 
 
 class ReplayBatches:

@@ -1,6 +1,6 @@
 """The collapse guard: what the trainer does when the collapse rule fires (docs/stability.md).
 
-The rule itself is `CollapseDetector` (components/training/stability.py). With `train.collapse_guard`:
+The rule itself is `CollapseDetector` (components/training/rl/stability.py). With `train.collapse_guard`:
 
 - `rollback`: load the newest checkpoint from before the collapse's onset (never one from before the current
   task's start, `floor`), scale both learning rates by `train.rollback_lr_scale`, go on; after more than
@@ -18,11 +18,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from components.config import TrainConfig
-from components.training.stability import Collapse, CollapseDetector
+from components.training.rl.stability import Collapse, CollapseDetector
 
 if TYPE_CHECKING:
-    from components.training.checkpoint import CheckpointStore
-    from components.training.learner import Learner
+    from components.training.rl.checkpoint import CheckpointStore
+    from components.training.rl.learner import Learner
 
 Log = Callable[[str], None]
 

@@ -16,7 +16,7 @@ The DeepSpeed engine wraps `deepspeed.initialize`. Policy and critic are two eng
 and learning rate, as in OpenRLHF. On CPU it runs in fp32 with gloo (`DS_ACCELERATOR=cpu`), on GPUs in bf16
 when the config file enables it. ZeRO stages 0-3; under ZeRO-3 a Mixture-of-Experts block is one leaf module
 (its experts' parameters gathered together: DeepSpeed's prefetch follows the order modules ran in, which dynamic
-routing changes from step to step; DeepSpeed PR #4966). The config is components/training/deepspeed_config.py's.
+routing changes from step to step; DeepSpeed PR #4966). The config is components/training/engines/deepspeed_config.py's.
 
 Micro-batches: a step's micro-batches each call `accumulate`, the last with `last=True`; DeepSpeed is told where
 the accumulation boundary is (`set_gradient_accumulation_boundary`), so its gradient reduction and its step see
@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from components.training.collective import Collective, from_environment, local_device, process_group_backend
-from components.training.deepspeed_config import default_accelerator, resolve_deepspeed_config
+from components.training.engines.collective import Collective, from_environment, local_device, process_group_backend
+from components.training.engines.deepspeed_config import default_accelerator, resolve_deepspeed_config
 
 ENGINE_FILE = "engine.pt"
 """The torch engine's checkpoint file in its directory."""

@@ -1,6 +1,6 @@
 """What the training loop uses, built in one place: `build_parts` makes the rollouts, the buffer and its intake,
 the runner and its task stream, the checkpointer and the collapse guard around a learner, after resuming from the
-newest checkpoint when asked. `components/training/trainer.py`'s `train` is its one caller in the library; the
+newest checkpoint when asked. `components/training/rl/trainer.py`'s `train` is its one caller in the library; the
 flows, the CLI and the sweep reach it through `stages.train`, the benchmarks directly.
 
 A run home holding checkpoints of an earlier run is refused unless `resume` says to continue it, and a checkpoint
@@ -22,23 +22,22 @@ from components.contracts.environment import EnvSetup
 from components.contracts.task import Task
 from components.contracts.trajectory import Trajectory
 from components.models import load_chat
-from components.rollout.access import Access
-from components.rollout.backends import EmbeddedRollouts, HttpRollouts, Rollouts
+from components.rollout.backends import Rollouts, open_rollouts
 from components.storage import HomeStateError, weights_fingerprint
 from components.tracking import Tracker
-from components.training.buffer import TrajectoryBuffer
-from components.training.checkpoint import (
+from components.training.engines.collective import rank_cores
+from components.training.engines.loading import load_policy_config
+from components.training.rl.buffer import TrajectoryBuffer
+from components.training.rl.checkpoint import (
     Checkpointer,
     CheckpointStore,
     OnCheckpoint,
     checkpoint_store,
     read_payload,
 )
-from components.training.collective import rank_cores
-from components.training.guard import CollapseGuard
-from components.training.learner import Learner
-from components.training.loading import load_policy_config
-from components.training.stability import CollapseDetector
+from components.training.rl.guard import CollapseGuard
+from components.training.rl.learner import Learner
+from components.training.rl.stability import CollapseDetector
 
 Log = Callable[[str], None]
 
@@ -68,7 +67,7 @@ class TrainerParts:
     intake: Intake | None
     """Where the runner hands finished episodes (to the buffer)."""
     runner: AgentRunner | None
-    """None in a replay (components/training/replay.py): its batches are recorded."""
+    """None in a replay (components/training/rl/replay.py): its batches are recorded."""
     tasks: Iterator[Task]
     """The training tasks from the start's cursor on."""
     checkpoints: Checkpointer
@@ -92,39 +91,6 @@ def thread_budget(cfg: Config, cores: int | None = None) -> tuple[int, int]:
     if cfg.train.sync:
         return engine, cfg.train.threads or cores
     return engine, cfg.train.threads or max(1, cores - engine)
-
-
-def open_rollouts(
-    cfg: Config, module: torch.nn.Module, tokenizer, home: Path, version: int, engine_threads: int, log: Log = print
-) -> Rollouts:
-    """Where episodes are generated (`rollout.backend`): the embedded engine on a copy of `module` in this
-    process, or the `rollout.urls` servers, which load each version from `rollout.publish_dir`."""
-    rc = cfg.rollout
-    backends: dict[str, Callable[[], Rollouts]] = {
-        "embedded": lambda: EmbeddedRollouts(module, tokenizer, rc.max_batch, version, engine_threads),
-        "http": lambda: HttpRollouts(
-            list(rc.urls),
-            module,
-            tokenizer,
-            Path(rc.publish_dir or home / "published"),
-            rc.server,
-            rc.request_timeout_s,
-            rc.request_retries,
-            version,
-            max_wait_s=rc.engine_wait_s,
-            transfer=rc.weight_transfer,
-            bucket_mb=rc.transfer_bucket_mb,
-            transfer_address=rc.transfer_address,
-            transfer_timeout_s=rc.transfer_timeout_s,
-            transfer_fallback=rc.transfer_fallback,
-            probe_every=rc.probe_every,
-            probe_tolerance=rc.probe_tolerance,
-            overlap=rc.publish_overlap,
-            access=Access.from_environment(),
-            log=log,
-        ),
-    }
-    return backends[rc.backend]()
 
 
 def build_parts(
@@ -157,7 +123,7 @@ def build_parts(
     guard = CollapseGuard.from_config(tc, detector)
     start = resume_from(store, learner, guard, tracker, sft_dir, resume, log)
     guard.floor = start.step  # the guard never returns to weights from before the run's start
-    rollouts = open_rollouts(cfg, learner.serving_module(), tokenizer, home, start.step, engine_threads, log)
+    rollouts = open_rollouts(cfg.rollout, learner.serving_module(), tokenizer, home, start.step, engine_threads, log)
     group = learner.settings.group_size
     buffer = TrajectoryBuffer(tc.max_staleness, tc.batch_size, group, tc.admission, version=start.step)
     runner = AgentRunner(
