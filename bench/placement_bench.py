@@ -4,7 +4,7 @@ the critic's K updates buys (issue 26, components/training/rl/placement.py).
 `make bench BENCH=placement`. Two gloo ranks on this machine, one torch thread each (a core each on a 2-core
 machine): the policy on rank 0, the critic on rank 1, `tiny-cpu`'s model (built from its config, untrained: time
 does not depend on the weights) on a synthetic batch of `ROWS` rows of `LENGTH` tokens, the second half actions,
-rollout log-probs the policy's own. Each step is `split_step` as the learner runs it, with the overlap (the
+rollout log-probs the policy's own. Each step is `train_step` on an `Apart` placement as the learner runs it, with the overlap (the
 default) or without it (`overlap=False`: the policy waits for the critic's values before its forward pass), the
 two arms alternating step by step after `WARMUP` steps of each, so drift on a shared machine hits both alike. A
 step's time is rank 0's wall clock from a common barrier to the end of its policy update.
@@ -18,6 +18,7 @@ and test_distributed.py check it); this measures only the time.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import statistics
 import time
@@ -65,14 +66,16 @@ def _rank(rank: int, port: int, results) -> None:
     from components.training.engines.collective import from_environment
     from components.training.engines.engine import TorchEngine
     from components.training.rl.algorithms import settings_from
-    from components.training.rl.placement import Placement, split_step
+    from components.training.rl.placement import Apart
+    from components.training.rl.step import train_step
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = from_environment()
-    placement = Placement.split(world, 1)
+    placement = Apart.split(world, 1)
+    placements = {True: placement, False: dataclasses.replace(placement, overlap=False)}
     cfg = load_config("tiny-cpu")
     tokenizer = build_tokenizer()
     model = build_policy(cfg.model, tokenizer)
@@ -89,7 +92,8 @@ def _rank(rank: int, port: int, results) -> None:
         overlap = step % 2 == 0
         world.barrier()
         began = time.perf_counter()
-        split_step(placement, policy, critic, batch, batch if rank == 0 else None, settings, True, overlap=overlap)
+        whole = batch if rank == 0 else None
+        train_step(policy, critic, batch, settings, {}, placements[overlap], whole)
         if step >= 2 * WARMUP:
             times[overlap].append(time.perf_counter() - began)
     if rank == 0:

@@ -48,11 +48,12 @@ def sao_case(model: torch.nn.Module, rank: int) -> dict:
     if rank == 1:
         faulty["rewards"][0, 15] = math.nan
     start = weights(policy, critic)
-    from components.training.rl.algorithms import sao_step
+    from components.training.rl.placement import Together
+    from components.training.rl.step import train_step
 
-    sao_step(policy, critic, faulty, SETTINGS, {}, comm)
+    train_step(policy, critic, faulty, SETTINGS, {}, Together(comm))
     unchanged = same(weights(policy, critic), start)
-    sao_step(policy, critic, batch, SETTINGS, {}, comm)
+    train_step(policy, critic, batch, SETTINGS, {}, Together(comm))
     after = weights(policy, critic)
     assert critic.skipped_steps == K, critic.skipped_steps
     return {

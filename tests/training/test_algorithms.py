@@ -11,7 +11,8 @@ from components.contracts.metrics import ALGORITHM_METRICS, DIAGNOSTIC_METRICS
 from components.contracts.trajectory import to_tensors
 from components.models import ValueModel, freeze_attention
 from components.training.engines.engine import TorchEngine
-from components.training.rl.algorithms import ALGORITHMS, AlgoSettings, policy_advantages, settings_from
+from components.training.rl.algorithms import ALGORITHMS, AlgoSettings, settings_from
+from components.training.rl.step import policy_advantages, train_step
 
 DESIGN_METRICS = {*ALGORITHM_METRICS, *DIAGNOSTIC_METRICS}
 
@@ -56,12 +57,15 @@ def test_each_algorithm_updates_what_it_should(name, sft_policy, batch):
         critic = TorchEngine(critic_model, lr=1e-2)
         critic_before = {n: p.detach().clone() for n, p in critic_model.named_parameters()}
     policy_before = {n: p.detach().clone() for n, p in policy_model.named_parameters()}
-    settings = (
-        SETTINGS
-        if algorithm.critic_updates is None
-        else AlgoSettings(**{**SETTINGS.__dict__, "critic_updates": algorithm.critic_updates})
+    settings = AlgoSettings(
+        **{
+            **SETTINGS.__dict__,
+            "critic_updates": algorithm.critic_updates or SETTINGS.critic_updates,
+            "advantage": algorithm.advantage,
+            "loss": algorithm.loss,
+        }
     )
-    metrics = algorithm.step(policy, critic, batch, settings, {})
+    metrics = train_step(policy, critic, batch, settings, {})
     assert set(metrics) >= {"policy/loss", "policy/entropy", "policy/grad_norm", "adv/mean", "adv/std"}
     assert all(torch.isfinite(torch.as_tensor(v)) for k, v in metrics.items() if k != "critic/explained_variance")
     assert set(metrics) - {"policy/clip_frac", "critic/clip_frac"} <= DESIGN_METRICS
@@ -87,7 +91,7 @@ def test_each_algorithm_updates_what_it_should(name, sft_policy, batch):
 def test_the_critic_step_shares_v_old_with_its_first_update(sft_policy, batch):
     """K updates cost K + 1 critic forwards: V_old is the first update's forward (same weights), and the values
     handed to the advantages are one forward of the updated critic, equal to computing them afresh."""
-    from components.training.rl.algorithms import critic_updates
+    from components.training.rl.passes import critic_updates
 
     model = ValueModel.from_policy(copy.deepcopy(sft_policy[0]))
     freeze_attention(model)
@@ -148,7 +152,7 @@ def test_one_sao_step_makes_k_critic_updates_with_attention_frozen(name, updates
     before = {n: p.detach().clone() for n, p in start.named_parameters()}
     model = copy.deepcopy(start)
     policy = TorchEngine(copy.deepcopy(sft_policy[0]), lr=1e-3)
-    ALGORITHMS[name].step(policy, TorchEngine(model, lr=1e-2), batch, settings, {})
+    train_step(policy, TorchEngine(model, lr=1e-2), batch, settings, {})
     after = {n: p.detach() for n, p in model.named_parameters()}
 
     expected = _reference_critic(copy.deepcopy(start), batch, updates, 1e-2)

@@ -15,7 +15,8 @@ from components.models import ValueModel, freeze_attention
 from components.training.engines.engine import DeepSpeedEngine, TorchEngine
 from components.training.engines.loading import enable_activation_checkpointing
 from components.training.engines.micro import MicroBatches, split_rows, spread
-from components.training.rl.algorithms import PolicyPasses, critic_updates, policy_update, sao_step
+from components.training.rl.passes import PolicyPasses, critic_updates, policy_update
+from components.training.rl.step import train_step
 from tests.training.test_algorithms import SETTINGS
 
 ENGINES = {
@@ -115,7 +116,7 @@ def test_a_step_in_four_micro_batches_is_the_step_of_the_whole_batch(backend, sf
     for tokens in (0, budget):
         policy, critic = _engines(ENGINES[backend], sft_policy[0])
         grads = {"policy": _record_gradients(policy), "critic": _record_gradients(critic)}
-        metrics = sao_step(policy, critic, batch, replace(SETTINGS, micro_batch_tokens=tokens), {})
+        metrics = train_step(policy, critic, batch, replace(SETTINGS, micro_batch_tokens=tokens), {})
         runs[tokens] = metrics, grads
     (whole, whole_grads), (micro, micro_grads) = runs[0], runs[budget]
     assert whole.keys() == micro.keys()
@@ -149,14 +150,14 @@ def test_a_non_finite_micro_batch_skips_the_step_and_leaves_no_trace(backend, sf
         return out
 
     handle = critic.module.register_forward_hook(poison)
-    metrics = sao_step(policy, critic, batch, settings, {})
+    metrics = train_step(policy, critic, batch, settings, {})
     handle.remove()
     assert math.isnan(metrics["critic/grad_norm"]) and math.isnan(metrics["policy/grad_norm"])
     assert (policy.skipped_steps, critic.skipped_steps) == (1, settings.critic_updates)
     assert torch.equal(_weights(policy, critic), start)
-    after = sao_step(policy, critic, batch, settings, {})
+    after = train_step(policy, critic, batch, settings, {})
     ref_policy, ref_critic = _engines(ENGINES[backend], sft_policy[0])
-    reference = sao_step(ref_policy, ref_critic, batch, settings, {})
+    reference = train_step(ref_policy, ref_critic, batch, settings, {})
     assert all(torch.equal(torch.as_tensor(after[k]), torch.as_tensor(reference[k])) for k in reference), [
         (k, float(after[k]), float(reference[k]))
         for k in reference
@@ -172,7 +173,7 @@ def test_activation_checkpointing_changes_no_number(backend, sft_policy, batch):
     runs = []
     for checkpointing in (False, True):
         policy, critic = _engines(ENGINES[backend], sft_policy[0], checkpointing)
-        metrics = [sao_step(policy, critic, batch, SETTINGS, {}) for _ in range(2)]
+        metrics = [train_step(policy, critic, batch, SETTINGS, {}) for _ in range(2)]
         runs.append((metrics, _weights(policy, critic)))
     (plain, plain_weights), (recomputed, recomputed_weights) = runs
     for a, b in zip(plain, recomputed):
@@ -202,7 +203,7 @@ def test_a_policy_update_begun_before_its_advantages_is_the_update_begun_after(t
         policy, critic = _engines(ENGINES["torch"], sft_policy[0])
         begun = PolicyPasses(policy, batch, s) if early else None
         critic_updates(critic, batch, s, s.critic_updates)  # what the critic ranks do meanwhile
-        runs.append((policy_update(policy, batch, advantages, s, True, begun=begun), _weights(policy)))
+        runs.append((policy_update(policy, batch, advantages, s, begun=begun), _weights(policy)))
     (metrics, weights), (early_metrics, early_weights) = runs
     assert torch.equal(weights, early_weights)
     assert metrics.keys() == early_metrics.keys()
@@ -212,7 +213,7 @@ def test_a_policy_update_begun_before_its_advantages_is_the_update_begun_after(t
     policy, _ = _engines(ENGINES["torch"], sft_policy[0])
     before, begun = _weights(policy), PolicyPasses(policy, batch, s)
     skipped = policy_update(
-        policy, batch, advantages.masked_fill(batch["action_mask"].bool(), math.nan), s, True, begun=begun
+        policy, batch, advantages.masked_fill(batch["action_mask"].bool(), math.nan), s, begun=begun
     )
     assert math.isnan(float(skipped["policy/grad_norm"])) and policy.skipped_steps == 1
     assert torch.equal(_weights(policy), before)

@@ -19,7 +19,8 @@ import torch
 from components.config import load_config
 from components.models import ValueModel, build_policy, build_tokenizer, freeze_attention, token_logprobs
 from components.training.engines.engine import DeepSpeedEngine, TorchEngine
-from components.training.rl.algorithms import ALGORITHMS, sao_step
+from components.training.rl.algorithms import ALGORITHMS
+from components.training.rl.step import train_step
 from tests.conftest import child_env
 from tests.training.test_algorithms import SETTINGS as ALGORITHM_SETTINGS
 
@@ -191,22 +192,22 @@ def test_non_finite_inputs_skip_the_sao_step(backend, policy_model):
     for n, fault in enumerate(INPUT_FAULTS, 1):
         batch = {k: v.clone() for k, v in clean.items()}
         fault(batch)
-        metrics = sao_step(policy, critic, batch, SETTINGS, {})
+        metrics = train_step(policy, critic, batch, SETTINGS, {})
         assert same(weights(policy, critic), start), fault.__name__
         assert (policy.skipped_steps, critic.skipped_steps) == (n, K * n), fault.__name__
         assert math.isnan(metrics["policy/grad_norm"]) and math.isnan(metrics["critic/grad_norm"])
     for value in (math.nan, math.inf):
         handle = corrupt_values(critic, value)
-        sao_step(policy, critic, clean, SETTINGS, {})
+        train_step(policy, critic, clean, SETTINGS, {})
         handle.remove()
         assert same(weights(policy, critic), start), value
     assert (policy.skipped_steps, critic.skipped_steps) == (6, 6 * K)
 
-    metrics = sao_step(policy, critic, clean, SETTINGS, {})
+    metrics = train_step(policy, critic, clean, SETTINGS, {})
     assert (policy.skipped_steps, critic.skipped_steps) == (6, 6 * K)
     assert all(math.isfinite(v) for k, v in metrics.items() if k.endswith("grad_norm") or k.endswith("loss"))
     ref_policy, ref_critic = engines(backend, policy_model)
-    ref_metrics = sao_step(ref_policy, ref_critic, clean, SETTINGS, {})
+    ref_metrics = train_step(ref_policy, ref_critic, clean, SETTINGS, {})
     assert metrics.keys() == ref_metrics.keys()
     assert all(torch.equal(torch.as_tensor(metrics[k]), torch.as_tensor(ref_metrics[k])) for k in metrics)
     assert not same(weights(policy, critic), start)
@@ -218,17 +219,19 @@ def test_every_algorithm_skips_a_batch_with_a_non_finite_reward_or_log_prob(name
     """The guard sits in front of every step: the running-mean baseline never sees a NaN reward (it would poison
     its window), and PPO, which clamps an infinite log-ratio to a finite one, never trains on it."""
     algorithm = ALGORITHMS[name]
-    settings = replace(SETTINGS, critic_updates=algorithm.critic_updates or K)
+    settings = replace(
+        SETTINGS, critic_updates=algorithm.critic_updates or K, advantage=algorithm.advantage, loss=algorithm.loss
+    )
     policy, critic = engines("torch", policy_model, critic=algorithm.uses_critic)
     start, state = weights(policy, critic), {}
     for n, fault in enumerate((_nan_reward, _inf_rollout_logprob), 1):
         batch = make_batch(policy_model)
         fault(batch)
-        algorithm.step(policy, critic, batch, settings, state)
+        train_step(policy, critic, batch, settings, state)
         assert same(weights(policy, critic), start)
         assert policy.skipped_steps == n and (critic is None or critic.skipped_steps == n * settings.critic_updates)
     assert all(b.value == 0.0 for b in state.values())  # the running mean saw no reward (NaN, or 0.5 if it had)
-    algorithm.step(policy, critic, make_batch(policy_model), settings, state)
+    train_step(policy, critic, make_batch(policy_model), settings, state)
     assert not same(weights(policy, critic), start) and policy.skipped_steps == 2
 
 

@@ -17,7 +17,8 @@ from components.config import load_config
 from components.contracts.trajectory import to_tensors
 from components.models import token_logprobs
 from components.training.engines.engine import TorchEngine
-from components.training.rl.algorithms import AlgoSettings, policy_update
+from components.training.rl.algorithms import AlgoSettings
+from components.training.rl.passes import policy_update
 from components.training.rl.trainer import lr_scale
 
 
@@ -38,7 +39,7 @@ def _drift(policy, batch, scale: float, steps: int = 20) -> tuple[float, int]:
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
         noise = torch.randn(len(act), 1, generator=gen) * 0.05  # one small advantage per trajectory
-        policy_update(engine, batch, noise.expand_as(batch["action_mask"]) * batch["action_mask"], settings, True)
+        policy_update(engine, batch, noise.expand_as(batch["action_mask"]) * batch["action_mask"], settings)
     after = distribution()
     kl = (before.exp() * (before - after)).sum(-1).mean().item()
     return kl, int((before.argmax(-1) != after.argmax(-1)).sum())

@@ -1,14 +1,13 @@
 """The learner: policy and critic engines on this rank, and the algorithm step, data-parallel under torchrun.
 
-Rank 0 runs the agent loop (components/training/rl/trainer.py) and drives the other ranks with five messages,
-scattered so that each rank receives only its own part:
+Rank 0 runs the agent loop (components/training/rl/trainer.py) and drives the other ranks with five messages
+(`Message(kind, payload)`), scattered so that each rank receives only its own part:
 
-    ("step", (rows, lr scale))    every rank runs the algorithm step on its rows; DeepSpeed averages grads
-                                  (with the critic on ranks of its own, (role, rows, lr scale, batch): placement.py)
-    ("save", directory)           every rank writes its own checkpoint files under the directory
-    ("load", directory)           every rank restores its own states from them
-    ("weights", None)             every rank joins the gathers of the policy's whole weights (ZeRO-3)
-    ("stop", None)                the other ranks return
+    step      StepWork      every rank runs the step on its rows (step.py; the placement split them)
+    save      directory     every rank writes its own checkpoint files under the directory
+    load      directory     every rank restores its own states from them
+    weights   None          every rank joins the gathers of the policy's whole weights (ZeRO-3)
+    stop      None          the other ranks return
 
 With one process there is no messaging at all; the learner just runs the step.
 
@@ -28,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -39,16 +39,22 @@ from components.training.engines.collective import (
     from_environment,
     launched_world_size,
     local_device,
-    shard_rows,
-    take_rows,
 )
 from components.training.engines.engine import init_single_process_group
 from components.training.engines.loading import EngineSettings, initial_critic, load_model, open_engine, train_dtype
 from components.training.rl.algorithms import ALGORITHMS, AlgoSettings
-from components.training.rl.placement import Placement, split_step
+from components.training.rl.placement import Apart, Placement, StepWork, Together
+from components.training.rl.step import train_step
 
 LEARNER_FILE = "learner.pt"
 """The learner's own part of a checkpoint directory: the algorithm's state and the world size."""
+
+
+class Message(NamedTuple):
+    """What rank 0 scatters to every rank (the module docstring lists the kinds)."""
+
+    kind: str
+    payload: object = None
 
 
 class Learner:
@@ -66,10 +72,10 @@ class Learner:
         settings = {"policy": EngineSettings.rl(tc, tc.policy_lr), "critic": EngineSettings.rl(tc, tc.critic_lr)}
         configs = {name: s.deepspeed() for name, s in settings.items()}
         self.dtype = train_dtype(configs["policy"])
-        self.placement = self._placement(tc)
-        roles = {"policy", "critic"} if self.placement is None else {self.placement.role}
-        whole = self.placement is None
-        groups = {name: None if whole else self.placement.group for name in ("policy", "critic")}
+        apart = self._apart(tc)
+        roles = {"policy", "critic"} if apart is None else {apart.role}
+        whole = apart is None
+        groups = {name: None if whole else apart.group for name in ("policy", "critic")}
         torch.manual_seed(cfg.sft.seed)
         policy_model = critic_model = None
         if "policy" in roles:
@@ -90,8 +96,9 @@ class Learner:
                 settings["policy"], configs["policy"], policy_model, self.device, groups["policy"]
             )
         self.comm = from_environment()  # the DeepSpeed engines initialised torch.distributed
+        self.placement: Placement = apart or Together(self.comm)
 
-    def _placement(self, tc) -> Placement | None:
+    def _apart(self, tc) -> Apart | None:
         """The critic on ranks of its own (`train.critic_ranks`), or None: both models on every rank."""
         if not tc.critic_ranks:
             return None
@@ -108,23 +115,21 @@ class Learner:
                 f"which an engine on part of the ranks cannot match"
             )
         init_single_process_group()
-        return Placement.split(from_environment(), tc.critic_ranks)
+        return Apart.split(from_environment(), tc.critic_ranks)
 
     @property
     def is_driver(self) -> bool:
-        return self.comm.rank == 0
+        return self.comm.is_driver
 
     # ---- rank 0 --------------------------------------------------------------------------------------------
 
     def step(self, batch: dict[str, torch.Tensor], lr_scale: float = 1.0) -> dict:
         """One algorithm step on the whole batch (each rank takes its rows), both learning rates at `lr_scale`
         times the configured ones. Returns whole-batch metrics."""
-        if self.placement is not None:
-            return self._step(self.comm.scatter(self.placement.work(batch, lr_scale))[1])
-        if self.comm.distributed:
-            rows = shard_rows(len(batch["input_ids"]), self.comm.world, self.settings.group_size)
-            batch, lr_scale = self.comm.scatter([("step", (take_rows(batch, r), lr_scale)) for r in rows])[1]
-        return self._step((batch, lr_scale))
+        work = self.placement.work(batch, lr_scale, self.settings.group_size)
+        if not self.comm.distributed:
+            return self._step(work[0])
+        return self._step(self.comm.scatter([Message("step", w) for w in work]).payload)
 
     def save(self, directory: Path) -> None:
         """Write this learner's checkpoint files under `directory` (every rank writes its own)."""
@@ -145,7 +150,7 @@ class Learner:
         nothing is partitioned and the weights are on the host, the live tensors (valid until the next step)
         unless `copy`; under ZeRO-3 every rank joins the gathers, bucket by bucket."""
         if self.comm.distributed and self.partitioned:
-            self.comm.scatter([("weights", None)] * self.comm.world)
+            self.comm.scatter([Message("weights")] * self.comm.world)
         state: dict[str, torch.Tensor] = {}
         for part in self.policy.full_state():
             state.update(part)
@@ -173,7 +178,7 @@ class Learner:
     def release(self) -> None:
         """Let the other ranks return (rank 0, at the end of the run)."""
         if self.comm.distributed:
-            self.comm.scatter([("stop", None)] * self.comm.world)
+            self.comm.scatter([Message("stop")] * self.comm.world)
 
     def close(self) -> None:
         """Every rank, once the run is over: tear down the process group of a multi-process run (a single
@@ -184,7 +189,7 @@ class Learner:
     def _command(self, kind: str, directory: Path) -> None:
         """Every rank runs `kind` on `directory`; rank 0 raises if any rank failed, naming it."""
         if self.comm.distributed:
-            self.comm.scatter([(kind, directory)] * self.comm.world)
+            self.comm.scatter([Message(kind, directory)] * self.comm.world)
         errors = self.comm.gather(self._handle(kind, directory))
         failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
         if failed:
@@ -201,27 +206,20 @@ class Learner:
             "weights": lambda _: [None for _ in (self.policy.full_state() if self.policy is not None else ())],
         }
         while True:
-            kind, data = self.comm.scatter(None)
-            if kind == "stop":
+            message = self.comm.scatter(None)
+            if message.kind == "stop":
                 return
-            handlers[kind](data)
+            handlers[message.kind](message.payload)
 
-    def _step(self, work: tuple) -> dict:
-        """This rank's part of a step: (rows, lr scale), or with the critic on ranks of its own (role, rows, lr
-        scale, the whole batch on rank 0)."""
-        rows, lr_scale = work[-3:-1] if self.placement is not None else work
+    def _step(self, work: StepWork) -> dict:
+        """This rank's part of a step (its rows, on this rank's device, at the learning rates' scale)."""
         torch.set_num_threads(self.threads)  # per thread: the engine thread keeps its own budget
-        rows = {k: v.to(self.device) for k, v in rows.items()}
+        rows = {k: v.to(self.device) for k, v in work.rows.items()}
+        whole = None if work.whole is None else {k: v.to(self.device) for k, v in work.whole.items()}
         for engine in (self.policy, self.critic):
             if engine is not None:
-                engine.set_lr_scale(lr_scale)
-        if self.placement is not None:
-            whole = None if work[-1] is None else {k: v.to(self.device) for k, v in work[-1].items()}
-            metrics = split_step(
-                self.placement, self.policy, self.critic, rows, whole, self.settings, self.algorithm.dis
-            )
-        else:
-            metrics = self.algorithm.step(self.policy, self.critic, rows, self.settings, self.state, self.comm)
+                engine.set_lr_scale(work.lr_scale)
+        metrics = train_step(self.policy, self.critic, rows, self.settings, self.state, self.placement, whole)
         return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
 
     def _handle(self, kind: str, directory: Path) -> str:
