@@ -1,12 +1,16 @@
 """`pipeline`: the whole lifecycle, each stage a subflow under one MLflow parent run.
 
-    distill -> gate -> sft -> value_pretrain -> train (critic from value_pretrain) -> evaluate (registry)
+    distill -> gate -> sft -> value_pretrain -> train (from the pretrained critic) -> evaluate (registry)
 
-Every stage is skipped when its output for the same inputs is already complete in the store, and training resumes
-from its newest checkpoint, so re-running a failed or killed pipeline continues where it stopped.
+The order is `components.stages.pipeline.order` (the other ranks of a torchrun job follow the same one:
+components/stages/ranks.py); value pretraining runs only for an algorithm with a critic. Every stage is skipped when
+its output for the same inputs is already complete in the store, and training resumes from its newest checkpoint, so
+re-running a failed or killed pipeline continues where it stopped.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -19,31 +23,37 @@ from flows.sft import sft
 from flows.train import train
 from flows.value_pretrain import value_pretrain
 
+STAGES: dict[str, Callable[[dict, dict], object]] = {
+    "distill": lambda run, done: distill(**run),
+    "sft": lambda run, done: sft(**run),
+    "value-pretrain": lambda run, done: value_pretrain(**run),
+    "train": lambda run, done: train(**run, resume=True, evaluate=False),
+    "evaluate": lambda run, done: evaluate(**run, checkpoint_step=done["train"]["checkpoint_step"]),
+}
+"""Each stage's subflow, called with the pipeline's parameters and the results of the stages before it."""
+
 
 @flow(name="pipeline")
 def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, home: str | None = None) -> dict:
     """Returns the headline numbers of every stage."""
     ctx = context(preset, overrides, home)
-    params = {"preset": preset, "overrides": list(overrides or []), "home": str(ctx.home)}
     parent = stage.parent_run(ctx.cfg, ctx.home)
+    run = {"preset": preset, "overrides": list(overrides or []), "home": str(ctx.home), "parent_run_id": parent.run_id}
     failed = True
     try:
-        dataset = distill(**params, parent_run_id=parent.run_id)
-        policy = sft(**params, parent_run_id=parent.run_id)
-        critic = value_pretrain(**params, parent_run_id=parent.run_id) if stage.uses_critic(ctx.cfg) else None
-        warm = stage.starts_warm(ctx.cfg)
-        trained = train(
-            **params,
-            critic_path=critic["critic_dir"] if warm else "",
-            resume=True,
-            evaluate=False,
-            parent_run_id=parent.run_id,
-        )
-        scored = evaluate(**params, checkpoint_step=trained["checkpoint_step"], parent_run_id=parent.run_id)
+        done: dict[str, object] = {}
+        for name in stage.order(ctx.cfg):
+            done[name] = STAGES[name](run, done)
+        trained = done["train"]
         stage.record_held_out(
-            ctx.cfg, ctx.home, trained.get("run_id"), policy["accuracy"], scored["accuracy"], trained["version"]
+            ctx.cfg,
+            ctx.home,
+            trained.get("run_id"),
+            done["sft"]["accuracy"],
+            done["evaluate"]["accuracy"],
+            trained["version"],
         )
-        summary = stage.summary(dataset, policy, critic, warm, trained, scored)
+        summary = stage.summary(ctx.cfg, done)
         parent.log_metrics({f"pipeline/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))})
         failed = False
     finally:

@@ -3,12 +3,12 @@
 Checkpoints go to the store every `train.checkpoint_every` steps; each complete one emits the Prefect event
 `sao.checkpoint.saved` (payload: step, uri, preset, env, algo, and the run's overrides and home, so that the
 `evaluate/on-checkpoint-*` deployments' triggers in infra/prefect.yaml score that very checkpoint).
-Re-running with `resume=True` continues from the newest complete checkpoint.
+Re-running with `resume=True` continues from the newest complete checkpoint. The critic RL starts from is found by
+the one rule every entry point shares (`train.critic_path`, else the pretrained critic when
+`value_pretrain.warm_start`: components/stages/value_pretrain.py `starting_critic`).
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -50,7 +50,6 @@ def train(
     preset: str = "tiny-cpu",
     overrides: list[str] | None = None,
     home: str | None = None,
-    critic_path: str = "",
     resume: bool = False,
     evaluate: bool = True,
     parent_run_id: str | None = None,
@@ -58,8 +57,6 @@ def train(
     """Returns the final version, the policy's directory, the newest checkpoint step and throughput."""
     ctx = context(preset, overrides, home)
     cfg = ctx.cfg
-    if critic_path:
-        cfg = replace(cfg, train=replace(cfg.train, critic_path=critic_path))
 
     def on_checkpoint(step: int, uri: str) -> None:
         emit_event(**checkpoint_event(cfg, step, uri, overrides, str(ctx.home.resolve())))

@@ -1,5 +1,5 @@
-"""The pipeline's own parts: its key (a retried pipeline continues under one MLflow parent run), whether the
-configured algorithm needs the value-pretraining stage, and the headline numbers of all stages."""
+"""The pipeline's own parts: its order of stages (read by the flow and by the other ranks of a torchrun job), its key
+(a retried pipeline continues under one MLflow parent run), and the headline numbers of all stages."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 from components.config import Config, to_dict
 from components.stages.recipes import fingerprint
+from components.stages.value_pretrain import starts_warm, uses_critic
 from components.tracking.stage_runs import pipeline_run, reopen
-from components.training.rl.algorithms import ALGORITHMS
 
 
 def parent_run(cfg: Config, home: Path):
@@ -28,25 +28,25 @@ def record_held_out(
     run.close()
 
 
-def uses_critic(cfg: Config) -> bool:
-    return ALGORITHMS[cfg.train.algo].uses_critic
+def order(cfg: Config) -> tuple[str, ...]:
+    """The pipeline's stages in order (the flows' names as the CLI spells them): the value-pretraining stage only
+    when the algorithm has a critic. `train` finds the critic the stage before it pretrained (`starting_critic`) and
+    `evaluate` scores the newest checkpoint."""
+    return ("distill", "sft", *(("value-pretrain",) if uses_critic(cfg) else ()), "train", "evaluate")
 
 
-def starts_warm(cfg: Config) -> bool:
-    """RL starts its critic from the pretrained one (`value_pretrain.warm_start`), in the pipeline and `sao sweep`."""
-    return uses_critic(cfg) and cfg.value_pretrain.warm_start
-
-
-def summary(dataset: str, policy: dict, critic: dict | None, warm: bool, trained: dict, scored: dict) -> dict:
-    """The headline numbers of every stage, from the stage flows' results."""
+def summary(cfg: Config, results: dict[str, object]) -> dict:
+    """The headline numbers of every stage, from the stage flows' results (keyed by `order`'s names)."""
+    policy, trained, scored = results["sft"], results["train"], results["evaluate"]
+    critic = results.get("value-pretrain")
     return {
-        "dataset": dataset,
+        "dataset": results["distill"],
         "sft_policy": policy["uri"],
         "sft_accuracy": policy["accuracy"],
         "critic": critic["uri"] if critic else None,
         "critic_ev_cold": critic["ev_cold"] if critic else None,
         "critic_ev_pretrained": critic["ev_best"] if critic else None,
-        "critic_warm_start": warm,
+        "critic_warm_start": starts_warm(cfg),
         "ev_step1": trained.get("explained_variance_step1"),
         "version": trained["version"],
         "rollbacks": trained["rollbacks"],

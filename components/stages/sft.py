@@ -99,7 +99,7 @@ def _train(cfg: Config, traces_path: Path, comm: Collective, log: Log):
     result = train_sft(
         engine, chat, traces, cfg.sft, log, env_tools(cfg), comm=comm, micro_batch_tokens=cfg.train.micro_batch_tokens
     )
-    return whole_module(engine, driver=comm.rank == 0), result, chat
+    return whole_module(engine, driver=comm.is_driver), result, chat
 
 
 def sft_eval(cfg: Config, sft_dir: Path, home: Path, log: Log = print) -> float:

@@ -29,12 +29,12 @@ from pathlib import Path
 
 from components.config import Config, to_dict
 from components.envs.registry import build_env
+from components.eval.tables import markdown_table
 from components.stages.evaluate import run_eval
 from components.stages.home import Log
-from components.stages.pipeline import starts_warm
 from components.stages.recipes import fingerprint
 from components.stages.sft import run_sft, sft_eval
-from components.stages.value_pretrain import run_value_pretrain
+from components.stages.value_pretrain import critic_origin, starting_critic, with_critic
 from components.storage import HomeStateError, write_json
 from components.tracking import DiskTracker, open_tracker
 from components.tracking.stage_runs import StageRun, tagged_run
@@ -102,14 +102,13 @@ def run_sweep(
     write_json(stored, swept)
     sft_dir = run_sft(cfg, home, log=log)
     sft_accuracy = sft_eval(cfg, sft_dir, home, log)
-    if starts_warm(cfg) and not cfg.train.critic_path:
-        critic_dir, _ = run_value_pretrain(cfg, home, sft_dir, log)
-        cfg = replace(cfg, train=replace(cfg.train, critic_path=str(critic_dir)))
-    parent = tagged_run(cfg, home, SWEEP_TAG, name, f"sweep/{name}", parent_run_id)
+    critic = starting_critic(cfg, home, sft_dir, log)
     log(
-        f"sweep {name}: {seeds} seed(s) from {first_seed}, SFT held-out accuracy {sft_accuracy:.1%}; "
-        f"table at {root}/results.md"
+        f"sweep {name}: {seeds} seed(s) from {first_seed}, each from the policy {sft_dir} (SFT held-out accuracy "
+        f"{sft_accuracy:.1%}) and {critic_origin(cfg, critic)}; table at {root}/results.md"
     )
+    cfg = with_critic(cfg, critic)
+    parent = tagged_run(cfg, home, SWEEP_TAG, name, f"sweep/{name}", parent_run_id)
     results = []
     try:
         for seed in range(first_seed, first_seed + seeds):
@@ -229,20 +228,25 @@ def _write_table(root: Path, results: list[SeedResult], sft_accuracy: float) -> 
     writer.writeheader()
     writer.writerows(asdict(r) for r in results)
     (root / "results.csv").write_text(buffer.getvalue())
-    lines = [
-        "| seed | held-out | vs SFT | collapse (step, cause) | rollbacks | peak entropy | max masked | max KL | "
-        "final EV | final reward | min |",
-        "|" + "---|" * 11,
-    ]
-    for r in results:
-        collapse = f"yes ({r.collapse_step or '-'}, {r.cause})" if r.collapsed else "no"
-        lines.append(
-            f"| {r.seed} | {r.accuracy:.1%} | {r.delta:+.1f} | {collapse} | {r.rollbacks} | "
-            f"{r.peak_entropy:.3f} | {r.max_masked_frac:.3f} | {r.max_kl:.3f} | {r.final_ev:.2f} | {r.final_reward:.3f} | "
-            f"{r.minutes:.1f} |"
-        )
-    lines += ["", summary_line(results, sft_accuracy), ""]
-    (root / "results.md").write_text("\n".join(lines))
+    table = markdown_table([_table_row(r) for r in results])
+    (root / "results.md").write_text("\n".join([table, "", summary_line(results, sft_accuracy), ""]))
+
+
+def _table_row(r: SeedResult) -> dict[str, str]:
+    """One seed's row of results.md, by column heading."""
+    return {
+        "seed": str(r.seed),
+        "held-out": f"{r.accuracy:.1%}",
+        "vs SFT": f"{r.delta:+.1f}",
+        "collapse (step, cause)": f"yes ({r.collapse_step or '-'}, {r.cause})" if r.collapsed else "no",
+        "rollbacks": str(r.rollbacks),
+        "peak entropy": f"{r.peak_entropy:.3f}",
+        "max masked": f"{r.max_masked_frac:.3f}",
+        "max KL": f"{r.max_kl:.3f}",
+        "final EV": f"{r.final_ev:.2f}",
+        "final reward": f"{r.final_reward:.3f}",
+        "min": f"{r.minutes:.1f}",
+    }
 
 
 def _finish_parent(parent: StageRun, root: Path, results: list[SeedResult]) -> None:

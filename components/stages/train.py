@@ -8,7 +8,6 @@ torchrun rank 0 does all of this while the other ranks only join the SFT and tra
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -19,9 +18,9 @@ from components.stages.evaluate import run_eval
 from components.stages.home import Log, publish
 from components.stages.recipes import fingerprint
 from components.stages.sft import join_sft, run_sft, sft_eval
+from components.stages.value_pretrain import critic_origin, join_starting_critic, starting_critic, with_critic
 from components.tracking import DiskTracker, NullTracker, mlflow_uri, open_tracker
-from components.training.engines.collective import SOLO, from_environment, launched_world_size
-from components.training.engines.engine import init_single_process_group
+from components.training.engines.collective import is_driver, launched_world_size
 from components.training.rl.checkpoint import checkpoint_store
 from components.training.rl.recording import Recording
 from components.training.rl.replay import replay
@@ -38,26 +37,29 @@ def run_train(
     on_checkpoint=None,
     evaluate: bool = True,
 ) -> dict:
-    """`sao train`: bootstrap the SFT policy if needed, train with `cfg.train.algo` (the critic from
-    `train.critic_path` when set), evaluate before and after on the held-out set (`evaluate=False`: the caller evaluates).
+    """`sao train`: the SFT policy (trained first if needed) and the critic to start from (`starting_critic`: the
+    pretrained one when `value_pretrain.warm_start`, pretrained first if needed, as the pipeline does), then training
+    with `cfg.train.algo`, evaluated before and after on the held-out set (`evaluate=False`: the caller evaluates).
     Metrics go to `runs/<preset>/<algo>.jsonl` and to MLflow (`tracking.*`, nested under `parent_run_id`);
     `on_checkpoint(step, uri)` is called for every complete checkpoint.
 
-    Under torchrun, rank 0 does everything above while the other ranks only join the training steps."""
-    setup = build_env(cfg, log if int(os.environ.get("RANK", "0")) == 0 else lambda _: None)
-    comm = SOLO
-    if launched_world_size() > 1:
-        init_single_process_group()
-        comm = from_environment()
-    if comm.rank != 0:
+    Under torchrun, rank 0 does everything above while the other ranks only join the SFT, value-pretraining and
+    training steps."""
+    if not is_driver():
+        setup = build_env(cfg, lambda _: None)
         sft_dir = join_sft(cfg, home)  # rank 0's SFT policy (its steps too, with sft.backend = "deepspeed")
+        cfg = with_critic(cfg, join_starting_critic(cfg, home, sft_dir))
         train(cfg, setup, sft_dir, home, NullTracker(), resume=resume, log=lambda _: None)
         return {}
+    setup = build_env(cfg, log)
     sft_dir = run_sft(cfg, home, force=force_sft, log=log)  # tells the other ranks where it is
+    critic = starting_critic(cfg, home, sft_dir, log)
+    log(f"train: starts from the policy {sft_dir} and {critic_origin(cfg, critic)}")
+    cfg = with_critic(cfg, critic)
     before = sft_eval(cfg, sft_dir, home, log) if evaluate else None
     log(
         f"train: {cfg.train.algo}, {cfg.train.max_steps} steps x {cfg.train.batch_size} trajectories, "
-        f"{'sync' if cfg.train.sync else 'async'}, backend {cfg.train.backend}, {comm.world} process(es)"
+        f"{'sync' if cfg.train.sync else 'async'}, backend {cfg.train.backend}, {launched_world_size()} process(es)"
         + (f"; SFT held-out accuracy {before:.1%}" if evaluate else "")
     )
     run_name = f"{cfg.name}/{cfg.train.algo}"

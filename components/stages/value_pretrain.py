@@ -7,10 +7,13 @@ by its recipe and reused when the recipe matches.
 The critic starts as training would start it (`ValueModel.from_policy_dir`, attention frozen when `train.algo`
 freezes it) and learns with training's loss and optimizer settings (`train.weight_decay`, `grad_clip`,
 `adam_beta2`; `value_pretrain.lr`, else `train.critic_lr`) on the engine `value_pretrain.backend` names; under
-torchrun rank 0 rolls out and every rank fits its rows when that is DeepSpeed (`join_value_pretrain`). Prompts come from the environment's training stream
-with `train.task_seed + PROMPT_SEED_SHIFT`, so the critic is not pretrained on RL's own first prompts. The
-built-in coding and style sets are small and cycled: there the shifted seed only reorders them and the same
-tasks recur.
+torchrun rank 0 rolls out and every rank fits its rows when that is DeepSpeed (`join_value_pretrain`). Prompts come
+from the environment's training stream with `train.task_seed + PROMPT_SEED_SHIFT`, so the critic is not pretrained
+on RL's own first prompts. The built-in coding and style sets are small and cycled: there the shifted seed only
+reorders them and the same tasks recur.
+
+Which critic RL starts from is decided here, once, for every entry point (`starting_critic`): `train.critic_path`,
+else this recipe's pretrained critic when `value_pretrain.warm_start`, else a cold one.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import itertools
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,7 +34,7 @@ from components.models import ValueModel, freeze_attention, load_tokenizer
 from components.stages.home import Log, available, publish
 from components.stages.recipes import critic_key, prompt_config, value_pretrain_recipe
 from components.stages.rollout import sample_episodes
-from components.stages.sft import join_sft, run_sft, world
+from components.stages.sft import run_sft, world
 from components.storage import atomic_dir, write_json
 from components.training.engines.collective import SOLO, Collective, rank_cores
 from components.training.engines.loading import EngineSettings, load_model, open_engine, whole_module
@@ -83,10 +86,9 @@ def run_value_pretrain(cfg: Config, home: Path, sft_dir: Path, log: Log = print)
     return out, json.loads((out / SUMMARY_FILE).read_text())["result"]
 
 
-def join_value_pretrain(cfg: Config, home: Path) -> Path:
-    """A non-zero torchrun rank's part of the SFT policy and the critic's pretraining (`run_sft`, then
-    `run_value_pretrain`): its rows of the fitting when rank 0 fits with DeepSpeed; the critic's directory."""
-    sft_dir = join_sft(cfg, home)
+def join_value_pretrain(cfg: Config, home: Path, sft_dir: Path) -> Path:
+    """A non-zero torchrun rank's part of `run_value_pretrain` (rank 0 has run `run_sft` first, and so has this rank
+    `join_sft`): its rows of the fitting when rank 0 fits with DeepSpeed; the critic's directory."""
     comm = world()
     kind, value = comm.broadcast(None)
     if kind == "fit":
@@ -94,6 +96,53 @@ def join_value_pretrain(cfg: Config, home: Path) -> Path:
         _fit(cfg, sft_dir, train_part, held_out, Path(value["best"]), comm, lambda _: None)
         kind, value = comm.broadcast(None)
     return Path(value)
+
+
+def uses_critic(cfg: Config) -> bool:
+    """`train.algo` trains a value model (and so has a critic to pretrain)."""
+    return ALGORITHMS[cfg.train.algo].uses_critic
+
+
+def starts_warm(cfg: Config) -> bool:
+    """RL starts its critic from this recipe's pretrained one (`value_pretrain.warm_start`, for an algorithm with a
+    critic)."""
+    return uses_critic(cfg) and cfg.value_pretrain.warm_start
+
+
+def starting_critic(cfg: Config, home: Path, sft_dir: Path, log: Log = print) -> Path | None:
+    """The critic RL starts from, by one rule for every entry point (the pipeline, `sao train`, `sao sweep`, `sao
+    experiment`): the directory `train.critic_path` names when it is set; else, when `starts_warm`, this recipe's
+    pretrained critic, pretrained now when neither the home nor the store holds it complete (what the pipeline's
+    value_pretrain stage does before training); else None: a cold critic (the SFT policy's decoder with a fresh
+    head), or no critic at all. Under torchrun this is rank 0's part; the other ranks follow it
+    (`join_starting_critic`)."""
+    if cfg.train.critic_path:
+        return Path(cfg.train.critic_path)
+    if not starts_warm(cfg):
+        return None
+    return run_value_pretrain(cfg, home, sft_dir, log)[0]
+
+
+def join_starting_critic(cfg: Config, home: Path, sft_dir: Path) -> Path | None:
+    """A non-zero torchrun rank's part of `starting_critic`."""
+    if cfg.train.critic_path:
+        return Path(cfg.train.critic_path)
+    return join_value_pretrain(cfg, home, sft_dir) if starts_warm(cfg) else None
+
+
+def with_critic(cfg: Config, critic: Path | None) -> Config:
+    """`cfg` training from `critic` (`starting_critic`'s answer): `train.critic_path` set to it, or empty (cold)."""
+    return replace(cfg, train=replace(cfg.train, critic_path=str(critic or "")))
+
+
+def critic_origin(cfg: Config, critic: Path | None) -> str:
+    """How a run names the critic it starts from, on its first line."""
+    if not uses_critic(cfg):
+        return f"no critic ({cfg.train.algo})"
+    if critic is None:
+        return "a cold critic (a fresh head on the SFT policy; value_pretrain.warm_start = false)"
+    how = "pretrained for this recipe" if starts_warm(cfg) and not cfg.train.critic_path else "train.critic_path"
+    return f"the critic {critic} ({how})"
 
 
 def pretrain_value(
@@ -175,7 +224,7 @@ def _fit(cfg: Config, sft_dir: Path, train_part, held_out, best_dir: Path, comm:
         )
     finally:
         torch.set_num_threads(threads)
-    return whole_module(engine, driver=comm.rank == 0), history, best_epoch
+    return whole_module(engine, driver=comm.is_driver), history, best_epoch
 
 
 def collect_rollouts(cfg: Config, sft_dir: Path, log: Log = print) -> tuple[list[Trajectory], list[Trajectory]]:

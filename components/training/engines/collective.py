@@ -44,6 +44,11 @@ class Collective:
     def distributed(self) -> bool:
         return self.world > 1
 
+    @property
+    def is_driver(self) -> bool:
+        """This rank is its group's first (rank 0 of the world: the driver, `is_driver()`)."""
+        return self.rank == DRIVER
+
     def sum(self, x: Tensor) -> Tensor:
         """All-reduce sum (a new tensor; the input is untouched)."""
         if not self.distributed:
@@ -126,6 +131,21 @@ def subgroup(ranks: list[int]) -> Collective | None:
     group = dist.new_group(ranks)
     rank = dist.get_rank()
     return Collective(ranks.index(rank), len(ranks), group) if rank in ranks else None
+
+
+DRIVER = 0
+"""The rank that drives a run: it runs the stage (the flow, the agent loop, the evaluation) and tells the other
+ranks what to do (components/stages/ranks.py says what they do in each stage)."""
+
+
+def launched_rank() -> int:
+    """RANK set by torchrun (0 when not launched by it): the one place the environment's rank is read."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_driver() -> bool:
+    """True in the process that drives a run: the only one, or rank 0 under torchrun."""
+    return launched_rank() == DRIVER
 
 
 def launched_world_size() -> int:
