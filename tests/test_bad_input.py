@@ -80,6 +80,7 @@ CLI_CASES = [
     (["eval", "--home", "{root}/notes.txt", "--model", "{root}/model"], "--home: {root}/notes.txt is not a directory"),
     (["eval", "--home", "{root}/home", "--checkpoint", "3"], "--checkpoint: no complete checkpoint at step 3"),
     (["train", "--home", "{root}/home", "--rollback-to", "5"], "--rollback-to: no complete checkpoint at step 5"),
+    (["train", "--replay", "{root}/home", "--algo", "grpo"], "--replay: takes the recorded run's config"),
     (["model", "init", "--out", "/proc/no-such-dir/m"], "--out: cannot write a model directory at /proc/no-such-dir/m"),
     # numbers
     (["train", "--max-steps", "-1"], "argument --max-steps: must be >= 1, got -1"),
@@ -145,12 +146,12 @@ def test_a_port_in_use_is_refused_before_the_engine_loads(files, capsys):
 
 
 def test_an_unexpected_exception_is_an_internal_error_with_exit_1(monkeypatch, capsys):
-    import components.eval.compare as compare
+    import components.cli.run_mlflow as run_mlflow
 
     def broken(*_):
         raise KeyError("boom")
 
-    monkeypatch.setattr(compare, "run_compare", broken)
+    monkeypatch.setattr(run_mlflow, "run_compare", broken)
     monkeypatch.delenv("SAO_DEBUG", raising=False)
     code, err = _cli(["compare", "r1"], capsys)
     assert code == 1

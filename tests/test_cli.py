@@ -5,8 +5,14 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from components.cli import main
+from components.cli import build_parser, main
+from components.cli.commands import COMMANDS, GROUPS
+from components.cli.flags import config_overrides, toml_value
+from components.cli.main import load
+from components.config import apply_overrides, load_config, to_dict
 from components.contracts.trajectory import read_trajectories
 from components.stages.evaluate import run_eval
 from components.stages.sft import run_sft
@@ -135,3 +141,100 @@ def test_a_model_flag_without_a_model_directory_is_refused_naming_it(tmp_path, c
     err = capsys.readouterr().err
     assert f"sao: --model: {tmp_path / 'nonexistent'} is not a model directory (no tokenizer.json" in err
     assert "Traceback" not in err
+
+
+# ---- the table of commands ---------------------------------------------------------------------------------------
+
+
+def test_help_a_refused_flag_and_a_missing_file_answer_without_loading_the_heavy_libraries():
+    """Each entry names its function as a string, imported after parsing: none of these imports torch,
+    transformers, Prefect or MLflow (seconds each)."""
+    program = (
+        "import sys\n"
+        "from components.cli import main\n"
+        "for argv in (['--help'], ['train', '--help'], ['teacher', 'serve', '--help'], ['train', '--max-steps', '0'],"
+        " ['eval', '--model', '/nonexistent'], ['gate', '/nonexistent.parquet']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as exc:\n"
+        "        assert exc.code in (0, 2), (argv, exc.code)\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'prefect', 'mlflow') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert done.stderr.count("sao: ") == 3  # the refused --max-steps, --model and URI
+
+
+def test_each_command_is_one_entry_whose_function_loads_and_whose_fields_exist():
+    names = [command.name for command in COMMANDS]
+    assert len(names) == len(set(names))
+    assert {name.split()[0] for name in names if " " in name} == set(GROUPS)
+    fields = to_dict(load_config("tiny-cpu"))
+    for command in COMMANDS:
+        assert callable(load(command.runs)), command.name
+        for flag in command.arguments:
+            if flag.sets:
+                section, name = flag.sets.split(".")
+                assert name in fields[section], f"{command.name} {flag.names[0]}: no config field {flag.sets}"
+    args = build_parser().parse_args(["teacher", "serve", "--port", "0"])
+    assert args.entry.name == "teacher serve" and args.entry.runs == "components.cli.run_servers:teacher_serve"
+
+
+def test_the_flags_that_set_a_field_become_toml_overrides_after_the_set_ones():
+    argv = ["train", "--set", 'train.algo="ppo"', "--algo", "grpo", "--max-steps", "7", "--critic", 'c "1"\\d']
+    args = build_parser().parse_args(argv)
+    overrides = config_overrides(args.entry.arguments, args)
+    # The --set first, then each given flag in the entry's order; the path's quotes and backslash escaped.
+    assert overrides == [
+        'train.algo="ppo"',
+        'train.algo="grpo"',
+        "train.max_steps=7",
+        'train.critic_path="c \\"1\\"\\\\d"',
+    ]
+    cfg = load_config("tiny-cpu", overrides)
+    assert (cfg.train.algo, cfg.train.max_steps, cfg.train.critic_path) == ("grpo", 7, 'c "1"\\d')  # the flag wins
+    # eval's --tasks is the flow's own parameter; rollout's sets env.tasks. Flags not given set nothing.
+    args = build_parser().parse_args(["eval", "--env", "coding", "--tasks", "t.jsonl"])
+    assert config_overrides(args.entry.arguments, args) == ['env.name="coding"']
+    args = build_parser().parse_args(["rollout", "--out", "o.parquet", "--tasks", "t.jsonl"])
+    assert config_overrides(args.entry.arguments, args) == ['env.tasks="t.jsonl"']
+
+
+@given(st.text())
+def test_toml_value_gives_back_any_text_through_an_override(text):
+    assert apply_overrides({}, [f"distill.model={toml_value(text)}"]) == {"distill": {"model": text}}
+
+
+def test_toml_value_writes_numbers_and_booleans_as_themselves():
+    assert [toml_value(v) for v in (3, 0.5, True, "3")] == ["3", "0.5", "true", '"3"']
+
+
+def test_sao_train_critic_reaches_the_flow_and_a_follower_as_the_config_field(tmp_path, monkeypatch):
+    """`--critic DIR` sets `train.critic_path` in the overrides (the train flow has no parameter for it), and a
+    non-zero torchrun rank follows the train stage with that config instead of running the flow."""
+    import flows.train
+    from components.cli import run_flows
+
+    critic = tmp_path / "critic"
+    critic.mkdir()
+    (critic / "config.json").write_text("{}")
+    flow_calls, followed = [], []
+    monkeypatch.setattr(flows.train, "train", lambda **params: flow_calls.append(params))
+    monkeypatch.setattr(run_flows, "follow", lambda stage, cfg, home, resume: followed.append((stage, cfg, resume)))
+    argv = ["train", "--home", str(tmp_path / "home"), "--critic", str(critic), "--max-steps", "3"]
+    monkeypatch.setenv("RANK", "0")
+    assert main(argv) == 0
+    assert flow_calls == [
+        {
+            "preset": "tiny-cpu",
+            "overrides": ["train.max_steps=3", f'train.critic_path="{critic}"'],
+            "home": str(tmp_path / "home"),
+            "resume": False,
+        }
+    ]
+    assert followed == []
+    monkeypatch.setenv("RANK", "1")
+    main([*argv, "--resume"])
+    [(stage, cfg, resume)] = followed
+    assert (stage, cfg.train.critic_path, cfg.train.max_steps, resume) == ("train", str(critic), 3, True)

@@ -1,8 +1,7 @@
-"""`sao` command line: `parser.py` defines every command and flag, `main.py` runs them (input checks, the commands
-that are not flows, errors as one `sao:` line), `run_flows.py` runs the commands that are Prefect flows.
-
-Each command imports what it runs inside its own branch, after its arguments are parsed: `sao --help`, a refused
-flag or a missing file answer at once, without loading torch, transformers, Prefect or MLflow (seconds each).
+"""`sao` command line: commands.py is the one table of commands (each with its flags and the function it runs),
+parser.py builds the parser from it, main.py runs the chosen entry and ends any error with one `sao: ...` line.
+The functions sit in run_flows.py (Prefect flows), run_mlflow.py (MLflow's store), run_servers.py (served
+endpoints) and run_local.py (the rest), and are imported only after parsing (commands.py).
 """
 
 from components.cli.main import main

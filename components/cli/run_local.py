@@ -1,0 +1,37 @@
+"""The `sao` commands that run in this process, without Prefect: the memory plan, a fresh model directory,
+episodes written as Parquet, and a seed sweep."""
+
+from __future__ import annotations
+
+import argparse
+
+from components.cli.prepare import prepare
+from components.config import load_config
+from components.models import init_model_dir
+from components.stages.rollout import run_rollout
+from components.stages.sft import run_sft
+from components.stages.sweep import run_sweep
+from components.training.plan import report
+
+
+def plan(args: argparse.Namespace) -> None:
+    print(report(load_config(args.preset, args.overrides), args.gpus, args.gpu_memory_gb))
+
+
+def model_init(args: argparse.Namespace) -> None:
+    cfg, _ = prepare(args)
+    try:
+        print(init_model_dir(cfg.model, args.out, seed=args.seed))
+    except OSError as exc:
+        raise OSError(f"--out: cannot write a model directory at {args.out}: {exc}") from exc
+
+
+def rollout(args: argparse.Namespace) -> None:
+    """Episodes of the given model, else of the SFT policy (trained first if there is none)."""
+    cfg, home = prepare(args)
+    run_rollout(cfg, args.model or run_sft(cfg, home), args.episodes, args.out)
+
+
+def sweep(args: argparse.Namespace) -> None:
+    cfg, home = prepare(args)
+    run_sweep(cfg, home, args.seeds, args.first_seed, args.name)
