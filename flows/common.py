@@ -18,6 +18,7 @@ from prefect import get_run_logger
 from prefect.cache_policies import NO_CACHE  # noqa: F401  (re-exported for the flows)
 
 from components.config import Config, load_config
+from components.eval import tables
 from components.stages.home import default_home
 from components.tracking.stage_runs import StageRun, stage_run
 
@@ -66,16 +67,9 @@ IO_RETRIES = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": tran
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """A list of dicts as a markdown table (the artifacts' headline numbers)."""
-    if not rows:
-        return "_nothing_"
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(_cell(r.get(k)) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
+    """A list of dicts as a markdown table (the artifacts' headline numbers): the first row's keys as columns."""
+    return tables.markdown_table(rows, cell=_cell)
 
 
-def _cell(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "" if value is None else str(value)
+def _cell(key: str, value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else tables.plain_cell(key, value)

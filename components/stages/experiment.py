@@ -13,8 +13,9 @@ from its newest checkpoint).
     home/experiments/<label>/curves.png             reward per step per arm (mean, min-max band) and each seed's
                                                     held-out accuracy
 
-The label is the name, then the preset unless `tiny-cpu`, the setting unless `default`, `quick`, and a hash of
-`--set` overrides when there are any.
+The statistics are computed in components/eval/experiment_stats.py, the table and plot written by
+components/eval/experiment_report.py. The label is the name, then the preset unless `tiny-cpu`, the setting unless
+`default`, `quick`, and a hash of `--set` overrides when there are any.
 
 MLflow: a parent run `experiment/<name>` with each arm's sweep run nested under it (and each seed's run under
 that), the table and plot as its artifacts. Settings: `default` is the preset's task; `hard` widens it (two-call
@@ -23,26 +24,19 @@ problems, a wider mental-math habit), so that arms that all reach the default ta
 
 from __future__ import annotations
 
-import csv
-import io
-import math
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
-
 from components.config import STYLES, Config, load_config
-from components.eval.online import phase_table, reward_curve
+from components.eval.experiment_report import write_report
+from components.eval.experiment_stats import ArmResult
+from components.eval.online import reward_curve
 from components.stages.home import Log
 from components.stages.recipes import fingerprint
 from components.stages.style_shift import schedule
-from components.stages.sweep import SeedResult, run_sweep, sweep_name
-from components.storage import write_json
+from components.stages.sweep import run_sweep, sweep_name
 from components.tracking.stage_runs import tagged_run
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
 
 EXPERIMENT_TAG = "sao.experiment"
 
@@ -157,16 +151,6 @@ QUICK_SEEDS = 2
 QUICK_STEPS_PER_PHASE = 1
 
 
-@dataclass
-class ArmResult:
-    arm: str
-    runs: list[SeedResult]
-    curves: list[list[float]]
-    """reward/mean per policy step, one list per seed."""
-    sweep: str
-    """The sweep directory under home/sweeps that holds the arm's runs."""
-
-
 def arm_configs(
     name: str, preset: str, overrides: list[str], setting: str = "default", quick: bool = False
 ) -> list[tuple[Arm, Config]]:
@@ -253,7 +237,7 @@ def run_experiment(
         raise
     env = configs[0][1].env
     phases = list(env.preference_phases) if env.preference_schedule else []
-    report = write_report(out, label, experiment, setting, results, phases)
+    report = write_report(out, label, _about(experiment, setting), experiment.reference, results, phases)
     parent.log_metrics(
         {f"experiment/{r.arm}/accuracy_mean": statistics.fmean(s.accuracy for s in r.runs) for r in results}
         | {f"experiment/{r.arm}/collapsed": float(sum(s.collapsed for s in r.runs)) for r in results}
@@ -269,189 +253,6 @@ def _reward_curve(home: Path, sweep: str, cfg: Config, seed: int) -> list[float]
     return reward_curve(home / "sweeps" / sweep / f"seed-{seed}" / "runs" / cfg.name / f"{cfg.train.algo}.jsonl")
 
 
-def interval95(values: list[float]) -> tuple[float, float]:
-    """Student's t 95% interval of the mean of `values` (NaN, NaN with fewer than two)."""
-    if len(values) < 2:
-        return math.nan, math.nan
-    from scipy.stats import t  # loaded here: only the table needs it
-
-    mean = statistics.fmean(values)
-    half = t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return mean - half, mean + half
-
-
-def welch(a: list[float], b: list[float]) -> tuple[float, float, float, float]:
-    """mean(a) - mean(b), the Welch 95% interval of that difference and its two-sided p-value (NaNs with fewer than
-    two values on a side, or none spread on both)."""
-    diff = statistics.fmean(a) - statistics.fmean(b)
-    if min(len(a), len(b)) < 2 or statistics.stdev(a) + statistics.stdev(b) == 0:
-        return diff, math.nan, math.nan, math.nan
-    from scipy.stats import ttest_ind  # loaded here: only the table needs it
-
-    test = ttest_ind(a, b, equal_var=False)
-    interval = test.confidence_interval(0.95)
-    return diff, float(interval.low), float(interval.high), float(test.pvalue)
-
-
-def arm_row(result: ArmResult, reference: ArmResult | None = None) -> dict:
-    """The table's row of one arm: held-out accuracy in percent (mean, min, max, 95% interval), points over SFT,
-    against the reference arm (difference of means, its Welch 95% interval, p), collapses with the step each fired
-    at (`-`: only on the held-out set), rollbacks, minutes."""
-    accs = [100 * r.accuracy for r in result.runs]
-    low, high = interval95(accs)
-    collapsed = [r for r in result.runs if r.collapsed]
-    versus = (math.nan,) * 4
-    if reference is not None and reference is not result:
-        versus = welch(accs, [100 * r.accuracy for r in reference.runs])
-    return {
-        "arm": result.arm,
-        "runs": len(accs),
-        "mean": statistics.fmean(accs),
-        "min": min(accs),
-        "max": max(accs),
-        "ci95_low": low,
-        "ci95_high": high,
-        "vs_sft": statistics.fmean(r.delta for r in result.runs),
-        "vs_reference": versus[0],
-        "vs_reference_low": versus[1],
-        "vs_reference_high": versus[2],
-        "p": versus[3],
-        "collapsed": len(collapsed),
-        "collapse_steps": " ".join(str(r.collapse_step or "-") for r in collapsed),
-        "rollbacks": sum(r.rollbacks for r in result.runs),
-        "final_reward": statistics.fmean(r.final_reward for r in result.runs),
-        "minutes": sum(r.minutes for r in result.runs),
-        "sweep": result.sweep,
-    }
-
-
-def phase_rows(result: ArmResult, phases: list[tuple[str, int]]) -> list[dict]:
-    """Per preference phase (`(style, steps)`, the schedule's) of one arm: its mean reward over the last 5 steps (the
-    phase's ceiling) over seeds, and the steps to recover after the flip (mean over the seeds that recovered, and how
-    many did)."""
-    tables = [phase_table(curve, phases) for curve in result.curves if curve]
-    rows = []
-    for i, (style, _) in enumerate(phases):
-        ends = [t[i]["reward_end"] for t in tables if len(t) > i]
-        recovered = [t[i]["steps_to_recover"] for t in tables if len(t) > i and t[i]["steps_to_recover"] is not None]
-        rows.append(
-            {
-                "arm": result.arm,
-                "phase": i + 1,
-                "style": style,
-                "ceiling_mean": statistics.fmean(ends) if ends else math.nan,
-                "ceiling_min": min(ends, default=math.nan),
-                "ceiling_max": max(ends, default=math.nan),
-                "recover_steps_mean": statistics.fmean(recovered) if recovered else math.nan,
-                "recovered": f"{len(recovered)}/{len(ends)}" if i else "-",
-            }
-        )
-    return rows
-
-
-def write_report(
-    out: Path, label: str, experiment: Experiment, setting: str, results: list[ArmResult], phases: list[tuple[str, int]]
-) -> dict:
-    reference = next((r for r in results if r.arm == experiment.reference), None)
-    rows = [arm_row(r, reference) for r in results]
-    schedule_rows = [row for r in results for row in phase_rows(r, phases)] if phases else []
-    out.mkdir(parents=True, exist_ok=True)
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    (out / "results.csv").write_text(buffer.getvalue())
-    write_json(
-        out / "results.json",
-        {"table": rows, "phases": schedule_rows, "runs": {r.arm: [asdict(s) for s in r.runs] for r in results}},
-    )
-    lines = [
-        f"# Experiment {label}",
-        "",
-        f"Claims: {experiment.claims}. Setting: {setting} ({', '.join(SETTINGS[setting]) or 'the preset task'}).",
-        "",
-        markdown(rows, ARM_COLUMNS | {"vs_reference": f"vs {experiment.reference} (points)"}),
-    ]
-    if schedule_rows:
-        schedule = ", ".join(f"{style} {steps} steps" for style, steps in phases)
-        lines += ["", f"Per preference phase ({schedule}):", "", markdown(schedule_rows, PHASE_COLUMNS)]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    plot(out / "curves.png", label, results)
-    return {"table": rows, "phases": schedule_rows, "report": str(out / "results.md")}
-
-
-ARM_COLUMNS = {
-    "arm": "arm",
-    "runs": "runs",
-    "mean": "held-out % mean",
-    "min": "min",
-    "max": "max",
-    "ci95_low": "95% CI low",
-    "ci95_high": "95% CI high",
-    "vs_sft": "vs SFT (points)",
-    "vs_reference": "vs the reference (points)",
-    "vs_reference_low": "95% CI low",
-    "vs_reference_high": "95% CI high",
-    "p": "p (Welch)",
-    "collapsed": "collapsed",
-    "collapse_steps": "collapse steps",
-    "rollbacks": "rollbacks",
-    "final_reward": "final reward",
-    "minutes": "minutes",
-}
-PHASE_COLUMNS = {
-    "arm": "arm",
-    "phase": "phase",
-    "style": "style",
-    "ceiling_mean": "reward, last 5 steps (mean)",
-    "ceiling_min": "min",
-    "ceiling_max": "max",
-    "recover_steps_mean": "steps to recover (mean)",
-    "recovered": "recovered",
-}
-
-
-def markdown(rows: list[dict], columns: dict[str, str]) -> str:
-    lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        lines.append("| " + " | ".join(_cell(key, row[key]) for key in columns) + " |")
-    return "\n".join(lines)
-
-
-FRACTIONS = {"p", "final_reward", "ceiling_mean", "ceiling_min", "ceiling_max"}
-"""Columns shown to 3 decimals; the others are points or steps, shown to 1."""
-
-
-def _cell(key: str, value: object) -> str:
-    if isinstance(value, float):
-        return "-" if math.isnan(value) else f"{value:.3f}" if key in FRACTIONS else f"{value:.1f}"
-    return str(value) if value != "" else "-"
-
-
-def plot(path: Path, label: str, results: list[ArmResult]) -> None:
-    """Left: reward per step per arm (mean over seeds, min-max band, 5-step moving mean). Right: each seed's held-out
-    accuracy per arm."""
-    fig, (curves, finals) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
-    for i, result in enumerate(results):
-        color = f"C{i}"
-        length = min((len(c) for c in result.curves if c), default=0)
-        if length:
-            smooth = [_moving_mean(c[:length], 5) for c in result.curves if c]
-            steps = range(1, length + 1)
-            columns = list(zip(*smooth))
-            curves.plot(steps, [statistics.fmean(c) for c in columns], color=color, label=result.arm)
-            curves.fill_between(steps, [min(c) for c in columns], [max(c) for c in columns], color=color, alpha=0.15)
-        accs = [100 * r.accuracy for r in result.runs]
-        finals.scatter([i] * len(accs), accs, color=color, alpha=0.7)
-        finals.hlines(statistics.fmean(accs), i - 0.3, i + 0.3, color=color)
-    curves.set(xlabel="policy step", ylabel="reward/mean (5-step moving mean)", title=f"{label}: training reward")
-    curves.legend(fontsize=8)
-    finals.set(ylabel="held-out accuracy %", title="after training, per seed")
-    finals.set_xticks(range(len(results)), [r.arm for r in results], rotation=30, ha="right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _moving_mean(values: list[float], window: int) -> list[float]:
-    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+def _about(experiment: Experiment, setting: str) -> str:
+    """The report's paragraph under its title: the claims measured and the setting's overrides."""
+    return f"Claims: {experiment.claims}. Setting: {setting} ({', '.join(SETTINGS[setting]) or 'the preset task'})."

@@ -1,24 +1,13 @@
-"""`sao experiment`: every arm of every experiment is a valid config of its own; the table's statistics are the
-hand-computed ones; a quick experiment runs its arms as sweeps under one MLflow parent and continues on a re-run."""
+"""`sao experiment`: every arm of every experiment is a valid config of its own; a quick experiment runs its arms as
+sweeps under one MLflow parent and continues on a re-run (the table's statistics: tests/eval/test_experiment_stats.py)."""
 
 import csv
-import math
 
 import pytest
 
 from components.cli import main
-from components.stages.experiment import (
-    EXPERIMENTS,
-    SETTINGS,
-    ArmResult,
-    arm_configs,
-    arm_row,
-    experiment_label,
-    interval95,
-    phase_rows,
-    welch,
-)
-from components.stages.sweep import SeedResult, sweep_name
+from components.stages.experiment import EXPERIMENTS, SETTINGS, arm_configs, experiment_label
+from components.stages.sweep import sweep_name
 
 
 @pytest.mark.parametrize("name", sorted(EXPERIMENTS))
@@ -78,60 +67,6 @@ def test_unknown_names_are_refused_naming_the_known_ones():
         arm_configs("stabilty", "tiny-cpu", [])
     with pytest.raises(ValueError, match=r"--setting: unknown setting 'harder'.*'hard'"):
         arm_configs("ablation", "tiny-cpu", [], setting="harder")
-
-
-def test_the_95_percent_interval_is_students_t():
-    # mean 2, sample sd 1, n 3: t(0.975, 2) = 4.302653, half-width 4.302653 / sqrt(3) = 2.484138
-    low, high = interval95([1.0, 2.0, 3.0])
-    assert low == pytest.approx(2 - 2.484138, abs=1e-6) and high == pytest.approx(2 + 2.484138, abs=1e-6)
-    # n 5, mean 90, sd 5: t(0.975, 4) = 2.776445, half-width 6.208
-    low, high = interval95([85.0, 85.0, 90.0, 95.0, 95.0])
-    assert (low, high) == pytest.approx((90 - 2.776445 * 5 / math.sqrt(5), 90 + 2.776445 * 5 / math.sqrt(5)), abs=1e-5)
-    assert all(math.isnan(x) for x in interval95([0.9]))
-
-
-def test_arms_are_compared_with_the_reference_by_welchs_interval():
-    # a = [1, 2, 3], b = [2, 4, 6, 8]: difference -3, standard error sqrt(1/3 + 20/3/4) = sqrt(2), Welch's degrees of
-    # freedom 2^2 / ((1/3)^2 / 2 + (5/3)^2 / 3) = 4.0755, t(0.975, 4.0755) = 2.7563: -3 -+ 3.8980.
-    diff, low, high, p = welch([1.0, 2.0, 3.0], [2.0, 4.0, 6.0, 8.0])
-    assert diff == -3.0 and (low, high) == pytest.approx((-6.8980, 0.8980), abs=1e-4)
-    assert p == pytest.approx(0.0999, abs=1e-4)  # |t| = 3 / sqrt(2) = 2.1213 on 4.0755 degrees of freedom
-    assert all(math.isnan(x) for x in welch([1.0], [2.0, 3.0])[1:])
-
-
-def _seed(seed, accuracy, collapse_step=None, cause="", rollbacks=0):
-    return SeedResult(
-        seed, accuracy, 100 * (accuracy - 0.69), bool(cause), collapse_step, cause, rollbacks, 0.1, 0.0, 0.9, 0.8, 1.5
-    )
-
-
-def test_an_arms_row_counts_collapses_with_their_steps():
-    runs = [_seed(1, 0.90), _seed(2, 0.20, 160, "reward+eval", 0), _seed(3, 0.60, None, "eval", 1)]
-    reference = ArmResult("sao", [_seed(1, 0.90), _seed(2, 0.80)], [[], []], "sweep-y")
-    row = arm_row(ArmResult("grpo", runs, [[], [], []], "sweep-x"), reference)
-    assert row["vs_reference"] == pytest.approx(56.6667 - 85.0, abs=1e-4) and row["p"] > 0.05
-    assert math.isnan(arm_row(reference, reference)["vs_reference"])
-    assert row["runs"] == 3 and row["mean"] == pytest.approx(56.6667, abs=1e-4)
-    assert (row["min"], row["max"]) == pytest.approx((20.0, 90.0))
-    assert row["vs_sft"] == pytest.approx(56.6667 - 69.0, abs=1e-4)
-    assert row["collapsed"] == 2 and row["collapse_steps"] == "160 -" and row["rollbacks"] == 1
-    assert row["minutes"] == pytest.approx(4.5)
-
-
-def test_phase_rows_give_each_phases_ceiling_and_recovery_over_seeds():
-    # Phases of 4 steps; the window is 5 steps, so a phase's ceiling is its mean. Seed 1 reaches 0.9 * 0.8 = 0.72 with
-    # the mean of phase 2's first 4 steps (0.75) and never in phase 3 (0.9 * 0.75 = 0.675); seed 2 at the first step.
-    curves = [
-        [0.8, 0.8, 0.8, 0.8, 0.1, 0.9, 1.0, 1.0, 0.0, 0.1, 0.2, 0.3],
-        [0.6, 0.6, 0.6, 0.6, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7],
-    ]
-    phases = [("cute", 4), ("chuunibyou", 4), ("classical", 4)]
-    rows = phase_rows(ArmResult("sao", [_seed(1, 0.9), _seed(2, 0.9)], curves, "sweep-x"), phases)
-    assert [r["style"] for r in rows] == ["cute", "chuunibyou", "classical"]
-    assert rows[0]["ceiling_mean"] == pytest.approx(0.7) and rows[0]["recovered"] == "-"
-    assert (rows[1]["ceiling_min"], rows[1]["ceiling_max"]) == pytest.approx((0.7, 0.75))
-    assert rows[1]["recovered"] == "2/2" and rows[2]["recovered"] == "1/2"
-    assert rows[1]["recover_steps_mean"] == pytest.approx(2.5) and rows[2]["recover_steps_mean"] == pytest.approx(1.0)
 
 
 def test_a_quick_experiment_runs_its_arms_as_sweeps_under_one_parent_and_continues(seeded_home, prefect_api, capsys):
