@@ -23,14 +23,14 @@ import asyncio
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from components.chat.format import ChatFormat
-from components.contracts.environment import Environment
+from components.contracts.environment import EnvEpisode, Environment, StepResult
 from components.contracts.task import Task
 from components.contracts.trajectory import Timings, Trajectory
 from components.rollout.pool import EnginesDown
-from components.rollout.protocol import SamplingRequest
+from components.rollout.protocol import SamplingRequest, SamplingResult
 
 TrajectorySink = Callable[[Trajectory], Awaitable[None] | None]
 
@@ -66,6 +66,61 @@ def episode_limits(cfg) -> EpisodeLimits:
         cfg.rollout.max_wall_s,
         cfg.algo.temperature,
     )
+
+
+@dataclass
+class _EpisodeRecord:
+    """What one episode has produced so far: the token ids with, per token, the action mask (1: sampled by the
+    policy), the log-prob and the weight version (None for prompt and observation tokens), and how it ended."""
+
+    ids: list[int]
+    mask: list[int]
+    logprobs: list[float | None]
+    versions: list[int | None]
+    prompt_len: int
+    reward: float = 0.0
+    turns: int = 0
+    reason: str = ""
+    """The finish reason; the episode runs until it is set."""
+    metadata: dict = field(default_factory=dict)
+    malformed: int = 0
+
+    @classmethod
+    def of_prompt(cls, ids: list[int]) -> _EpisodeRecord:
+        """A record of the prompt alone: `ids` is kept, not copied, and grows with the episode."""
+        prompt_len = len(ids)
+        return cls(ids, [0] * prompt_len, [None] * prompt_len, [None] * prompt_len, prompt_len)
+
+    def add_sampled(self, result: SamplingResult) -> None:
+        """Append a model turn's tokens as the engine sampled them (action mask 1)."""
+        self.ids += result.token_ids
+        self.mask += [1] * len(result.token_ids)
+        self.logprobs += result.logprobs
+        self.versions += result.versions
+
+    def add_observation(self, observation: list[int]) -> None:
+        """Append a tool output's tokens (action mask 0: not the policy's)."""
+        self.ids += observation
+        self.mask += [0] * len(observation)
+        self.logprobs += [None] * len(observation)
+        self.versions += [None] * len(observation)
+
+    def trajectory(self, task: Task, env_name: str, timings: Timings) -> Trajectory:
+        """The finished episode, validated; its metadata is the task's, then what the episode added."""
+        return Trajectory(
+            task.task_id,
+            env_name,
+            self.ids,
+            self.mask,
+            self.logprobs,
+            self.versions,
+            float(self.reward),
+            self.turns,
+            self.reason,
+            self.prompt_len,
+            timings,
+            {**task.metadata, **self.metadata, "malformed_calls": self.malformed},
+        ).validate()
 
 
 class AgentRunner:
@@ -147,94 +202,94 @@ class AgentRunner:
 
     async def run_episode(self, task: Task, queued: float | None = None) -> Trajectory:
         """One episode; never raises for engine, tool or time-limit failures (they become the finish reason)."""
-        limits = self.limits
         timings = Timings(queued=queued if queued is not None else time.time(), started=time.time())
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             episode = self.env.start(task)
-            ids = self.chat.prompt_ids(episode.prompt())
-            prompt_len = len(ids)
-            mask: list[int] = [0] * prompt_len
-            logprobs: list[float | None] = [None] * prompt_len
-            versions: list[int | None] = [None] * prompt_len
-            reward, turns, reason, metadata, malformed = 0.0, 0, "", {}, 0
-            deadline = time.monotonic() + limits.max_wall_s
-            while not reason:
-                budget = min(limits.max_new_tokens, limits.max_total_tokens - len(ids))
-                if turns >= limits.max_turns:
-                    reason = "max_turns"
-                    break
-                if budget < 1:
-                    reason = "max_tokens"
-                    break
-                request = SamplingRequest(
-                    list(ids),
-                    budget,
-                    limits.temperature,
-                    self.chat.stop_token_ids,
-                    seed=zlib.crc32(f"{self.seed}:{task.task_id}:{turns}".encode()),
-                )
-                try:
-                    result = await asyncio.wait_for(self.engine.generate(request), deadline - time.monotonic())
-                except TimeoutError:
-                    reason = "timeout"
-                    break
-                except EnginesDown:
-                    raise
-                except Exception as exc:  # any other engine failure ends this episode, recorded, never dropped
-                    reason, metadata["error"] = "engine_error", f"{type(exc).__name__}: {exc}"
-                    break
-                if result.finish_reason == "abort":
-                    reason, metadata["error"] = "engine_error", "the engine aborted the request"
-                    break
-                turns += 1
-                if turns == 1:
-                    timings.first_token = time.time()
-                ids += result.token_ids
-                mask += [1] * len(result.token_ids)
-                logprobs += result.logprobs
-                versions += result.versions
-                truncated = result.finish_reason == "length"
-                text = self.chat.tokenizer.decode(
-                    result.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
-                )  # exactly what was sampled: a tokenizer_config's clean-up would rewrite " ." in code
-                turn = self.chat.parse(text, truncated)
-                try:
-                    step = await asyncio.wait_for(episode.step(turn, truncated), deadline - time.monotonic())
-                except TimeoutError:
-                    reason = "timeout"
-                    break
-                malformed += step.malformed
-                if step.done:
-                    reward, reason = step.reward, step.finish_reason or "stop"
-                    metadata.update(step.info)
-                    break
-                observation = self.chat.observation_ids(step.observation)
-                if len(ids) + len(observation) >= limits.max_total_tokens:
-                    reason = "max_tokens"
-                    break
-                ids += observation
-                mask += [0] * len(observation)
-                logprobs += [None] * len(observation)
-                versions += [None] * len(observation)
+            record = _EpisodeRecord.of_prompt(self.chat.prompt_ids(episode.prompt()))
+            await self._play(task, episode, record, timings)
         finally:
             self.in_flight -= 1
         timings.finished = time.time()
-        return Trajectory(
-            task.task_id,
-            self.env.name,
-            ids,
-            mask,
-            logprobs,
-            versions,
-            float(reward),
-            turns,
-            reason,
-            prompt_len,
-            timings,
-            {**task.metadata, **metadata, "malformed_calls": malformed},
-        ).validate()
+        return record.trajectory(task, self.env.name, timings)
+
+    async def _play(self, task: Task, episode: EnvEpisode, record: _EpisodeRecord, timings: Timings) -> None:
+        """Alternate model turns and environment steps until a limit, the engine or the environment ends the
+        episode; `record.reason` then says which."""
+        limits = self.limits
+        deadline = time.monotonic() + limits.max_wall_s
+        while not record.reason:
+            budget = min(limits.max_new_tokens, limits.max_total_tokens - len(record.ids))
+            if record.turns >= limits.max_turns:
+                record.reason = "max_turns"
+                break
+            if budget < 1:
+                record.reason = "max_tokens"
+                break
+            result = await self._generate(task, record, budget, deadline)
+            if record.reason:  # the deadline passed or the engine failed
+                break
+            record.turns += 1
+            if record.turns == 1:
+                timings.first_token = time.time()
+            record.add_sampled(result)
+            step = await self._step(episode, result, record, deadline)
+            if record.reason:  # the deadline passed
+                break
+            record.malformed += step.malformed
+            if step.done:
+                record.reward, record.reason = step.reward, step.finish_reason or "stop"
+                record.metadata.update(step.info)
+                break
+            observation = self.chat.observation_ids(step.observation)
+            if len(record.ids) + len(observation) >= limits.max_total_tokens:
+                record.reason = "max_tokens"
+                break
+            record.add_observation(observation)
+
+    async def _generate(
+        self, task: Task, record: _EpisodeRecord, budget: int, deadline: float
+    ) -> SamplingResult | None:
+        """The next model turn of at most `budget` tokens, or None with `record.reason` (and the error) set when
+        the deadline passed or the engine failed. `EnginesDown` is the run's failure, so it propagates."""
+        request = SamplingRequest(
+            list(record.ids),
+            budget,
+            self.limits.temperature,
+            self.chat.stop_token_ids,
+            seed=zlib.crc32(f"{self.seed}:{task.task_id}:{record.turns}".encode()),
+        )
+        try:
+            result = await asyncio.wait_for(self.engine.generate(request), deadline - time.monotonic())
+        except TimeoutError:
+            record.reason = "timeout"
+            return None
+        except EnginesDown:
+            raise
+        except Exception as exc:  # any other engine failure ends this episode, recorded, never dropped
+            record.reason, record.metadata["error"] = "engine_error", f"{type(exc).__name__}: {exc}"
+            return None
+        if result.finish_reason == "abort":
+            record.reason, record.metadata["error"] = "engine_error", "the engine aborted the request"
+            return None
+        return result
+
+    async def _step(
+        self, episode: EnvEpisode, result: SamplingResult, record: _EpisodeRecord, deadline: float
+    ) -> StepResult | None:
+        """The environment's answer to the sampled turn, or None with `record.reason` set when the deadline passed
+        first."""
+        truncated = result.finish_reason == "length"
+        text = self.chat.tokenizer.decode(
+            result.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )  # exactly what was sampled: a tokenizer_config's clean-up would rewrite " ." in code
+        turn = self.chat.parse(text, truncated)
+        try:
+            return await asyncio.wait_for(episode.step(turn, truncated), deadline - time.monotonic())
+        except TimeoutError:
+            record.reason = "timeout"
+            return None
 
 
 async def _unless(awaitable: Awaitable[None], event: asyncio.Event) -> bool:

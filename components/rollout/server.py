@@ -45,7 +45,7 @@ from components.models import load_policy, load_tokenizer
 from components.rollout.access import OPEN, Access, bearer_matches
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.engine_process import EngineProcess
-from components.rollout.protocol import SamplingRequest
+from components.rollout.protocol import SamplingRequest, SamplingResult
 from components.rollout.transfer import GroupMismatch, GroupRequest, Receiver, ReceiveRequest
 from components.tracking.prometheus import EngineMetrics
 
@@ -136,6 +136,18 @@ def create_app(engine: EmbeddedEngine, model_name: str, access: Access = OPEN) -
     app = FastAPI(title="sao embedded engine")
     served = EngineMetrics(engine, model_name)  # its own registry: several apps can live in one process
     receiver = Receiver(engine)
+    _add_guards(app, access)
+    _add_error_handlers(app)
+    _add_status_routes(app, engine, model_name, served, receiver)
+    _add_completion_route(app, engine, model_name, served)
+    _add_weight_routes(app, engine, access, receiver)
+    return app
+
+
+def _add_guards(app: FastAPI, access: Access) -> None:
+    """The checks every request passes before its route: its credentials and the size of its body.
+
+    Starlette runs the middleware added last first, so the body limit is checked before the credentials."""
 
     @app.middleware("http")
     async def _credentials(request: Request, call_next):
@@ -149,21 +161,36 @@ def create_app(engine: EmbeddedEngine, model_name: str, access: Access = OPEN) -
             return _error(413, f"body: {length} bytes is more than the {MAX_BODY_BYTES} accepted", "body")
         return await call_next(request)
 
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Bad requests, whether FastAPI's validation or a route's `BadRequest`, answer 400 naming the field."""
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
-        # loc is ("body", field, ...) for a field (an unknown one too) and ("body", position) for a JSON decode
-        # error; after the field, a union adds its member's name (`list[int]`, `str`): keep the list indices only.
-        loc = first["loc"][1:]
-        if first["type"] == "json_invalid" or not loc:
-            param = "body"
-        else:
-            param = ".".join([str(loc[0]), *(str(p) for p in loc[1:] if isinstance(p, int))])
+        param = _invalid_param(first)
         return _error(400, f"{param}: {first['msg']}", param)
 
     @app.exception_handler(BadRequest)
     async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
         return _error(400, str(exc), exc.param)
+
+
+def _invalid_param(error: dict) -> str:
+    """The field a validation error is about: `body` for a body that is not JSON, else the field and its list
+    indices."""
+    # loc is ("body", field, ...) for a field (an unknown one too) and ("body", position) for a JSON decode
+    # error; after the field, a union adds its member's name (`list[int]`, `str`): keep the list indices only.
+    loc = error["loc"][1:]
+    if error["type"] == "json_invalid" or not loc:
+        return "body"
+    return ".".join([str(loc[0]), *(str(p) for p in loc[1:] if isinstance(p, int))])
+
+
+def _add_status_routes(
+    app: FastAPI, engine: EmbeddedEngine, model_name: str, served: EngineMetrics, receiver: Receiver
+) -> None:
+    """The read-only routes: `/health`, `/metrics` and `/v1/models`."""
 
     @app.get("/health")
     async def health() -> dict:
@@ -187,6 +214,10 @@ def create_app(engine: EmbeddedEngine, model_name: str, access: Access = OPEN) -
             "data": [{"id": model_name, "object": "model", "owned_by": "sao", "max_model_len": engine.max_model_len}],
         }
 
+
+def _add_completion_route(app: FastAPI, engine: EmbeddedEngine, model_name: str, served: EngineMetrics) -> None:
+    """`POST /v1/completions`: one sampled completion per request, in vLLM's response shape."""
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> dict:
         request = sampling_request(body, model_name, engine.tokenizer)
@@ -195,35 +226,46 @@ def create_app(engine: EmbeddedEngine, model_name: str, access: Access = OPEN) -
         except ValueError as exc:
             raise BadRequest(str(exc).split(":", 1)[0], str(exc)) from exc
         served.request_done()
-        text = engine.tokenizer.decode(result.token_ids) if engine.tokenizer is not None else ""
-        tokens = [f"token_id:{t}" for t in result.token_ids]
-        choice = {
-            "index": 0,
-            "text": text,
-            "finish_reason": result.finish_reason,
-            "stop_reason": None,
-            "versions": result.versions,
-            "logprobs": None
-            if body.logprobs is None
-            else {
-                "tokens": tokens,
-                "token_logprobs": result.logprobs,
-                "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, result.logprobs)],
-                "text_offset": [],
-            },
-        }
-        if body.return_token_ids:
-            choice["token_ids"] = result.token_ids
-            choice["prompt_token_ids"] = result.prompt_ids
-        n_prompt, n_out = len(result.prompt_ids), len(result.token_ids)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": [choice],
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
-        }
+        return _completion(body, result, model_name, engine.tokenizer)
+
+
+def _completion(body: CompletionRequest, result: SamplingResult, model_name: str, tokenizer) -> dict:
+    """The OpenAI completion response for `result`, with vLLM's extras: the per-token versions, and the token ids
+    when the body asks for them (`return_token_ids`)."""
+    text = tokenizer.decode(result.token_ids) if tokenizer is not None else ""
+    tokens = [f"token_id:{t}" for t in result.token_ids]
+    choice = {
+        "index": 0,
+        "text": text,
+        "finish_reason": result.finish_reason,
+        "stop_reason": None,
+        "versions": result.versions,
+        "logprobs": None
+        if body.logprobs is None
+        else {
+            "tokens": tokens,
+            "token_logprobs": result.logprobs,
+            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, result.logprobs)],
+            "text_offset": [],
+        },
+    }
+    if body.return_token_ids:
+        choice["token_ids"] = result.token_ids
+        choice["prompt_token_ids"] = result.prompt_ids
+    n_prompt, n_out = len(result.prompt_ids), len(result.token_ids)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [choice],
+        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
+    }
+
+
+def _add_weight_routes(app: FastAPI, engine: EmbeddedEngine, access: Access, receiver: Receiver) -> None:
+    """The routes that change the served weights: from a path (`/v1/weights`) or over the collective transport
+    (`/v1/weights/group`, then `/v1/weights/receive`)."""
 
     @app.post("/v1/weights")
     async def weights(body: WeightsRequest) -> dict:
@@ -258,8 +300,6 @@ def create_app(engine: EmbeddedEngine, model_name: str, access: Access = OPEN) -
             param = str(exc).split(":", 1)[0]
             raise BadRequest(param if param in ReceiveRequest.model_fields else "tensors", str(exc)) from exc
         return {"version": engine.version, "seconds": time.perf_counter() - start, "bytes": received}
-
-    return app
 
 
 def serve(

@@ -235,6 +235,16 @@ def _check_packages(packages: object) -> tuple[str, ...]:
     return tuple(sorted(set(packages)))  # one plan (and one zygote) per set of names
 
 
+def _check_program(code: object, timeout_s: object) -> None:
+    """`ValueError` naming `code` or `timeout_s` when it is not a program text or a finite positive number."""
+    if not isinstance(code, str):
+        raise ValueError(f"code must be a str, got {type(code).__name__}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise ValueError(f"timeout_s must be a number, got {type(timeout_s).__name__}")
+    if not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+
+
 def run_python(
     code: str,
     timeout_s: float = 5.0,
@@ -267,21 +277,42 @@ def run_python(
         ValueError: bad argument (the message names it), or a package that is not installed.
         SandboxError: the sandbox could not be set up on this host.
     """
-    if not isinstance(code, str):
-        raise ValueError(f"code must be a str, got {type(code).__name__}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-        raise ValueError(f"timeout_s must be a number, got {type(timeout_s).__name__}")
-    if not math.isfinite(timeout_s) or timeout_s <= 0:
-        raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+    _check_program(code, timeout_s)
     _check_int("memory_mb", memory_mb, 32)
     _check_int("max_output_bytes", max_output_bytes, 0)
     _check_int("max_file_bytes", max_file_bytes, 0)
     _check_int("max_processes", max_processes, 1)
     packages = _check_packages(packages)
 
+    # The degraded and zygote warnings are raised here, not in a helper: their stacklevel (3) names the caller.
     use_ns, ns_reason, unshare = _namespace_support()
     if not use_ns:
         _warn_degraded(ns_reason)
+    call = _plan_call(packages, use_ns, timeout_s, memory_mb, max_output_bytes, max_file_bytes, max_processes)
+    outcome = None
+    if use_ns and ZYGOTE:
+        assert unshare is not None and call.plan is not None
+        try:
+            outcome = run_in_zygote(code, timeout_s, call, unshare)
+        except ZygoteUnavailable as exc:
+            _warn_once("zygote", f"SAO sandbox zygote unavailable ({exc}); starting one interpreter per call")
+    if outcome is None:
+        outcome = run_percall(code, timeout_s, call, unshare if use_ns else None)
+    return _result(outcome, use_ns, ns_reason)
+
+
+def _plan_call(
+    packages: tuple[str, ...],
+    use_ns: bool,
+    timeout_s: float,
+    memory_mb: int,
+    max_output_bytes: int,
+    max_file_bytes: int,
+    max_processes: int,
+) -> Call:
+    """What both launchers run this call with (its user, root, `sys.path` and limits), from checked arguments.
+
+    `ValueError` names a package that is not installed; `SandboxError` when the root cannot be planned."""
     is_root = os.geteuid() == 0
     uid, gid = (_NOBODY_UID, _NOBODY_GID) if is_root else (os.getuid(), os.getgid())
     python = SANDBOX_PYTHON
@@ -296,7 +327,7 @@ def run_python(
         sys_path: tuple[str, ...] = ()
     else:
         sys_path = (PACKAGES_ROOT,) if use_ns else allowed.homes()
-    call = Call(
+    return Call(
         python=python,
         plan=plan,
         sys_path=sys_path,
@@ -315,16 +346,6 @@ def run_python(
         max_output_bytes=max_output_bytes,
         max_file_bytes=max_file_bytes,
     )
-    outcome = None
-    if use_ns and ZYGOTE:
-        assert unshare is not None and plan is not None
-        try:
-            outcome = run_in_zygote(code, timeout_s, call, unshare)
-        except ZygoteUnavailable as exc:
-            _warn_once("zygote", f"SAO sandbox zygote unavailable ({exc}); starting one interpreter per call")
-    if outcome is None:
-        outcome = run_percall(code, timeout_s, call, unshare if use_ns else None)
-    return _result(outcome, use_ns, ns_reason)
 
 
 def _result(outcome: Outcome, use_ns: bool, ns_reason: str) -> SandboxResult:
