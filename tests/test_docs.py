@@ -1,6 +1,8 @@
 """The README and docs/ say only true things about the repository: every relative link resolves to a file or
-directory inside it, every `make` target in the README's code blocks exists in the Makefile, and every `sao` command
-line in them parses with the real command line. A moved doc, a renamed target or a renamed flag fails here.
+directory inside it and every #anchor to a heading of the page it names, every `make` target in the README's code
+blocks exists in the Makefile, and every `sao` command line in them parses with the real command line. A moved doc,
+a renamed heading, a renamed target or a renamed flag fails here. The README stays a newcomer's page: under
+README_MAX_LINES lines, its measurement logs in docs/.
 
 The runbooks' commands are checked the same way by tests/ops/test_runbooks.py, whose Makefile reader this reuses."""
 
@@ -28,6 +30,9 @@ REFERENCE = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)")  # [name]: t
 IGNORED = ("http://", "https://", "mailto:")
 SHELL_OPERATORS = {"&&", "||", ";", "|", "&", ">", ">>", "<"}
 TARGET_WORD = re.compile(r"^[A-Za-z0-9][\w.-]*$")
+HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.*?)(?:\s+#+)?\s*$")  # an ATX heading, its closing #s dropped
+HTML_ANCHOR = re.compile(r"<a\s[^>]*?\b(?:name|id)\s*=\s*[\"']([^\"']+)[\"']", re.I)
+README_MAX_LINES = 300
 
 
 def prose_lines(text: str) -> list[tuple[int, str]]:
@@ -64,24 +69,89 @@ def code_lines(text: str) -> list[tuple[int, str]]:
     return out
 
 
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading's text: links and HTML tags reduced to their text, lowercased, every
+    character that is not a letter, a digit, a space, '-' or '_' dropped (backticks, colons, parentheses, dots),
+    each space turned into '-'."""
+    text = re.sub(r"!?\[((?:[^\[\]]|\[[^\]]*\])*)\]\([^)]*\)", r"\1", heading)
+    text = re.sub(r"<[^>]+>", "", text).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """The #anchors a markdown page has: its headings' slugs outside code blocks (a repeated one gets -1, -2, ...
+    as on GitHub) and explicit <a name=...> or id=... anchors."""
+    found, seen, fence = set(), {}, None
+    for line in text.splitlines():
+        match = FENCE.match(line)
+        if match and (fence is None or match.group(1)[0] == fence[0] and len(match.group(1)) >= len(fence)):
+            fence = match.group(1) if fence is None else None
+            continue
+        if fence is not None:
+            continue
+        found.update(HTML_ANCHOR.findall(line))
+        heading = HEADING.match(line)
+        if heading:
+            base = slug(heading.group(1))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            found.add(base if count == 0 else f"{base}-{count}")
+    return found
+
+
+def link_targets(text: str) -> list[tuple[int, str]]:
+    """(line number, target) of every link outside code: inline links, whose text may run over several lines of a
+    paragraph (reported at the line the link starts on), and [name]: target references."""
+    found, paragraph = [], []
+    for number, line in [*prose_lines(text), (None, "")]:
+        if line.strip() and (not paragraph or number == paragraph[-1][0] + 1):
+            paragraph.append((number, line))
+            continue
+        if paragraph:
+            joined = "\n".join(ln for _, ln in paragraph)
+            for match in LINK.finditer(joined):
+                found.append((paragraph[0][0] + joined.count("\n", 0, match.start()), match.group(1)))
+            found += [(n, target) for n, ln in paragraph for target in REFERENCE.findall(ln)]
+        paragraph = [(number, line)] if line.strip() else []
+    return sorted(found, key=lambda found: found[0])
+
+
 def broken_links(path: Path, root: Path = ROOT) -> list[str]:
-    """Every relative link of a markdown file that does not resolve to a file or directory inside `root`, as
-    'file:line: target (why)'. Links to http(s) and mailto and pure #anchors are not checked; a #anchor suffix is
-    dropped (the file must exist, its headings are not checked)."""
+    """Every relative link of a markdown file that does not resolve, as 'file:line: target (why)': the file or
+    directory must exist inside `root`, and a #anchor must be a heading (or an explicit anchor) of the markdown
+    page it points at: the page itself for a pure #anchor, a directory's README.md. Links to http(s) and mailto
+    are not checked, nor anchors into files that are not markdown."""
     root = root.resolve()
     where = path.relative_to(root) if path.resolve().is_relative_to(root) else path
-    problems = []
-    for number, line in prose_lines(path.read_text()):
-        targets = LINK.findall(line) + REFERENCE.findall(line)
-        for target in targets:
-            if not target or target.startswith("#") or target.lower().startswith(IGNORED):
-                continue
-            relative = unquote(target.split("#", 1)[0].split("?", 1)[0])
-            resolved = (root / relative.lstrip("/") if relative.startswith("/") else path.parent / relative).resolve()
-            if not resolved.is_relative_to(root):
-                problems.append(f"{where}:{number}: {target} (points outside the repository)")
-            elif not resolved.exists():
-                problems.append(f"{where}:{number}: {target} (no such file or directory)")
+    problems, pages = [], {}
+
+    def page_anchors(page: Path) -> set[str]:
+        if page not in pages:
+            pages[page] = anchors(page.read_text())
+        return pages[page]
+
+    for number, target in link_targets(path.read_text()):
+        if not target or target.lower().startswith(IGNORED):
+            continue
+        address, _, fragment = target.partition("#")
+        relative = unquote(address.split("?", 1)[0])
+        if not relative:
+            resolved = path.resolve()
+        elif relative.startswith("/"):
+            resolved = (root / relative.lstrip("/")).resolve()
+        else:
+            resolved = (path.parent / relative).resolve()
+        if not resolved.is_relative_to(root):
+            problems.append(f"{where}:{number}: {target} (points outside the repository)")
+            continue
+        if not resolved.exists():
+            problems.append(f"{where}:{number}: {target} (no such file or directory)")
+            continue
+        if resolved.is_dir():
+            resolved = resolved / "README.md"
+        if fragment and resolved.suffix == ".md" and resolved.is_file():
+            if unquote(fragment) not in page_anchors(resolved):
+                problems.append(f"{where}:{number}: {target} (no heading with that anchor)")
     return problems
 
 
@@ -135,9 +205,29 @@ def sao_commands(text: str) -> list[tuple[int, str, list[str]]]:
     return found
 
 
-def test_every_relative_link_resolves():
+def test_every_relative_link_and_anchor_resolves():
     problems = [p for path in [README, *DOCS] for p in broken_links(path)]
     assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def test_the_readme_is_a_newcomers_page():
+    """Under README_MAX_LINES lines: what it is, the two commands, how to read `make run`, how to go to GPUs.
+    Run logs (a dated run's figures, sweeps, timings) belong in docs/, which the README links to."""
+    lines = README.read_text().splitlines()
+    assert len(lines) < README_MAX_LINES, f"README.md has {len(lines)} lines; move measurement logs to docs/"
+    text = "\n".join(lines)
+    for needed in ("make run", "make test", "docs/gpu.md", "docs/production.md", "docs/benchmarks.md"):
+        assert needed in text, f"the README should mention {needed}"
+
+
+def test_github_slugs():
+    assert slug("`make run` from a fresh clone") == "make-run-from-a-fresh-clone"
+    assert slug("(a), (b), (c): stability under forced policy lag") == "a-b-c-stability-under-forced-policy-lag"
+    assert slug("7. Work pools and deployments") == "7-work-pools-and-deployments"
+    assert slug("`rollout.sandbox_degraded`: refuse or warn") == "rolloutsandbox_degraded-refuse-or-warn"
+    assert slug("See [the design](docs/design.md)") == "see-the-design"
+    text = '# Top\n## Setup\n```\n# not a heading\n```\n## Setup\n<a name="custom"></a>\n'
+    assert anchors(text) == {"top", "setup", "setup-1", "custom"}
 
 
 def test_the_link_checker_reports_a_planted_broken_link(tmp_path):
@@ -147,17 +237,30 @@ def test_the_link_checker_reports_a_planted_broken_link(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "DESIGN.md").write_text("exists, but not in the repository\n")
     page = repo / "page.md"
+    (repo / "docs" / "README.md").write_text("# The docs\n## Index\n")
+    page = repo / "page.md"
     page.write_text(
-        "See [the real page](docs/real.md#real) and [docs](docs/).\n"
-        "[web](https://example.com/missing.md), [mail](mailto:a@b.c), [here](#top), `[code](nowhere.md)`\n"
+        "# Top\n"
+        "See [the real page](docs/real.md#real) and [docs](docs/), [its index](docs/#index).\n"
+        "[web](https://example.com/missing.md#x), [mail](mailto:a@b.c), [here](#top), `[code](nowhere.md)`\n"
         "```\n[in a code block](nowhere.md)\n```\n"
         "And [a missing page](docs/missing.md#section).\n"
         "![a missing picture](images/none.png) and [outside](../elsewhere/DESIGN.md)\n"
+        "[a renamed heading](docs/real.md#unreal), [not here](#bottom), [no index entry](docs/#none)\n"
+        "\n"
+        "A link whose text runs [over\ntwo lines](docs/gone.md) and [a reference][ref].\n"
+        "\n"
+        "[ref]: docs/also-gone.md\n"
     )
     assert broken_links(page, root=repo) == [
-        "page.md:6: docs/missing.md#section (no such file or directory)",
-        "page.md:7: images/none.png (no such file or directory)",
-        "page.md:7: ../elsewhere/DESIGN.md (points outside the repository)",
+        "page.md:7: docs/missing.md#section (no such file or directory)",
+        "page.md:8: images/none.png (no such file or directory)",
+        "page.md:8: ../elsewhere/DESIGN.md (points outside the repository)",
+        "page.md:9: docs/real.md#unreal (no heading with that anchor)",
+        "page.md:9: #bottom (no heading with that anchor)",
+        "page.md:9: docs/#none (no heading with that anchor)",
+        "page.md:11: docs/gone.md (no such file or directory)",
+        "page.md:14: docs/also-gone.md (no such file or directory)",
     ]
 
 
