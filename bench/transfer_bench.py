@@ -50,7 +50,7 @@ import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 from transformers.utils import logging as hf_logging
 
-from components.config import load_config
+from components.config import RolloutConfig, load_config
 from components.models import build_policy, config_tokenizer, save_model_dir
 from components.rollout.backends import HttpRollouts
 from components.rollout.engine_process import EngineProcess, free_port
@@ -105,19 +105,14 @@ def _arm_label(bucket_mb: int | None) -> str:
 
 async def _measure(urls, model, tokenizer, publish_dir: Path, versions: int, warmup: int, buckets_mb) -> list[dict]:
     """Publish `warmup + versions` rounds through every arm; per arm, its samples."""
-    common = {"probe_every": 1, "transfer_timeout_s": 120.0, "log": print}
-    files = HttpRollouts(urls, model, tokenizer, publish_dir, transfer="filesystem", **common)
+    rc = RolloutConfig(backend="http", urls=tuple(urls), probe_every=1, transfer_timeout_s=120.0)
+    files = HttpRollouts(rc, model, tokenizer, publish_dir)
     await files.start()  # both servers serve the trainer's weights as v0 (read from publish_dir/v00000000)
-    collective = HttpRollouts(
-        urls,
-        model,
-        tokenizer,
-        publish_dir,
-        transfer="collective",
-        bucket_mb=buckets_mb[0],
-        transfer_fallback=False,
-        **common,
-    )  # v0 is what both servers serve already: nothing is sent until its first version, which forms the groups
+    collective_rc = dataclasses.replace(
+        rc, weight_transfer="collective", transfer_bucket_mb=buckets_mb[0], transfer_fallback=False
+    )
+    collective = HttpRollouts(collective_rc, model, tokenizer, publish_dir)
+    # v0 is what both servers serve already: nothing is sent until its first version, which forms the groups
     await collective.start()
     arms = [{"arm": _arm_label(None), "bucket_mb": None, "rollouts": files}] + [
         {"arm": _arm_label(mb), "bucket_mb": mb, "rollouts": collective} for mb in buckets_mb

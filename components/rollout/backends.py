@@ -13,14 +13,20 @@ belongs to one run home), so it is rewound: sent the resumed weights with the `r
 traffic. One ahead with any other path (or none: its starting weights) may serve another run, and is refused.
 The crashed run's directories above the resumed version are removed: the resumed run writes its own.
 
-Both run on the caller's asyncio loop: construct them, then call `publish`, `metrics` and `close` from the
-same loop the agent runner generates on.
+What happens where: constructing either does no network I/O (`HttpRollouts` checks its config section and
+builds its local parts, and holds every server); `start` does the rest before the first rollout: for
+`HttpRollouts`, the `/health` probes, the refusals (no server answers, a server ahead that may serve another
+run), the rewinds, the collective transport's rendezvous and the starting weights, staged and sent.
+
+Both run on the caller's asyncio loop: construct them, then await `start` and call `publish`, `metrics` and
+`close` from the same loop the agent runner generates on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +39,7 @@ from torch import nn
 from components.config import RolloutConfig
 from components.faults import fault_point
 from components.rollout.access import OPEN, Access
-from components.rollout.client import EngineClient, health_json, server_failed
+from components.rollout.client import EngineClient, server_failed
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.pool import EXCLUDED, EnginePool
 from components.rollout.probe import WeightsMismatch, compare, probe_request
@@ -47,7 +53,6 @@ from components.rollout.transports import (
 )
 from components.rollout.weights import validate_weights
 
-ServerKind = Literal["sao", "vllm"]
 TransferName = Literal["filesystem", "collective"]
 TRANSFERS = get_args(TransferName)
 _CLIENT_BACKEND: dict[str, str] = {"sao": "embedded", "vllm": "vllm"}
@@ -110,142 +115,179 @@ class EmbeddedRollouts:
 
 
 class HttpRollouts:
-    """Rollouts on external servers: `engine` is an `EnginePool` over `urls` (see the module docstring).
+    """Rollouts on external servers: `engine` is an `EnginePool` over `rollout.urls` (see the module docstring).
 
-    At construction every server is asked `/health` (blocking, `probe_timeout_s` each); with no answer from
-    any, it refuses to start. A server that does not answer yet is probed again on the first requests. The
-    weights of `module_template` are published first as `version` (0 on a fresh start), and no server gets
-    traffic before it serves them: whatever a server was started from, the first batches come from the weights
-    the trainer holds. A `sao` server that already serves a version above `version`
-    is rewound to it when it loaded that version from `publish_dir`, and refused otherwise (see the module
-    docstring). `module_template` is an HF `PreTrainedModel` (saved with `save_pretrained`); a CPU copy of it
-    is kept, so the caller may go on training the original: every version is staged into it and sent from it
-    by the `transfer` transport (components/rollout/transports.py). Every `probe_every` versions (0: never)
-    each server's log-probs of a fixed sample are checked against the copy's (components/rollout/probe.py).
+    The constructor checks the section and builds the local parts, and does no network I/O: a CPU copy of
+    `module_template` with no storage of its own (every version is staged into it and sent from it by the
+    `rollout.weight_transfer` transport, components/rollout/transports.py), the filesystem transport, and the pool,
+    every server of which is held until `start`: a request before it fails at once, naming the reason.
+
+    `start` asks every server `/health` (`probe_timeout_s` each); with no answer from any, it refuses to start. A
+    `sao` server that already serves a version above `version` is rewound to it when it loaded that version from
+    `publish_dir`, and refused otherwise (see the module docstring). The collective transport is opened then, its
+    rendezvous on the route to a server that answered. The weights `module_template` holds at `start` are staged
+    as `version` (0 on a fresh start), and every server is brought to them before any traffic: whatever a server
+    was started from, the first batches come from the weights the trainer holds (a server that does not answer yet
+    gets them when a probe finds it). `module_template` is an HF `PreTrainedModel` (saved with `save_pretrained`);
+    the caller may go on training it once `start` has returned. Every `rollout.probe_every` versions (0: never)
+    each server's log-probs of a fixed sample are checked against the host copy's (components/rollout/probe.py).
+
+    `revive_after_s` (first back-off of a down server) and `probe_timeout_s` (one `/health` probe) are not config
+    fields: tests set them short.
     """
 
     def __init__(
         self,
-        urls: list[str],
+        rc: RolloutConfig,
         module_template: nn.Module,
         tokenizer,
         publish_dir: str | Path,
-        server: ServerKind = "sao",
-        timeout_s: float = 300.0,
-        retries: int = 1,
+        *,
         version: int = 0,
-        revive_after_s: float = 2.0,
-        probe_timeout_s: float = 5.0,
-        max_wait_s: float = 30.0,
-        transfer: TransferName = "filesystem",
-        bucket_mb: int = 512,
-        transfer_address: str = "",
-        transfer_timeout_s: float = 60.0,
-        transfer_fallback: bool = True,
-        probe_every: int = 0,
-        probe_tolerance: float = 1e-4,
-        overlap: bool = False,
         access: Access = OPEN,
         log: Callable[[str], None] = print,
+        revive_after_s: float = 2.0,
+        probe_timeout_s: float = 5.0,
     ) -> None:
-        if not urls:
-            raise ValueError("urls: at least one engine server URL is needed")
-        if server not in _CLIENT_BACKEND:
-            raise ValueError(f"server: expected one of {sorted(_CLIENT_BACKEND)}, got {server!r}")
-        if transfer not in TRANSFERS:
-            raise ValueError(f"transfer: expected one of {list(TRANSFERS)}, got {transfer!r}")
-        health = {url: _probe(url, probe_timeout_s) for url in urls}
-        if all(info is None for info in health.values()):
-            raise ConnectionError(f"urls: no engine server answers /health at {', '.join(urls)}")
+        if not rc.urls:
+            raise ValueError("rollout.urls: at least one engine server URL is needed")
+        if rc.server not in _CLIENT_BACKEND:
+            raise ValueError(f"rollout.server: expected one of {sorted(_CLIENT_BACKEND)}, got {rc.server!r}")
+        if rc.weight_transfer not in TRANSFERS:
+            raise ValueError(f"rollout.weight_transfer: expected one of {list(TRANSFERS)}, got {rc.weight_transfer!r}")
+        self.rc, self.tokenizer, self.version, self.log = rc, tokenizer, version, log
         # Resolved once: the paths posted to the servers, and those they report back, are compared to it.
         self.publish_dir = Path(publish_dir).resolve()
-        ahead = {
-            url: info
-            for url, info in health.items()
-            if info is not None and info.get("version") is not None and info["version"] > version
-        }
-        for url, info in ahead.items():
-            if not self._published_here(info.get("path")):
-                raise ValueError(
-                    f"urls: {url} serves version {info['version']}, above the trainer's version {version}, from "
-                    f"{info.get('path') or 'its starting weights'}, not from this run's publish_dir "
-                    f"{self.publish_dir}: it may serve another run; restart it from the trainer's starting weights"
-                )
-        self.tokenizer = tokenizer
-        self.version = version
-        self.probe_every, self.probe_tolerance, self.log = probe_every, probe_tolerance, log
-        self.overlap = overlap
         self.probe_diff = 0.0
         self.probe_failures = 0
         self.transfer_s = self.publish_bytes = 0.0
         self._pending: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+        self._probe_timeout_s = probe_timeout_s
+        self._starting = module_template.state_dict()
+        """The weights `start` stages as `version` (read then: the caller does not train before it); empty after."""
         # A host model for each staged version's tensors (assigned, not copied): the filesystem path saves it, the
         # probe computes its reference log-probs on it.
         self._template = _meta_copy(module_template).eval()
-        files = FilesystemTransport(self._template, tokenizer, self.publish_dir)
-        self.transport: Transport = files
-        if transfer == "collective":
-            # the fallback writes a version a reviving server asks for while the host copy may hold the next one
-            fallback = FilesystemTransport(_meta_copy(module_template), tokenizer, self.publish_dir)
-            fallback = fallback if transfer_fallback else None
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            answering = next(url for url, info in health.items() if info is not None)
-            transfer_address = transfer_address or route_address(httpx.URL(answering).host)
-            self.transport = CollectiveTransport(
-                self.publish_dir, bucket_mb * 2**20, transfer_address, transfer_timeout_s, fallback, log, backend
-            )
-        self.keeps_weights = not self.transport.copies
+        self._files = FilesystemTransport(self._template, tokenizer, self.publish_dir)
+        self.transport: Transport = self._files
+        """The filesystem transport; `start` replaces it with the collective one when `rollout.weight_transfer` asks."""
+        self.keeps_weights = rc.weight_transfer == "filesystem"
         """`publish` keeps `weights` (the filesystem path writes them later): the caller passes a copy. The collective
         transport packs them into its buckets before `publish` returns."""
-        self._lock = asyncio.Lock()
+        self.engine = self._held_pool(access, revive_after_s, probe_timeout_s)
+
+    def _held_pool(self, access: Access, revive_after_s: float, probe_timeout_s: float) -> EnginePool:
+        """The pool over `rollout.urls`, every server held with no probe due until `start` brings it to the starting
+        weights."""
+        rc = self.rc
         clients = [
             EngineClient(
                 url,
-                timeout_s=timeout_s,
-                retries=retries,
-                backend=_CLIENT_BACKEND[server],
-                default_version=version,
+                timeout_s=rc.request_timeout_s,
+                retries=rc.request_retries,
+                backend=_CLIENT_BACKEND[rc.server],
+                default_version=self.version,
                 weights_token=access.weights_token,
                 api_key=access.api_key,
             )
-            for url in urls
+            for url in rc.urls
         ]
-        self.engine = EnginePool(
+        pool = EnginePool(
             clients,
             revive_after_s=revive_after_s,
             probe_timeout_s=probe_timeout_s,
-            max_wait_s=max_wait_s,
-            load=self.transport.load,
+            max_wait_s=rc.engine_wait_s,
+            load=self._load,
         )
+        for server in pool.servers:
+            pool.hold(server, "not started: `await rollouts.start()` comes before the first request")
+            server.retry_at = math.inf  # `start` probes it, not a request
+        return pool
+
+    async def start(self) -> None:
+        """Probe every server, refuse one that may serve another run, stage the starting weights as `version` and
+        bring every server that answers to them (one that does not gets them when a probe finds it); then, with
+        `rollout.probe_every`, check that they serve them. See the class docstring."""
+        if not self._starting:
+            raise RuntimeError("start: called twice (the starting weights are staged once)")
+        health = await self._health()
+        self._refuse_foreign(health)
+        if self.rc.weight_transfer == "collective":
+            self.transport = self._collective(health)
         # The trainer's own weights are published as `version` before any traffic, on a fresh start too: a server
         # started from a directory the trainer does not hold (another checkpoint, another rope or dtype) would
         # otherwise sample the first batches, and their DIS ratios would compare two different models.
-        files.remove_above(version)  # a crashed predecessor's versions: never to be served again
-        weights = module_template.state_dict()
-        weights = weights if self.transport.copies else _host_copy(weights)
-        self.engine.latest = (self._stage(weights, version), version)
-        for pool_server, (url, info) in zip(self.engine.servers, health.items()):
-            if info is None:
-                self.engine.hold(pool_server, "no answer on /health at start")
-            elif url in ahead:
-                pool_server.rewind = True
-                self.engine.hold(pool_server, f"rewinding from v{info['version']} to weights v{version}")
-            elif (info.get("path"), info.get("version")) != self.engine.latest:
-                self.engine.hold(pool_server, f"waiting for weights v{version}")
-            else:
-                pool_server.version, pool_server.path = version, info.get("path")
-
-    async def start(self) -> None:
-        """Send the starting weights to every server held for them (a server that does not answer gets them when a
-        probe finds it); the first request would do the same, this does it before the first rollout."""
+        self._files.remove_above(self.version)  # a crashed predecessor's versions: never to be served again
+        self.engine.latest = (await asyncio.to_thread(self._stage_starting_weights), self.version)
+        self._hold_for_weights(health)
         await self.engine.sync()
-        if self.probe_every:
+        if self.rc.probe_every:
             await self.check(self.version)
 
+    async def _health(self) -> list[dict | None]:
+        """Each server's `/health` JSON, in the pool's order (None: no answer); refuses to start when none answers."""
+        probes = (server.client.health_info(self._probe_timeout_s) for server in self.engine.servers)
+        health = await asyncio.gather(*probes)
+        if all(info is None for info in health):
+            raise ConnectionError(f"rollout.urls: no engine server answers /health at {', '.join(self.rc.urls)}")
+        return health
+
+    def _refuse_foreign(self, health: list[dict | None]) -> None:
+        """Refuse a server ahead of the trainer that did not load that version from `publish_dir` (module docstring)."""
+        for server, info in zip(self.engine.servers, health):
+            if info is not None and self._ahead(info) and not self._published_here(info.get("path")):
+                raise ValueError(
+                    f"rollout.urls: {server.url} serves version {info['version']}, above the trainer's version "
+                    f"{self.version}, from {info.get('path') or 'its starting weights'}, not from this run's "
+                    f"publish_dir {self.publish_dir}: it may serve another run; restart it from the trainer's "
+                    "starting weights"
+                )
+
+    def _collective(self, health: list[dict | None]) -> CollectiveTransport:
+        """The collective transport; its rendezvous is at `rollout.transfer_address`, or (empty) at this host's address
+        on the route to the first server that answered."""
+        rc = self.rc
+        answering = next(server.url for server, info in zip(self.engine.servers, health) if info is not None)
+        address = rc.transfer_address or route_address(httpx.URL(answering).host)
+        # the fallback writes a version a reviving server asks for while the host copy may hold the next one
+        fallback = FilesystemTransport(_meta_copy(self._template), self.tokenizer, self.publish_dir)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return CollectiveTransport(
+            self.publish_dir,
+            rc.transfer_bucket_mb * 2**20,
+            address,
+            rc.transfer_timeout_s,
+            fallback if rc.transfer_fallback else None,
+            self.log,
+            backend,
+        )
+
+    def _stage_starting_weights(self) -> str:
+        """Stage the weights `module_template` held as `version` (a host copy first where the transport keeps them);
+        returns the label the servers will report."""
+        weights, self._starting = self._starting, {}  # the trainer's tensors: not held past the start
+        return self._stage(weights if self.transport.copies else _host_copy(weights), self.version)
+
+    def _hold_for_weights(self, health: list[dict | None]) -> None:
+        """Give traffic to the servers that serve the starting weights already; hold the others for them (`sync`
+        sends them), a server ahead of the trainer marked for the rewind."""
+        for server, info in zip(self.engine.servers, health):
+            if info is None:
+                self.engine.hold(server, "no answer on /health at start")
+            elif self._ahead(info):
+                server.rewind = True
+                self.engine.hold(server, f"rewinding from v{info['version']} to weights v{self.version}")
+            elif (info.get("path"), info.get("version")) != self.engine.latest:
+                self.engine.hold(server, f"waiting for weights v{self.version}")
+            else:
+                server.up, server.last_error, server.retry_at = True, "", 0.0
+                server.version, server.path = self.version, info.get("path")
+
     async def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        """Stage `weights` as `version` and bring every live server to it. With `overlap` this returns once they
-        are staged (a host copy taken), and the transfer runs on while the caller trains the next version; the
-        next `publish`, `settle` or `close` waits for it and raises what it raised."""
+        """Stage `weights` as `version` and bring every live server to it. With `rollout.publish_overlap` this returns
+        once they are staged (a host copy taken), and the transfer runs on while the caller trains the next version;
+        the next `publish`, `settle` or `close` waits for it and raises what it raised."""
         if version <= self.version:
             raise ValueError(f"version: {version} must be greater than the published version {self.version}")
         async with self._lock:
@@ -257,7 +299,7 @@ class HttpRollouts:
                 label = await asyncio.to_thread(self._stage, weights, version)
             self.version = version
             self._pending = asyncio.create_task(self._send(weights, version, began, label))
-            if not self.overlap:
+            if not self.rc.publish_overlap:
                 await self.settle()
 
     async def settle(self) -> None:
@@ -273,7 +315,7 @@ class HttpRollouts:
         fault_point("weights.publish")  # staged for the servers, not yet loaded by them
         await self.engine.publish(label, version)
         self.transfer_s, self.publish_bytes = time.perf_counter() - began, float(self.transport.bytes - moved)
-        if self.probe_every and version % self.probe_every == 0:
+        if self.rc.probe_every and version % self.rc.probe_every == 0:
             await self.check(version)
 
     async def check(self, version: int) -> None:
@@ -290,11 +332,11 @@ class HttpRollouts:
                 continue  # a dead server: the pool finds it on its next request and revives it with the weights
             found = await asyncio.to_thread(compare, server.url, self._template, result, version)
             self.probe_diff = max(self.probe_diff, found.max_abs_diff)
-            if not found.ok(self.probe_tolerance):
+            if not found.ok(self.rc.probe_tolerance):
                 self.probe_failures += 1
                 reason = (
                     f"weights probe after v{version}: its log-probs differ from the trainer's by "
-                    f"{found.max_abs_diff:.3g} (rollout.probe_tolerance = {self.probe_tolerance:g})"
+                    f"{found.max_abs_diff:.3g} (rollout.probe_tolerance = {self.rc.probe_tolerance:g})"
                     + ("" if found.versions_ok else f", and its tokens are tagged {sorted(set(result.versions))}")
                 )
                 self.log(f"rollout: {server.url} taken out of the pool: {reason}")
@@ -313,7 +355,7 @@ class HttpRollouts:
             "rollout/publish_bytes": self.publish_bytes,
             **self.transport.metrics(),
         }
-        if self.probe_every:
+        if self.rc.probe_every:
             row.update(
                 {"rollout/probe_max_abs_diff": self.probe_diff, "rollout/probe_failures": float(self.probe_failures)}
             )
@@ -331,6 +373,15 @@ class HttpRollouts:
         label, held = self.transport.stage(weights, version)
         assign_weights(self._template, held)
         return label
+
+    async def _load(self, client: EngineClient, label: str, version: int, rewind: bool) -> None:
+        """The pool's way to bring one server to a staged version: through `transport` as it is then (`start` may
+        open the collective one)."""
+        await self.transport.load(client, label, version, rewind)
+
+    def _ahead(self, info: dict) -> bool:
+        """Whether a server's `/health` JSON reports a version above the trainer's."""
+        return info.get("version") is not None and info["version"] > self.version
 
     def _published_here(self, path: str | None) -> bool:
         """Whether `path` (as a server reports it) is one of `publish_dir`'s version directories."""
@@ -359,14 +410,6 @@ def _host_copy(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _probe(url: str, timeout_s: float) -> dict | None:
-    """The server's `/health` JSON (`{}` for an empty body), or None when it does not answer 200."""
-    try:
-        return health_json(httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s))
-    except httpx.HTTPError:
-        return None
-
-
 def open_rollouts(
     rc: RolloutConfig,
     module: nn.Module,
@@ -381,23 +424,11 @@ def open_rollouts(
     backends: dict[str, Callable[[], Rollouts]] = {
         "embedded": lambda: EmbeddedRollouts(module, tokenizer, rc.max_batch, version, engine_threads),
         "http": lambda: HttpRollouts(
-            list(rc.urls),
+            rc,
             module,
             tokenizer,
             Path(rc.publish_dir or home / "published"),
-            rc.server,
-            rc.request_timeout_s,
-            rc.request_retries,
-            version,
-            max_wait_s=rc.engine_wait_s,
-            transfer=rc.weight_transfer,
-            bucket_mb=rc.transfer_bucket_mb,
-            transfer_address=rc.transfer_address,
-            transfer_timeout_s=rc.transfer_timeout_s,
-            transfer_fallback=rc.transfer_fallback,
-            probe_every=rc.probe_every,
-            probe_tolerance=rc.probe_tolerance,
-            overlap=rc.publish_overlap,
+            version=version,
             access=Access.from_environment(),
             log=log,
         ),

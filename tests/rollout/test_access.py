@@ -29,7 +29,7 @@ from components.rollout.engine_process import free_port
 from components.rollout.pool import EnginesDown
 from components.rollout.protocol import SamplingRequest
 from components.rollout.server import ServerThread, create_app
-from tests.rollout.test_backends import _version
+from tests.rollout.test_backends import _config, _version
 
 TOKEN, KEY = "weights-token-3f9c1a", "api-key-77d0e2"
 WEIGHTS, API = bearer(TOKEN), bearer(KEY)
@@ -290,17 +290,14 @@ def test_the_trainer_with_the_token_and_key_publishes_and_samples(tiny, guarded,
     v1 = {k: v.detach().clone() for k, v in _version(model, 3).state_dict().items()}
 
     async def run():
-        rollouts = HttpRollouts(
+        rc = _config(
             [guarded.url],
-            model,
-            tokenizer,
-            guarded.root,
-            access=Access(TOKEN, KEY),
-            transfer=transfer,
+            weight_transfer=transfer,
             transfer_fallback=False,  # the collective routes themselves must take the token
-            transfer_timeout_s=20,
+            transfer_timeout_s=20.0,
             probe_every=1,
         )
+        rollouts = HttpRollouts(rc, model, tokenizer, guarded.root, access=Access(TOKEN, KEY))
         try:
             await rollouts.start()
             await rollouts.publish(v1, 1)
@@ -321,9 +318,8 @@ def test_the_trainer_with_a_wrong_token_fails_clearly_and_changes_nothing(tiny, 
     before = _served_in_process(guarded, tokenizer)
 
     async def run():
-        rollouts = HttpRollouts(
-            [guarded.url], model, tokenizer, guarded.root, access=Access("not-the-token", KEY), max_wait_s=1.0
-        )
+        rc = _config([guarded.url], engine_wait_s=1.0)
+        rollouts = HttpRollouts(rc, model, tokenizer, guarded.root, access=Access("not-the-token", KEY))
         try:
             with pytest.raises((EnginesDown, EngineError)) as failed:  # whether at start or at the first request
                 await rollouts.start()
@@ -342,7 +338,8 @@ def test_the_trainer_with_a_wrong_api_key_is_refused_at_its_first_request(tiny, 
     model, tokenizer = tiny
 
     async def run():
-        rollouts = HttpRollouts([guarded.url], model, tokenizer, guarded.root, access=Access(TOKEN, "not-the-key"))
+        access = Access(TOKEN, "not-the-key")
+        rollouts = HttpRollouts(_config([guarded.url]), model, tokenizer, guarded.root, access=access)
         try:
             await rollouts.start()  # the weights go through: the token is right
             with pytest.raises(EngineError) as refused:

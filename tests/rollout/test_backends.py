@@ -16,6 +16,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from components.config import RolloutConfig
 from components.models import save_model_dir, token_logprobs
 from components.rollout.backends import EmbeddedRollouts, HttpRollouts
 from components.rollout.client import EngineError
@@ -23,6 +24,22 @@ from components.rollout.engine_process import EngineProcess
 from components.rollout.pool import EnginesDown
 from components.rollout.protocol import SamplingRequest
 from components.storage import is_complete
+
+
+def _config(urls, **fields) -> RolloutConfig:
+    """The `[rollout]` section of a run on the servers at `urls`. Unless `fields` say otherwise: one retry of a failed
+    request, 30 s of waiting for a server to come back, and no weights probe (tests/rollout/test_transfer.py tests
+    it), so that a test pays only for what it checks."""
+    quick = {"request_retries": 1, "engine_wait_s": 30.0, "probe_every": 0}
+    return RolloutConfig(backend="http", urls=tuple(urls), **{**quick, **fields})
+
+
+async def _start_and_close(rollouts: HttpRollouts) -> None:
+    """`start`, then `close` whether it raised or not (a refusal leaves nothing open)."""
+    try:
+        await rollouts.start()
+    finally:
+        await rollouts.close()
 
 
 def _version(model, seed: int):
@@ -109,7 +126,8 @@ def test_requests_spread_over_both_servers(tiny, serve, tmp_path):
     a, b = serve(model, tokenizer), serve(model, tokenizer)
 
     async def run():
-        rollouts = HttpRollouts([a.url, b.url], model, tokenizer, tmp_path / "published")
+        rollouts = HttpRollouts(_config([a.url, b.url]), model, tokenizer, tmp_path / "published")
+        await rollouts.start()
         results = await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(8)))
         served = [s.served for s in rollouts.engine.servers]
         await rollouts.close()
@@ -128,7 +146,8 @@ def test_publish_reaches_every_server_and_keeps_the_last_two_dirs(tiny, serve, t
     versions = {v: _version(model, seed=v) for v in (1, 2, 3)}
 
     async def run():
-        rollouts = HttpRollouts([a.url, b.url], model, tokenizer, tmp_path / "published")
+        rollouts = HttpRollouts(_config([a.url, b.url]), model, tokenizer, tmp_path / "published")
+        await rollouts.start()
         seen = {}
         for v, weights in versions.items():
             await rollouts.publish(_weights(weights), v)
@@ -162,7 +181,10 @@ def test_server_killed_mid_run_fails_over_without_losing_or_duplicating_requests
     requests = [_request(tokenizer, i, max_tokens=200) for i in range(12)]
 
     async def run(proc, remote_url):
-        rollouts = HttpRollouts([remote_url, local.url], model, tokenizer, tmp_path / "published", revive_after_s=60)
+        rollouts = HttpRollouts(
+            _config([remote_url, local.url]), model, tokenizer, tmp_path / "published", revive_after_s=60
+        )
+        await rollouts.start()
         jobs = [asyncio.create_task(rollouts.engine.generate(r)) for r in requests]
         async with httpx.AsyncClient() as probe:  # wait until the remote engine holds its 6 requests
             deadline = time.monotonic() + 30
@@ -194,11 +216,13 @@ def test_server_errors_fail_over_but_bad_requests_are_not_retried(tiny, serve, t
     crashing, good, refusing = serve(crashing_app), serve(model, tokenizer), serve(refusing_app)
 
     async def run():
-        rollouts = HttpRollouts([crashing.url, good.url], model, tokenizer, tmp_path / "a", revive_after_s=60)
+        rollouts = HttpRollouts(_config([crashing.url, good.url]), model, tokenizer, tmp_path / "a", revive_after_s=60)
+        await rollouts.start()
         results = await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(4)))
         failover = rollouts.metrics(), [s.served for s in rollouts.engine.servers]
         await rollouts.close()
-        rollouts = HttpRollouts([refusing.url, good.url], model, tokenizer, tmp_path / "b")
+        rollouts = HttpRollouts(_config([refusing.url, good.url]), model, tokenizer, tmp_path / "b")
+        await rollouts.start()
         with pytest.raises(EngineError, match="HTTP 400: scripted HTTP 400") as refused:
             await rollouts.engine.generate(_request(tokenizer, 0))
         refusal = rollouts.metrics(), refused.value.status
@@ -222,12 +246,18 @@ def test_server_errors_fail_over_but_bad_requests_are_not_retried(tiny, serve, t
 
 def test_every_server_down_is_a_clear_error(tiny, serve, tmp_path):
     model, tokenizer = tiny
-    with pytest.raises(ConnectionError, match=r"no engine server answers /health at http://127.0.0.1:9, "):
-        HttpRollouts(["http://127.0.0.1:9", "http://127.0.0.1:10"], model, tokenizer, tmp_path, probe_timeout_s=1)
+    nobody = _config(["http://127.0.0.1:9", "http://127.0.0.1:10"])
+    unreachable = HttpRollouts(nobody, model, tokenizer, tmp_path, probe_timeout_s=1)  # asks nothing of them yet
+    with pytest.raises(
+        ConnectionError, match=r"rollout.urls: no engine server answers /health at http://127.0.0.1:9, "
+    ):
+        asyncio.run(_start_and_close(unreachable))
     a, b = serve(model, tokenizer), serve(model, tokenizer)
 
     async def run():
-        rollouts = HttpRollouts([a.url, b.url], model, tokenizer, tmp_path, retries=0, revive_after_s=60)
+        rollouts = HttpRollouts(
+            _config([a.url, b.url], request_retries=0), model, tokenizer, tmp_path, revive_after_s=60
+        )
         await rollouts.start()  # both serve the trainer's v0: the failures below are the requests'
         a.stop()
         b.stop()
@@ -250,7 +280,8 @@ def test_a_short_outage_of_every_server_costs_time_not_episodes(tiny, serve, tmp
     a = serve(model, tokenizer)
 
     async def run():
-        rollouts = HttpRollouts([a.url], model, tokenizer, tmp_path, retries=0, revive_after_s=0.2, max_wait_s=20)
+        rc = _config([a.url], request_retries=0, engine_wait_s=20.0)
+        rollouts = HttpRollouts(rc, model, tokenizer, tmp_path, revive_after_s=0.2)
         await rollouts.start()  # it serves the trainer's v0: the failure below is the request's
         a.stop()
         restart = asyncio.get_running_loop().run_in_executor(
@@ -275,7 +306,10 @@ def test_revived_server_gets_the_latest_weights_before_traffic(tiny, serve, tmp_
     v1, v2 = _version(model, seed=1), _version(model, seed=2)
 
     async def run():
-        rollouts = HttpRollouts([a.url, b.url], model, tokenizer, tmp_path, retries=0, revive_after_s=0.2)
+        rollouts = HttpRollouts(
+            _config([a.url, b.url], request_retries=0), model, tokenizer, tmp_path, revive_after_s=0.2
+        )
+        await rollouts.start()
         await rollouts.publish(_weights(v1), 1)
         b.stop()
         await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(2)))  # b fails
@@ -306,8 +340,10 @@ def test_resumed_run_syncs_every_server_before_traffic(tiny, serve, tmp_path):
     a, b = serve(model, tokenizer), serve(model, tokenizer)  # started from the starting weights: version 0
 
     async def run():
-        rollouts = HttpRollouts([a.url, b.url], v5, tokenizer, tmp_path, version=5)
-        assert rollouts.metrics()["rollout/engines_live"] == 0.0  # held until they serve v5
+        rollouts = HttpRollouts(_config([a.url, b.url]), v5, tokenizer, tmp_path, version=5)
+        assert rollouts.metrics()["rollout/engines_live"] == 0.0  # held until `start` brings them to v5
+        await rollouts.start()
+        assert rollouts.metrics()["rollout/engines_live"] == 2.0
         results = await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(4)))
         await rollouts.close()
         return results
@@ -318,29 +354,34 @@ def test_resumed_run_syncs_every_server_before_traffic(tiny, serve, tmp_path):
     torch.testing.assert_close(torch.tensor(results[0].logprobs), _teacher_forced(v5, results[0]), atol=1e-4, rtol=0)
     # Ahead of a trainer that publishes elsewhere: another run's server, refused (this run's own crashed
     # predecessor, publishing into the same directory, is rewound instead: tests/rollout/test_resume_rewind.py).
-    with pytest.raises(ValueError, match=f"urls: {a.url} serves version 5, above the trainer's version 3"):
-        HttpRollouts([a.url], model, tokenizer, tmp_path / "other-run", version=3)
+    other_run = HttpRollouts(_config([a.url]), model, tokenizer, tmp_path / "other-run", version=3)
+    with pytest.raises(ValueError, match=f"rollout.urls: {a.url} serves version 5, above the trainer's version 3"):
+        asyncio.run(_start_and_close(other_run))
 
 
 def test_a_fresh_run_serves_the_trainers_weights_before_the_first_rollout(tiny, serve, tmp_path):
     """Servers started from other weights (another checkpoint, another rope setting) never sample for the run:
-    `start` sends version 0 from the trainer's own module to each, and a server missed there gets it on revival."""
+    `start` sends version 0 from the trainer's own module to each, and a server missed there gets it on revival. A
+    request before `start` fails at once, naming it, and reaches no server."""
     model, tokenizer = tiny
     other = _version(model, seed=7)
     a, b = serve(other, tokenizer), serve(other, tokenizer)
     published = (tmp_path / "published").resolve()
 
     async def run():
-        rollouts = HttpRollouts([a.url, b.url], model, tokenizer, published)
-        held = [(s.up, s.last_error) for s in rollouts.engine.servers]
+        rollouts = HttpRollouts(_config([a.url, b.url]), model, tokenizer, published)
+        with pytest.raises(EnginesDown) as early:
+            await rollouts.engine.generate(_request(tokenizer, 0))
+        untouched = published.exists(), a.engine.stats.generated_tokens + b.engine.stats.generated_tokens
         await rollouts.start()
         health = [httpx.get(f"{url}/health").json() for url in (a.url, b.url)]
         results = await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(4)))
         await rollouts.close()
-        return held, health, results
+        return str(early.value), untouched, health, results
 
-    held, health, results = asyncio.run(run())
-    assert held == [(False, "waiting for weights v0")] * 2
+    early, untouched, health, results = asyncio.run(run())
+    assert early.startswith("every engine server is down") and early.count("not started: `await rollouts.start()`") == 2
+    assert untouched == (False, 0)  # nothing written, nothing generated before `start`
     assert [(h["version"], h["path"]) for h in health] == [(0, str(published / "v00000000"))] * 2
     assert a.engine.stats.weight_updates == b.engine.stats.weight_updates == 1
     for result in results:  # the trainer's weights, not the ones the servers were started from

@@ -17,12 +17,21 @@ from components.rollout.backends import HttpRollouts
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.server import create_app
 from components.storage import is_complete
-from tests.rollout.test_backends import _engine_process, _request, _teacher_forced, _version, _weights
+from tests.rollout.test_backends import (
+    _config,
+    _engine_process,
+    _request,
+    _start_and_close,
+    _teacher_forced,
+    _version,
+    _weights,
+)
 
 
 async def _crashed_run(urls, model, tokenizer, publish_dir, versions):
     """The predecessor: publishes each of `versions` (weights seeded by the version) to `urls`, then dies."""
-    rollouts = HttpRollouts(urls, model, tokenizer, publish_dir)
+    rollouts = HttpRollouts(_config(urls), model, tokenizer, publish_dir)
+    await rollouts.start()
     for v in versions:
         await rollouts.publish(_weights(_version(model, seed=v)), v)
     await rollouts.close()
@@ -37,26 +46,31 @@ def test_server_ahead_from_this_publish_dir_is_rewound_before_traffic(tiny, serv
     async def run(remote_url):
         await _crashed_run([remote_url], model, tokenizer, published, (1, 2, 3))
         ahead = httpx.get(f"{remote_url}/health").json()
-        rollouts = HttpRollouts([remote_url, local.url], resumed, tokenizer, published, version=2)
-        at_start = (
+        rollouts = HttpRollouts(_config([remote_url, local.url]), resumed, tokenizer, published, version=2)
+        built = rollouts.metrics()["rollout/engines_live"], sorted(p.name for p in published.iterdir())
+        await rollouts.start()
+        started = (
             rollouts.metrics()["rollout/engines_live"],
             sorted(p.name for p in published.iterdir()),
             [s.last_error for s in rollouts.engine.servers],
+            local.engine.version,
         )
-        first = await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(4)))
         rewound = httpx.get(f"{remote_url}/health").json()
+        first = await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(4)))
         await rollouts.publish(_weights(next_v3), 3)
         second = await asyncio.gather(*(rollouts.engine.generate(_request(tokenizer, i)) for i in range(4)))
         after = httpx.get(f"{remote_url}/health").json(), [s.served for s in rollouts.engine.servers]
         await rollouts.close()
-        return ahead, at_start, first, rewound, second, after
+        return ahead, built, started, rewound, first, second, after
 
     with _engine_process(save_model_dir(model, tokenizer, tmp_path / "policy")) as (_, remote_url):
-        ahead, at_start, first, rewound, second, after = asyncio.run(run(remote_url))
+        ahead, built, started, rewound, first, second, after = asyncio.run(run(remote_url))
     assert (ahead["version"], ahead["path"]) == (3, str(published.resolve() / "v00000003"))
-    # Held until each serves v2: the remote one rewound (7 -> 6 in production), the local one brought forward.
-    # The crashed run kept v2 and v3 (the last two); its v3 is gone and v2 now holds the resumed weights.
-    assert at_start == (0.0, ["v00000002"], ["rewinding from v3 to weights v2", "waiting for weights v2"])
+    # Constructing touched nothing: both held, the crashed run's last two versions (v2, v3) still there. `start`
+    # brought each to v2 before any traffic: the remote one rewound (7 -> 6 in production; going back takes the
+    # rewind flag, tests below), the local one brought forward. The crashed v3 is gone; v2 holds the resumed weights.
+    assert built == (0.0, ["v00000002", "v00000003"])
+    assert started == (2.0, ["v00000002"], ["", ""], 2)
     assert (rewound["version"], rewound["path"]) == (2, str(published.resolve() / "v00000002"))
     assert all(r.versions == [2] * 8 for r in first)  # max_tokens=8, no stop token
     for result in first:
@@ -79,7 +93,9 @@ def test_server_ahead_not_from_this_publish_dir_is_refused(tiny, serve, tmp_path
         try:
             server = serve(create_app(engine, "tiny"))
             with pytest.raises(ValueError) as refused:
-                HttpRollouts([server.url], model, tokenizer, published, version=2)
+                asyncio.run(
+                    _start_and_close(HttpRollouts(_config([server.url]), model, tokenizer, published, version=2))
+                )
         finally:
             engine.shutdown()
     else:
@@ -87,11 +103,12 @@ def test_server_ahead_not_from_this_publish_dir_is_refused(tiny, serve, tmp_path
         server = serve(model, tokenizer)
         asyncio.run(_crashed_run([server.url], model, tokenizer, other, (1, 2, 3)))
         with pytest.raises(ValueError) as refused:
-            HttpRollouts([server.url], model, tokenizer, published, version=2)
+            asyncio.run(_start_and_close(HttpRollouts(_config([server.url]), model, tokenizer, published, version=2)))
     where = "its starting weights" if loaded_from == "its starting weights" else str(other.resolve() / "v00000003")
     assert str(refused.value) == (
-        f"urls: {server.url} serves version 3, above the trainer's version 2, from {where}, not from this run's "
-        f"publish_dir {published.resolve()}: it may serve another run; restart it from the trainer's starting weights"
+        f"rollout.urls: {server.url} serves version 3, above the trainer's version 2, from {where}, not from this "
+        f"run's publish_dir {published.resolve()}: it may serve another run; restart it from the trainer's starting "
+        "weights"
     )
     assert not published.exists()  # refused before writing anything
 
@@ -124,18 +141,36 @@ def test_weights_going_back_need_the_rewind_flag_and_health_reports_the_path(tin
 
 
 def test_vllm_servers_report_no_version_and_are_never_rewound(tiny, serve, tmp_path):
-    """vLLM's `/health` is an empty body: a resumed run cannot see its version, so it holds it for the weights."""
+    """vLLM's `/health` is an empty body: a resumed run cannot see its version, so `start` sends it the resumed
+    weights (through the worker extension's reload) before any traffic, never marked for a rewind."""
     from fastapi import FastAPI, Response
 
     model, tokenizer = tiny
-    app = FastAPI()
+    app, calls = FastAPI(), []
 
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
 
+    @app.post("/collective_rpc")
+    async def rpc(body: dict) -> dict:
+        calls.append((body["method"], body["kwargs"]))
+        return {"results": [{}]}  # one worker, nothing to report
+
+    @app.post("/reset_prefix_cache")
+    async def reset() -> dict:
+        return {"success": True}
+
     server = serve(app)
-    rollouts = HttpRollouts([server.url], model, tokenizer, tmp_path, server="vllm", version=3)
-    pool_server = rollouts.engine.servers[0]
-    assert (pool_server.up, pool_server.rewind, pool_server.last_error) == (False, False, "waiting for weights v3")
-    asyncio.run(rollouts.close())
+
+    async def run():
+        rollouts = HttpRollouts(_config([server.url], server="vllm"), model, tokenizer, tmp_path, version=3)
+        try:
+            await rollouts.start()
+            pool_server = rollouts.engine.servers[0]
+            return pool_server.up, pool_server.rewind, pool_server.version
+        finally:
+            await rollouts.close()
+
+    assert asyncio.run(run()) == (True, False, 3)
+    assert calls == [("sao_reload_weights", {"path": str(tmp_path.resolve() / "v00000003")})]

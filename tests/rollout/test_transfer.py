@@ -14,7 +14,7 @@ from components.rollout.probe import WeightsMismatch
 from components.rollout.transfer import ALIGN, pack, plan_buckets, unpack
 from components.rollout.transports import FilesystemTransport
 from tests.conftest import child_env
-from tests.rollout.test_backends import _request, _teacher_forced, _version, _weights
+from tests.rollout.test_backends import _config, _request, _teacher_forced, _version, _weights
 
 
 def test_buckets_pack_at_aligned_offsets_and_unpack_to_the_same_tensors():
@@ -45,9 +45,12 @@ def test_buckets_pack_at_aligned_offsets_and_unpack_to_the_same_tensors():
         unpack(torch.zeros(32, dtype=torch.uint8), [("a", "float32", (3,))])
 
 
-def _rollouts(urls, model, tokenizer, publish_dir, **kwargs) -> HttpRollouts:
-    settings = {"transfer": "collective", "probe_every": 1, "transfer_timeout_s": 20, **kwargs}
-    return HttpRollouts(urls, model, tokenizer, publish_dir, **settings)
+def _rollouts(urls, model, tokenizer, publish_dir, log=print, revive_after_s=2.0, **fields) -> HttpRollouts:
+    """`HttpRollouts` over the collective transport, the weights probe after every version; `fields` of the section."""
+    settings = {"weight_transfer": "collective", "probe_every": 1, "transfer_timeout_s": 20.0, **fields}
+    return HttpRollouts(
+        _config(urls, **settings), model, tokenizer, publish_dir, log=log, revive_after_s=revive_after_s
+    )
 
 
 def test_collective_transfer_reaches_both_servers_without_a_file_and_the_probe_agrees(tiny, serve, tmp_path):
@@ -108,11 +111,11 @@ def test_a_transport_that_drops_the_tensors_is_caught_by_the_probe(tiny, serve, 
     lines = []
 
     async def run():
-        rollouts = HttpRollouts([a.url, b.url], model, tokenizer, tmp_path / "p", probe_every=1, log=lines.append)
-        rollouts.transport = _DroppingTransport(rollouts._template, tokenizer, tmp_path / "p")
-        rollouts.engine.load = rollouts.transport.load
+        rc = _config([a.url, b.url], probe_every=1)
+        rollouts = HttpRollouts(rc, model, tokenizer, tmp_path / "p", log=lines.append)
         await rollouts.start()  # v0 is what the servers hold: the probe agrees
         assert rollouts.engine.live() == 2
+        rollouts.transport = _DroppingTransport(rollouts._template, tokenizer, tmp_path / "p")  # holds v0 now
         with pytest.raises(WeightsMismatch, match="every engine server failed the weights probe") as caught:
             await rollouts.publish(_weights(_version(model, seed=1)), 1)
         served = [httpx.get(f"{s.url}/health").json()["version"] for s in (a, b)]
@@ -136,7 +139,7 @@ def test_a_restarted_server_gets_the_current_weights_through_a_new_group_before_
     try:
 
         async def run():
-            rollouts = _rollouts([engine.url], model, tokenizer, tmp_path / "p", revive_after_s=0.2, retries=0)
+            rollouts = _rollouts([engine.url], model, tokenizer, tmp_path / "p", revive_after_s=0.2, request_retries=0)
             await rollouts.start()
             before = engine.health()["transfer_group"]
             await rollouts.publish(_weights(v1), 1)
@@ -165,7 +168,7 @@ def test_an_overlapped_publish_returns_staged_and_the_next_one_waits_for_it(tiny
     versions = {v: _version(model, seed=v) for v in (1, 2, 3)}
 
     async def run():
-        rollouts = _rollouts([a.url, b.url], model, tokenizer, tmp_path / "p", overlap=True)
+        rollouts = _rollouts([a.url, b.url], model, tokenizer, tmp_path / "p", publish_overlap=True)
         await rollouts.start()
         await rollouts.publish(_weights(versions[1]), 1)
         # publish returned without awaiting the transfer: nothing has run since, and this blocking call lets
@@ -189,10 +192,10 @@ def test_an_overlapped_transfer_that_fails_raises_at_the_next_settle(tiny, serve
     a = serve(model, tokenizer)
 
     async def run():
-        rollouts = HttpRollouts([a.url], model, tokenizer, tmp_path / "p", probe_every=1, overlap=True, log=print)
-        rollouts.transport = _DroppingTransport(rollouts._template, tokenizer, tmp_path / "p")
-        rollouts.engine.load = rollouts.transport.load
+        rc = _config([a.url], probe_every=1, publish_overlap=True)
+        rollouts = HttpRollouts(rc, model, tokenizer, tmp_path / "p")
         await rollouts.start()
+        rollouts.transport = _DroppingTransport(rollouts._template, tokenizer, tmp_path / "p")  # holds v0 now
         await rollouts.publish(_weights(_version(model, seed=1)), 1)  # staged: the failure is still to come
         with pytest.raises(WeightsMismatch, match=a.url):
             await rollouts.settle()
@@ -223,7 +226,7 @@ def test_a_transfer_broken_mid_way_is_retried_on_a_new_group(tiny, serve, tmp_pa
         # 1 MB buckets: the tiny model's weights take several, and the first transfer of v1 breaks after its second.
         # The server notices only at its timeout (both processes live on; gloo cannot interrupt its receive).
         rollouts = _rollouts(
-            [a.url], model, tokenizer, tmp_path / "p", transfer_timeout_s=3, bucket_mb=1, log=lines.append
+            [a.url], model, tokenizer, tmp_path / "p", log=lines.append, transfer_timeout_s=3.0, transfer_bucket_mb=1
         )
         await rollouts.start()
         group = httpx.get(f"{a.url}/health").json()["transfer_group"]
@@ -253,7 +256,7 @@ def test_a_transfer_that_fails_twice_goes_through_the_filesystem_then_collective
 
     async def run():
         rollouts = _rollouts(
-            [a.url], model, tokenizer, tmp_path / "p", transfer_timeout_s=3, bucket_mb=1, log=lines.append
+            [a.url], model, tokenizer, tmp_path / "p", log=lines.append, transfer_timeout_s=3.0, transfer_bucket_mb=1
         )
         await rollouts.start()
         bucket_faults("weights.bucket@1+:raise")  # every collective transfer breaks after its first bucket

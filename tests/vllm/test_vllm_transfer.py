@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from components.config import RolloutConfig
 from components.models import save_model_dir, token_logprobs
 from components.rollout.backends import HttpRollouts
 from components.rollout.client import EngineClient
@@ -132,9 +133,10 @@ def test_without_the_gate_vllm_reloads_under_a_running_request(dense, tokenizer,
 
 
 def test_collective_transport_brings_two_vllm_servers_to_each_version(dense, tokenizer, tmp_path):
-    """`HttpRollouts` with `server="vllm"`, `transfer="collective"` (the filesystem fallback on, as by default), its
-    probe after every version: both servers sample exactly the trainer's weights after v0, v1 and v2, the pool's
-    clients tag every token with the version, every byte went over the groups, and no directory was written.
+    """`HttpRollouts` with `server="vllm"`, `weight_transfer="collective"` (the filesystem fallback on, as by
+    default), its probe after every version: both servers sample exactly the trainer's weights after v0, v1 and v2,
+    the pool's clients tag every token with the version, every byte went over the groups, and no directory was
+    written.
     Before v2 another client takes server 0's group (a worker holds one): the transfer to it is refused (409),
     retried once on a new group, and succeeds."""
     v0 = dense.models[0]
@@ -144,18 +146,16 @@ def test_collective_transport_brings_two_vllm_servers_to_each_version(dense, tok
     log: list[str] = []
 
     async def main():
-        rollouts = HttpRollouts(
-            dense.urls,
-            v0,
-            tokenizer,
-            published,
+        rc = RolloutConfig(
+            backend="http",
+            urls=tuple(dense.urls),
             server="vllm",
-            transfer="collective",
-            bucket_mb=1,
+            weight_transfer="collective",
+            transfer_bucket_mb=1,
             probe_every=1,
             probe_tolerance=1e-4,
-            log=log.append,
         )
+        rollouts = HttpRollouts(rc, v0, tokenizer, published, log=log.append)
         seen = []
         try:
             await rollouts.start()

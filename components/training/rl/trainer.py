@@ -166,14 +166,14 @@ class Trainer:
         if p.start.fresh and p.guard.active:
             self.save_checkpoint()  # the starting weights: the guard always has a checkpoint to return to
         env_row = self._task_hook(first=True)
-        await p.rollouts.start()  # every server samples the first batches from the weights the trainer holds
         stop = asyncio.Event()
         producer = None
-        if not tc.sync and p.runner is not None:  # a replay has no runner: its batches are recorded
-            producer = asyncio.create_task(p.runner.run(p.tasks, p.intake.put, p.buffer.admit, stop))
-        p.tracker.log_params({"config": to_dict(p.cfg), "resumed_at": self.step})
-        self.started = self.last_row = time.perf_counter()
-        try:
+        try:  # from here on, whatever fails, the rollouts' probes and connections end in `finally`
+            await p.rollouts.start()  # every server samples the first batches from the weights the trainer holds
+            if not tc.sync and p.runner is not None:  # a replay has no runner: its batches are recorded
+                producer = asyncio.create_task(p.runner.run(p.tasks, p.intake.put, p.buffer.admit, stop))
+            p.tracker.log_params({"config": to_dict(p.cfg), "resumed_at": self.step})
+            self.started = self.last_row = time.perf_counter()
             while self.step < self.stop_at:
                 env_row = self._task_hook() if self.step != self._hooked else env_row
                 try:
