@@ -65,6 +65,7 @@ def _rank(rank: int, port: int, results) -> None:
     from components.models.tokenizer import build_tokenizer
     from components.training.engines.collective import from_environment
     from components.training.engines.engine import TorchEngine
+    from components.training.engines.settings import EngineSettings
     from components.training.rl.algorithms import settings_from
     from components.training.rl.placement import Apart
     from components.training.rl.step import train_step
@@ -81,11 +82,11 @@ def _rank(rank: int, port: int, results) -> None:
     model = build_policy(cfg.model, tokenizer)
     batch = _batch(model, len(tokenizer))
     if placement.role == "policy":
-        policy, critic = TorchEngine(model, cfg.train.policy_lr), None
+        policy, critic = TorchEngine(model, EngineSettings(cfg.train.policy_lr)), None
     else:
         value = ValueModel.from_policy(copy.deepcopy(model))
         freeze_attention(value)
-        policy, critic = None, TorchEngine(value, cfg.train.critic_lr)
+        policy, critic = None, TorchEngine(value, EngineSettings(cfg.train.critic_lr))
     settings = settings_from(cfg)
     times: dict[bool, list[float]] = {True: [], False: []}
     for step in range(2 * (WARMUP + _steps())):

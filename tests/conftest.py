@@ -12,7 +12,8 @@ from components.data.teacher import teacher_trace
 from components.models import build_policy, build_tokenizer, save_model_dir
 from components.stages.sft import sft_recipe
 from components.storage import atomic_dir, write_json
-from components.training.engines.loading import EngineSettings, open_engine
+from components.training.engines.loading import open_engine
+from components.training.engines.settings import EngineSettings
 from components.training.sft import train_sft
 
 

@@ -35,6 +35,7 @@ from components.training.engines.deepspeed_config import (
     deepspeed_schema_problems,
     merge_deepspeed_config,
 )
+from components.training.engines.settings import EngineSettings
 from tools.container_check import check_containers
 from tools.k8s_check import check_k8s
 
@@ -602,7 +603,7 @@ def check_deepspeed(root: Path) -> list[str]:
         if not isinstance(data, dict):
             problems += [f"{_rel(path, root)}: must hold a JSON object"] if data is not None else []
             continue
-        config = merge_deepspeed_config(builtin_deepspeed_config(1e-6), data)
+        config = merge_deepspeed_config(builtin_deepspeed_config(EngineSettings(1e-6)), data)
         found = deepspeed_file_problems(config) + deepspeed_schema_problems(config)
         problems += [f"{_rel(path, root)}: {p}" for p in found]
     return problems

@@ -37,7 +37,8 @@ from components.stages.rollout import sample_episodes
 from components.stages.sft import run_sft, world
 from components.storage import atomic_dir, write_json
 from components.training.engines.collective import SOLO, Collective, rank_cores
-from components.training.engines.loading import EngineSettings, load_model, open_engine, whole_module
+from components.training.engines.loading import load_model, open_engine, whole_module
+from components.training.engines.settings import EngineSettings
 from components.training.rl.algorithms import ALGORITHMS
 from components.training.value_pretrain import FitSettings, fit_critic, split_by_prompt
 
@@ -76,12 +77,12 @@ def run_value_pretrain(cfg: Config, home: Path, sft_dir: Path, log: Log = print)
     comm = world()
     key = critic_key(cfg, sft_dir)
     out = Path(home) / key
-    if available(cfg, home, key, log):
+    if available(cfg.store, home, key, log):
         log(f"value_pretrain: reusing the complete critic at {out}")
-        publish(cfg, home, key, log, again=False)
+        publish(cfg.store, home, key, log, again=False)
     else:
         pretrain_value(cfg, sft_dir, out, log, comm)
-        publish(cfg, home, key, log)
+        publish(cfg.store, home, key, log)
     comm.broadcast(("done", str(out)))
     return out, json.loads((out / SUMMARY_FILE).read_text())["result"]
 
@@ -205,22 +206,12 @@ def _fit(cfg: Config, sft_dir: Path, train_part, held_out, best_dir: Path, comm:
     if ALGORITHMS[tc.algo].freeze_critic_attention:
         freeze_attention(critic)
     engine = open_engine(settings, ds_config, critic)
-    fit = FitSettings(
-        cfg.algo.gamma, cfg.algo.lam_critic, cfg.algo.value_clip, vp.batch_size, vp.max_epochs, vp.patience, vp.seed
-    )
     threads = torch.get_num_threads()
     torch.set_num_threads(tc.threads or rank_cores())  # 0: this rank's share of the cores (nothing else runs now)
     try:
+        pad_id = load_tokenizer(sft_dir).pad_token_id
         history, best_epoch = fit_critic(
-            engine,
-            train_part,
-            held_out,
-            load_tokenizer(sft_dir).pad_token_id,
-            fit,
-            best_dir,
-            log,
-            comm,
-            tc.micro_batch_tokens,
+            engine, train_part, held_out, pad_id, FitSettings.from_config(cfg), best_dir, log, comm
         )
     finally:
         torch.set_num_threads(threads)

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from components.algo import clipped_value_loss, explained_variance, gae
+from components.config import Config
 from components.contracts.trajectory import TrainBatch, Trajectory, to_tensors
 from components.models import ValueModel
 from components.training.engines.collective import SOLO, Collective
@@ -51,6 +52,23 @@ class FitSettings:
     max_epochs: int
     patience: int
     seed: int
+    micro_batch_tokens: int = 0
+    """Padded tokens per forward/backward pass on each rank (`train.micro_batch_tokens`; 0: one pass)."""
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> FitSettings:
+        """`value_pretrain`'s epochs on RL's critic targets (`algo.gamma`, `algo.lam_critic`, `algo.value_clip`)."""
+        vp = cfg.value_pretrain
+        return cls(
+            gamma=cfg.algo.gamma,
+            lam=cfg.algo.lam_critic,
+            value_clip=cfg.algo.value_clip,
+            batch_size=vp.batch_size,
+            max_epochs=vp.max_epochs,
+            patience=vp.patience,
+            seed=vp.seed,
+            micro_batch_tokens=cfg.train.micro_batch_tokens,
+        )
 
 
 def split_by_prompt(
@@ -89,7 +107,6 @@ def fit_critic(
     best_dir: Path,
     log: Log = print,
     comm: Collective = SOLO,
-    micro_batch_tokens: int = 0,
 ) -> tuple[list[float], int]:
     """Epochs of minibatch updates until the held-out explained variance has not improved for `s.patience`
     epochs (or `s.max_epochs`); the critic (`engine.module`) ends with the best epoch's weights, kept meanwhile as the
@@ -98,7 +115,7 @@ def fit_critic(
 
     Returns (held-out EV per epoch, index 0 the critic as it came in; the best epoch)."""
     held_batches = _batches(held_out, s.batch_size, pad_id)
-    history = [held_out_ev(engine.module, held_batches, s.gamma, s.lam, comm, micro_batch_tokens)]
+    history = [held_out_ev(engine.module, held_batches, s.gamma, s.lam, comm, s.micro_batch_tokens)]
     log(f"value-pretrain: epoch 0 (cold critic) held-out EV {history[0]:.3f}")
     best_epoch = 0
     engine.save(best_dir)
@@ -106,8 +123,8 @@ def fit_critic(
     rng = random.Random(s.seed)
     for epoch in range(1, s.max_epochs + 1):
         rng.shuffle(order)
-        loss = _epoch(engine, _batches(order, s.batch_size, pad_id), s, comm, micro_batch_tokens)
-        history.append(held_out_ev(engine.module, held_batches, s.gamma, s.lam, comm, micro_batch_tokens))
+        loss = _epoch(engine, _batches(order, s.batch_size, pad_id), s, comm)
+        history.append(held_out_ev(engine.module, held_batches, s.gamma, s.lam, comm, s.micro_batch_tokens))
         if history[epoch] > history[best_epoch]:
             best_epoch = epoch
             engine.save(best_dir)
@@ -152,12 +169,12 @@ def held_out_ev(
     return float(explained_variance(v[None], r[None], torch.ones_like(v[None])))
 
 
-def _epoch(engine, batches: list[TrainBatch], s: FitSettings, comm: Collective, budget: int) -> float:
+def _epoch(engine, batches: list[TrainBatch], s: FitSettings, comm: Collective) -> float:
     """One pass: score every minibatch with the critic as the epoch starts (old values, targets), then one
     update per minibatch on the clipped value loss, each rank on its rows in micro-batches. Returns the mean loss."""
     critic = engine.module
     shares = [rank_share(b, comm) for b in batches]
-    plans = [MicroBatches.plan(mine, budget, comm, idle) for mine, idle in shares]
+    plans = [MicroBatches.plan(mine, s.micro_batch_tokens, comm, idle) for mine, idle in shares]
     with torch.no_grad():
         old = [
             [critic(mb["input_ids"], mb["attention_mask"]) for mb in (m.take(mine, i) for i in range(len(m)))]

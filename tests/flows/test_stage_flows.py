@@ -153,6 +153,7 @@ def test_the_evaluate_task_picks_the_newest_checkpoint_else_the_sft_policy(tmp_p
     directory, source, label = model_to_score.fn(tiny_cfg, tmp_path, "", None, print)
     assert (directory.name, source, label) == ("sft-tir_math", None, "sft")
     from components.training.engines.engine import TorchEngine
+    from components.training.engines.settings import EngineSettings
 
     moved = copy.deepcopy(model)
     with torch.no_grad():
@@ -160,7 +161,11 @@ def test_the_evaluate_task_picks_the_newest_checkpoint_else_the_sft_policy(tmp_p
             p += 1.0
     store = checkpoint_store(tiny_cfg, tmp_path)
     for step, policy in ((3, model), (7, moved)):  # the policy engine's own files, as the learner writes them
-        store.save(step, {}, write=lambda d, policy=policy: TorchEngine(copy.deepcopy(policy), 1e-3).save(d / "policy"))
+        store.save(
+            step,
+            {},
+            write=lambda d, policy=policy: TorchEngine(copy.deepcopy(policy), EngineSettings(1e-3)).save(d / "policy"),
+        )
     moved = moved.state_dict()
     directory, source, label = model_to_score.fn(tiny_cfg, tmp_path, "", None, print)
     assert label == "step-7" and source.endswith("checkpoints/tiny-cpu/step-00000007")

@@ -12,11 +12,12 @@ from components.config import load_config
 from components.models import ValueModel, build_policy, build_tokenizer, freeze_attention, token_logprobs
 from components.training.engines.collective import end_rank_process, from_environment, take_rows
 from components.training.engines.engine import DeepSpeedEngine, init_single_process_group
+from components.training.engines.settings import EngineSettings
 from tests.training.test_numerical_faults import SETTINGS, K, OneShot, make_batch, same, weights
 
 
 def gradient_case(model: torch.nn.Module, stage: int, rank: int) -> dict:
-    engine = DeepSpeedEngine(model, 1e-3, zero_stage=stage)
+    engine = DeepSpeedEngine(model, EngineSettings(1e-3, zero_stage=stage))
     ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(rank))  # each rank its own rows
     start = weights(engine)
     if rank == 1:
@@ -38,11 +39,11 @@ def gradient_case(model: torch.nn.Module, stage: int, rank: int) -> dict:
 
 def sao_case(model: torch.nn.Module, rank: int) -> dict:
     batch = take_rows(make_batch(model), range(2 * rank, 2 * rank + 2))
-    policy = DeepSpeedEngine(model, 1e-3, zero_stage=2)
+    policy = DeepSpeedEngine(model, EngineSettings(1e-3, zero_stage=2))
     torch.manual_seed(1)
     value_model = ValueModel.from_policy(policy.module)
     freeze_attention(value_model)
-    critic = DeepSpeedEngine(value_model, 1e-2, zero_stage=2)
+    critic = DeepSpeedEngine(value_model, EngineSettings(1e-2, zero_stage=2))
     comm = from_environment()
     faulty = {k: v.clone() for k, v in batch.items()}
     if rank == 1:

@@ -11,6 +11,7 @@ from components.contracts.metrics import ALGORITHM_METRICS, DIAGNOSTIC_METRICS
 from components.contracts.trajectory import to_tensors
 from components.models import ValueModel, freeze_attention
 from components.training.engines.engine import TorchEngine
+from components.training.engines.settings import EngineSettings
 from components.training.rl.algorithms import ALGORITHMS, AlgoSettings, settings_from
 from components.training.rl.step import policy_advantages, train_step
 
@@ -48,13 +49,13 @@ SETTINGS = AlgoSettings(
 def test_each_algorithm_updates_what_it_should(name, sft_policy, batch):
     algorithm = ALGORITHMS[name]
     policy_model = copy.deepcopy(sft_policy[0])
-    policy = TorchEngine(policy_model, lr=1e-3)
+    policy = TorchEngine(policy_model, EngineSettings(1e-3))
     critic, frozen = None, set()
     if algorithm.uses_critic:
         critic_model = ValueModel.from_policy(policy_model)
         if algorithm.freeze_critic_attention:
             frozen = set(freeze_attention(critic_model))
-        critic = TorchEngine(critic_model, lr=1e-2)
+        critic = TorchEngine(critic_model, EngineSettings(1e-2))
         critic_before = {n: p.detach().clone() for n, p in critic_model.named_parameters()}
     policy_before = {n: p.detach().clone() for n, p in policy_model.named_parameters()}
     settings = AlgoSettings(
@@ -95,7 +96,7 @@ def test_the_critic_step_shares_v_old_with_its_first_update(sft_policy, batch):
 
     model = ValueModel.from_policy(copy.deepcopy(sft_policy[0]))
     freeze_attention(model)
-    critic = TorchEngine(model, lr=1e-2)
+    critic = TorchEngine(model, EngineSettings(1e-2))
     calls = []
     handle = model.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
     values, metrics = critic_updates(critic, batch, SETTINGS, SETTINGS.critic_updates)
@@ -151,8 +152,8 @@ def test_one_sao_step_makes_k_critic_updates_with_attention_frozen(name, updates
     frozen = set(freeze_attention(start))
     before = {n: p.detach().clone() for n, p in start.named_parameters()}
     model = copy.deepcopy(start)
-    policy = TorchEngine(copy.deepcopy(sft_policy[0]), lr=1e-3)
-    train_step(policy, TorchEngine(model, lr=1e-2), batch, settings, {})
+    policy = TorchEngine(copy.deepcopy(sft_policy[0]), EngineSettings(1e-3))
+    train_step(policy, TorchEngine(model, EngineSettings(1e-2)), batch, settings, {})
     after = {n: p.detach() for n, p in model.named_parameters()}
 
     expected = _reference_critic(copy.deepcopy(start), batch, updates, 1e-2)

@@ -9,6 +9,7 @@ import torch
 
 from components.config import ConfigError, load_config
 from components.training.engines.engine import DeepSpeedEngine
+from components.training.engines.settings import EngineSettings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +36,9 @@ def test_file_wins_for_its_keys_and_the_sao_fields_keep_the_rest(tmp_path):
     path = _write(
         tmp_path, {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5, "optimizer": {"params": {"eps": 0.1}}}
     )
-    engine = DeepSpeedEngine(_linear([1.0, -2.0]), lr=2e-3, grad_clip=1.0, zero_stage=0, beta2=0.9, config_file=path)
+    engine = DeepSpeedEngine(
+        _linear([1.0, -2.0]), EngineSettings(2e-3, grad_clip=1.0, zero_stage=0, beta2=0.9, deepspeed_config=path)
+    )
     assert engine.zero_stage == 2 and engine.engine.zero_optimization_stage() == 2
     assert engine.engine.gradient_clipping() == 0.5
     group = engine.optimizer.param_groups[0]
@@ -51,14 +54,16 @@ def test_the_file_may_set_the_learning_rate_and_schedules_scale_it(tmp_path):
     """optimizer.params.lr in the file replaces the SAO field and is the base the schedule scales:
     0.25 x 4e-3 = 1e-3."""
     path = _write(tmp_path, {"optimizer": {"params": {"lr": 4e-3}}})
-    engine = DeepSpeedEngine(_linear([1.0]), lr=2e-3, config_file=path)
+    engine = DeepSpeedEngine(_linear([1.0]), EngineSettings(2e-3, deepspeed_config=path))
     assert engine.base_lr == 4e-3
     engine.set_lr_scale(0.25)
     assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
 
 
 def test_the_repository_zero2_bf16_file_builds_a_bf16_zero2_engine():
-    engine = DeepSpeedEngine(_linear([1.0, 2.0]), lr=1e-3, config_file=str(REPO / "infra/deepspeed/zero2-bf16.json"))
+    engine = DeepSpeedEngine(
+        _linear([1.0, 2.0]), EngineSettings(1e-3, deepspeed_config=str(REPO / "infra/deepspeed/zero2-bf16.json"))
+    )
     assert engine.zero_stage == 2 and engine.module.weight.dtype == torch.bfloat16
     assert engine.base_lr == 1e-3 and engine.engine.gradient_clipping() == 1.0  # not in the file: SAO's
 
@@ -80,15 +85,15 @@ def test_the_repository_zero2_bf16_file_builds_a_bf16_zero2_engine():
 )
 def test_bad_files_are_refused_naming_the_field(tmp_path, data, message):
     with pytest.raises(ValueError, match=message):
-        DeepSpeedEngine(_linear([1.0]), lr=1e-3, config_file=_write(tmp_path, data))
+        DeepSpeedEngine(_linear([1.0]), EngineSettings(1e-3, deepspeed_config=_write(tmp_path, data)))
 
 
 def test_a_missing_or_broken_file_names_the_field(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"train\.deepspeed_config: no such file .*nope\.json"):
-        DeepSpeedEngine(_linear([1.0]), lr=1e-3, config_file=str(tmp_path / "nope.json"))
+        DeepSpeedEngine(_linear([1.0]), EngineSettings(1e-3, deepspeed_config=str(tmp_path / "nope.json")))
     (tmp_path / "bad.json").write_text("{stage: 2")
     with pytest.raises(ValueError, match=r"train\.deepspeed_config: .*bad\.json is not valid JSON"):
-        DeepSpeedEngine(_linear([1.0]), lr=1e-3, config_file=str(tmp_path / "bad.json"))
+        DeepSpeedEngine(_linear([1.0]), EngineSettings(1e-3, deepspeed_config=str(tmp_path / "bad.json")))
 
 
 def test_the_config_field_needs_the_deepspeed_backend():
@@ -116,7 +121,7 @@ def test_one_rank_at_stage_0_skips_the_gradient_all_reduce_and_steps_the_same():
     moves each weight by -lr * sign(g') (m / sqrt(v) = 1 up to eps): w = [1 - 1e-3, 2 - 1e-3]. ZeRO-2 keeps its
     reduction (it fills the optimizer's partitions) and takes the same step."""
     for stage, all_reduce in ((0, False), (2, True)):
-        engine = DeepSpeedEngine(_linear([1.0, 2.0]), lr=1e-3, grad_clip=1.0, zero_stage=stage)
+        engine = DeepSpeedEngine(_linear([1.0, 2.0]), EngineSettings(1e-3, grad_clip=1.0, zero_stage=stage))
         assert engine.engine.enable_backward_allreduce is all_reduce
         norm = engine.backward_step(engine.module(torch.tensor([[3.0, 4.0]])).sum())
         assert float(norm) == pytest.approx(5.0, rel=1e-6)
@@ -129,7 +134,7 @@ def test_skipping_the_one_rank_all_reduce_leaves_every_bit_of_the_updates():
     for all_reduce in (True, False):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-        engine = DeepSpeedEngine(model, lr=1e-2, grad_clip=0.5, zero_stage=0)
+        engine = DeepSpeedEngine(model, EngineSettings(1e-2, grad_clip=0.5, zero_stage=0))
         engine.engine.enable_backward_allreduce = all_reduce
         for step in range(3):
             x = torch.linspace(-1, 1, 12).reshape(3, 4) * (step + 1)
@@ -143,7 +148,8 @@ def test_train_adam_eps_is_the_rl_engines_adam_epsilon(backend):
     """`train.adam_eps` reaches RL's engines (SFT keeps 1e-8). loss = w . x with x = [1e-4, 1e-4] gives
     g = [1e-4, 1e-4] (below the clip); Adam's first step moves each weight by -lr * g / (|g| + eps):
     -2e-3 * 1e-4 / (1e-4 + 1e-4) = -1e-3 at eps 1e-4, where eps 1e-8 would give -2e-3 (a full lr step)."""
-    from components.training.engines.loading import EngineSettings, open_engine
+    from components.training.engines.loading import open_engine
+    from components.training.engines.settings import EngineSettings
 
     cfg = load_config("tiny-cpu", [f'train.backend="{backend}"', "train.adam_eps=1e-4", "train.policy_lr=2e-3"])
     settings = EngineSettings.rl(cfg.train, cfg.train.policy_lr)

@@ -15,16 +15,17 @@ from components.models import ValueModel, freeze_attention
 from components.training.engines.engine import DeepSpeedEngine, TorchEngine
 from components.training.engines.loading import enable_activation_checkpointing
 from components.training.engines.micro import MicroBatches, split_rows, spread
+from components.training.engines.settings import EngineSettings
 from components.training.rl.passes import PolicyPasses, critic_updates, policy_update
 from components.training.rl.step import train_step
 from tests.training.test_algorithms import SETTINGS
 
 ENGINES = {
-    "torch": lambda module, lr: TorchEngine(module, lr),
-    "zero0": lambda module, lr: DeepSpeedEngine(module, lr, zero_stage=0),
-    "zero1": lambda module, lr: DeepSpeedEngine(module, lr, zero_stage=1),
-    "zero2": lambda module, lr: DeepSpeedEngine(module, lr, zero_stage=2),
-    "zero3": lambda module, lr: DeepSpeedEngine(module, lr, zero_stage=3),
+    "torch": lambda module, lr: TorchEngine(module, EngineSettings(lr)),
+    "zero0": lambda module, lr: DeepSpeedEngine(module, EngineSettings(lr, zero_stage=0)),
+    "zero1": lambda module, lr: DeepSpeedEngine(module, EngineSettings(lr, zero_stage=1)),
+    "zero2": lambda module, lr: DeepSpeedEngine(module, EngineSettings(lr, zero_stage=2)),
+    "zero3": lambda module, lr: DeepSpeedEngine(module, EngineSettings(lr, zero_stage=3)),
 }
 
 

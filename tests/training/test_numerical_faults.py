@@ -19,16 +19,17 @@ import torch
 from components.config import load_config
 from components.models import ValueModel, build_policy, build_tokenizer, freeze_attention, token_logprobs
 from components.training.engines.engine import DeepSpeedEngine, TorchEngine
+from components.training.engines.settings import EngineSettings
 from components.training.rl.algorithms import ALGORITHMS
 from components.training.rl.step import train_step
 from tests.conftest import child_env
 from tests.training.test_algorithms import SETTINGS as ALGORITHM_SETTINGS
 
 BACKENDS = {
-    "torch": lambda module, lr: TorchEngine(module, lr),
-    "zero0": lambda module, lr: DeepSpeedEngine(module, lr, zero_stage=0),
-    "zero1": lambda module, lr: DeepSpeedEngine(module, lr, zero_stage=1),
-    "zero2": lambda module, lr: DeepSpeedEngine(module, lr, zero_stage=2),
+    "torch": lambda module, lr: TorchEngine(module, EngineSettings(lr)),
+    "zero0": lambda module, lr: DeepSpeedEngine(module, EngineSettings(lr, zero_stage=0)),
+    "zero1": lambda module, lr: DeepSpeedEngine(module, EngineSettings(lr, zero_stage=1)),
+    "zero2": lambda module, lr: DeepSpeedEngine(module, EngineSettings(lr, zero_stage=2)),
 }
 K = 2
 SETTINGS = replace(ALGORITHM_SETTINGS, critic_updates=K, group_size=2)
@@ -154,7 +155,9 @@ def test_a_config_file_cannot_turn_the_zero_guard_off(stage, policy_model, tmp_p
     gradient (the weights turn NaN); the engine keeps the optimizer's check on, so the update is skipped."""
     config = tmp_path / "ds.json"
     config.write_text('{"bf16": {"enabled": true, "check_grad_overflow": false}}')
-    engine = DeepSpeedEngine(copy.deepcopy(policy_model), 1e-3, zero_stage=stage, config_file=str(config))
+    engine = DeepSpeedEngine(
+        copy.deepcopy(policy_model), EngineSettings(1e-3, zero_stage=stage, deepspeed_config=str(config))
+    )
     start = weights(engine)
     OneShot(next(p for p in engine.module.parameters() if p.requires_grad), math.nan)
     ids = make_batch(policy_model)["input_ids"]

@@ -120,8 +120,9 @@ def test_learning_rate_scale_reaches_both_optimizers(backend):
     import torch
 
     from components.training.engines.engine import ENGINES
+    from components.training.engines.settings import EngineSettings
 
-    engine = ENGINES[backend](torch.nn.Linear(3, 1), lr=2e-3)
+    engine = ENGINES[backend](torch.nn.Linear(3, 1), EngineSettings(2e-3))
     engine.set_lr_scale(0.25)
     assert [g["lr"] for g in engine.optimizer.param_groups] == [pytest.approx(5e-4)] * len(
         engine.optimizer.param_groups

@@ -17,6 +17,7 @@ from components.config import load_config
 from components.contracts.trajectory import to_tensors
 from components.models import token_logprobs
 from components.training.engines.engine import TorchEngine
+from components.training.engines.settings import EngineSettings
 from components.training.rl.algorithms import AlgoSettings
 from components.training.rl.passes import policy_update
 from components.training.rl.trainer import lr_scale
@@ -25,7 +26,7 @@ from components.training.rl.trainer import lr_scale
 def _drift(policy, batch, scale: float, steps: int = 20) -> tuple[float, int]:
     """(mean KL(before || after) over action tokens, greedy flips) after `steps` noise-advantage DIS steps."""
     train = load_config("tiny-cpu").train
-    engine = TorchEngine(copy.deepcopy(policy), train.policy_lr, beta2=train.adam_beta2)
+    engine = TorchEngine(copy.deepcopy(policy), EngineSettings(train.policy_lr, beta2=train.adam_beta2))
     engine.set_lr_scale(scale)
     settings = AlgoSettings(1.0, 1.0, 0.95, 0.3, 5.0, 1.0, 2, 0.2, False)
     act = batch["action_mask"].bool()

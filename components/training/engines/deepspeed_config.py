@@ -16,10 +16,13 @@ import json
 import os
 from collections.abc import KeysView
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
 import torch
+
+if TYPE_CHECKING:
+    from components.training.engines.settings import EngineSettings
 
 
 def default_accelerator() -> None:
@@ -37,25 +40,23 @@ SAO_OWNED_KEYS = {
 """Top-level DeepSpeed keys a `train.deepspeed_config` file may not set, and why."""
 
 
-def builtin_deepspeed_config(
-    lr: float,
-    weight_decay: float = 0.0,
-    grad_clip: float = 1.0,
-    zero_stage: int = 0,
-    bf16: bool = False,
-    beta2: float = 0.95,
-    eps: float = 1e-8,
-) -> dict[str, Any]:
+def builtin_deepspeed_config(s: EngineSettings) -> dict[str, Any]:
     """The DeepSpeed config the SAO fields give: one micro-batch per step, torch's AdamW (no op to compile)."""
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": zero_stage},
-        "bf16": {"enabled": bf16},
+        "gradient_clipping": s.grad_clip,
+        "zero_optimization": {"stage": s.zero_stage},
+        "bf16": {"enabled": False},
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": lr, "weight_decay": weight_decay, "betas": [0.9, beta2], "eps": eps, "torch_adam": True},
+            "params": {
+                "lr": s.lr,
+                "weight_decay": s.weight_decay,
+                "betas": [0.9, s.beta2],
+                "eps": s.eps,
+                "torch_adam": True,
+            },
         },
         "steps_per_print": 10**9,
     }
@@ -176,22 +177,13 @@ def deepspeed_schema_problems(config: dict[str, Any]) -> list[str]:
     return [f"{key}: unknown DeepSpeed key (DeepSpeed never reads it)" for key in sorted(set(config) - recording.read)]
 
 
-def resolve_deepspeed_config(
-    lr: float,
-    weight_decay: float = 0.0,
-    grad_clip: float = 1.0,
-    zero_stage: int = 0,
-    bf16: bool = False,
-    beta2: float = 0.95,
-    config_file: str = "",
-    eps: float = 1e-8,
-) -> dict[str, Any]:
-    """The DeepSpeed config an engine runs with: the built-in one, with `config_file` merged over it and checked
-    (a ValueError naming `train.deepspeed_config`, the file and every problem)."""
-    config = builtin_deepspeed_config(lr, weight_decay, grad_clip, zero_stage, bf16, beta2, eps)
-    if config_file:
-        config = merge_deepspeed_config(config, read_deepspeed_file(config_file))
+def resolve_deepspeed_config(s: EngineSettings) -> dict[str, Any]:
+    """The DeepSpeed config an engine runs with: the built-in one, with the `train.deepspeed_config` file merged over
+    it and checked (a ValueError naming `train.deepspeed_config`, the file and every problem)."""
+    config = builtin_deepspeed_config(s)
+    if s.deepspeed_config:
+        config = merge_deepspeed_config(config, read_deepspeed_file(s.deepspeed_config))
         problems = deepspeed_file_problems(config) + deepspeed_schema_problems(config)
         if problems:
-            raise ValueError(f"train.deepspeed_config: {config_file}: " + "; ".join(problems))
+            raise ValueError(f"train.deepspeed_config: {s.deepspeed_config}: " + "; ".join(problems))
     return config

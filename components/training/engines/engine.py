@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from components.training.engines.collective import Collective, from_environment, local_device, process_group_backend
 from components.training.engines.deepspeed_config import default_accelerator, resolve_deepspeed_config
+from components.training.engines.settings import EngineSettings
 
 ENGINE_FILE = "engine.pt"
 """The torch engine's checkpoint file in its directory."""
@@ -135,23 +136,16 @@ class _Engine:
 class TorchEngine(_Engine):
     """AdamW on the trainable parameters, global-norm clipping, non-finite guard; one process."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        lr: float,
-        weight_decay: float = 0.0,
-        grad_clip: float = 1.0,
-        beta2: float = 0.95,
-        device: torch.device | str = "cpu",
-        eps: float = 1e-8,
-    ) -> None:
+    def __init__(self, module: nn.Module, s: EngineSettings, device: torch.device | str = "cpu") -> None:
         self.module = module.to(device)
         self.params = [p for p in module.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"{type(module).__name__} has no trainable parameters")
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, beta2), eps=eps)
-        self.base_lr = lr
-        self.grad_clip = grad_clip
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, s.beta2), eps=s.eps
+        )
+        self.base_lr = s.lr
+        self.grad_clip = s.grad_clip
         self.skipped_steps = 0
 
     def _backward(self, loss: Tensor, last: bool) -> None:
@@ -200,28 +194,14 @@ def moe_leaf_classes(module: nn.Module) -> list[type]:
 
 
 class DeepSpeedEngine(_Engine):
-    """`deepspeed.initialize` around one model (fp32 on CPU, bf16 on GPU when `bf16` is set or the config file
-    enables it). `config`, when given, is a config `resolve_deepspeed_config` already built (the learner resolves
-    it first: under ZeRO-3 the model is loaded into its partitions with it)."""
+    """`deepspeed.initialize` around one model with the DeepSpeed config of `s` (fp32 unless its file enables bf16).
+    `config`, when given, is that config already resolved (the learner resolves it first: under ZeRO-3 the model is
+    loaded into its partitions with it); `comm` the ranks it is data-parallel over (default: every rank)."""
 
     def __init__(
-        self,
-        module: nn.Module,
-        lr: float,
-        weight_decay: float = 0.0,
-        grad_clip: float = 1.0,
-        zero_stage: int = 0,
-        bf16: bool = False,
-        beta2: float = 0.95,
-        config_file: str = "",
-        config: dict | None = None,
-        comm: Collective | None = None,
-        eps: float = 1e-8,
+        self, module: nn.Module, s: EngineSettings, config: dict | None = None, comm: Collective | None = None
     ) -> None:
-        if zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage: {zero_stage} is not supported here (0-3)")
-        if config is None:
-            config = resolve_deepspeed_config(lr, weight_decay, grad_clip, zero_stage, bf16, beta2, config_file, eps)
+        config = config or resolve_deepspeed_config(s)
         init_single_process_group()
         import deepspeed
 

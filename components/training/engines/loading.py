@@ -7,101 +7,25 @@ config enables it): transformers' `from_pretrained` runs under `deepspeed.zero.I
 of the engine's config is alive, so no rank ever holds a whole fp32 copy. The critic's backbone is loaded from the
 policy's directory, not copied from a loaded policy.
 
-The hardware side of every engine (backend, ZeRO stage, DeepSpeed file, micro-batches, activation checkpointing) is
-`train`'s; each stage brings its own learning rate and regularisation, and SFT and value pretraining their own
-backend (`sft.backend`, `value_pretrain.backend`).
+What an engine is told (its optimizer's numbers, backend, ZeRO stage, DeepSpeed file, activation checkpointing) is an
+`EngineSettings` (settings.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
-from components.config import Config, TrainConfig
 from components.models import ValueModel
 from components.models.value import HEAD_FILE
 from components.training.engines.collective import Collective, local_device
-from components.training.engines.deepspeed_config import resolve_deepspeed_config
 from components.training.engines.engine import ENGINES, init_single_process_group
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """How one engine trains."""
-
-    backend: str
-    """torch (one process) or deepspeed."""
-    lr: float
-    weight_decay: float
-    grad_clip: float
-    beta2: float
-    zero_stage: int
-    deepspeed_config: str
-    """A DeepSpeed JSON file merged over the built-in config ('' for none)."""
-    activation_checkpointing: bool
-    eps: float = 1e-8
-    """AdamW epsilon (`train.adam_eps` for RL's engines)."""
-
-    @classmethod
-    def of(
-        cls,
-        tc: TrainConfig,
-        backend: str,
-        lr: float,
-        weight_decay: float,
-        grad_clip: float,
-        beta2: float,
-        eps: float = 1e-8,
-    ):
-        """A stage's own numbers on `train`'s hardware settings."""
-        return cls(
-            backend,
-            lr,
-            weight_decay,
-            grad_clip,
-            beta2,
-            tc.zero_stage,
-            tc.deepspeed_config,
-            tc.activation_checkpointing,
-            eps,
-        )
-
-    @classmethod
-    def rl(cls, tc: TrainConfig, lr: float) -> EngineSettings:
-        """RL's policy (`lr` = train.policy_lr) or critic (train.critic_lr)."""
-        return cls.of(tc, tc.backend, lr, tc.weight_decay, tc.grad_clip, tc.adam_beta2, tc.adam_eps)
-
-    @classmethod
-    def sft(cls, cfg: Config) -> EngineSettings:
-        """SFT's policy (AdamW betas (0.9, 0.95))."""
-        s = cfg.sft
-        return cls.of(cfg.train, s.backend, s.lr, s.weight_decay, s.grad_clip, 0.95)
-
-    @classmethod
-    def value_pretrain(cls, cfg: Config) -> EngineSettings:
-        """Value pretraining's critic: training's optimizer settings at `value_pretrain.lr` (else train.critic_lr)."""
-        tc, vp = cfg.train, cfg.value_pretrain
-        return cls.of(tc, vp.backend, vp.lr or tc.critic_lr, tc.weight_decay, tc.grad_clip, tc.adam_beta2)
-
-    def deepspeed(self) -> dict | None:
-        """The DeepSpeed config the engine runs with (None for the torch backend); errors name the file."""
-        if self.backend != "deepspeed":
-            return None
-        return resolve_deepspeed_config(
-            self.lr,
-            self.weight_decay,
-            self.grad_clip,
-            self.zero_stage,
-            beta2=self.beta2,
-            config_file=self.deepspeed_config,
-            eps=self.eps,
-        )
+from components.training.engines.settings import EngineSettings
 
 
 def train_dtype(ds_config: dict | None) -> torch.dtype:
@@ -133,15 +57,9 @@ def open_engine(
     rank's device, data-parallel over `comm`'s ranks (default: every rank)."""
     if settings.activation_checkpointing:
         enable_activation_checkpointing(model)
-    kwargs = {
-        "weight_decay": settings.weight_decay,
-        "grad_clip": settings.grad_clip,
-        "beta2": settings.beta2,
-        "eps": settings.eps,
-    }
     if ds_config is None:
-        return ENGINES["torch"](model, settings.lr, **kwargs, device=device or local_device())
-    return ENGINES["deepspeed"](model, settings.lr, **kwargs, config=ds_config, comm=comm)
+        return ENGINES["torch"](model, settings, device=device or local_device())
+    return ENGINES["deepspeed"](model, settings, config=ds_config, comm=comm)
 
 
 def initial_critic(sft_dir: Path, critic_path: str, dtype: torch.dtype = torch.float32) -> ValueModel:

@@ -41,7 +41,8 @@ from components.training.engines.collective import (
     local_device,
 )
 from components.training.engines.engine import init_single_process_group
-from components.training.engines.loading import EngineSettings, initial_critic, load_model, open_engine, train_dtype
+from components.training.engines.loading import initial_critic, load_model, open_engine, train_dtype
+from components.training.engines.settings import EngineSettings
 from components.training.rl.algorithms import ALGORITHMS, AlgoSettings
 from components.training.rl.placement import Apart, Placement, StepWork, Together
 from components.training.rl.step import train_step

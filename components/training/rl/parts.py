@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -64,16 +64,16 @@ class TrainerParts:
     rollouts: Rollouts
     """Where episodes are generated, and where new versions are published."""
     buffer: TrajectoryBuffer
-    intake: Intake | None
-    """Where the runner hands finished episodes (to the buffer)."""
-    runner: AgentRunner | None
-    """None in a replay (components/training/rl/replay.py): its batches are recorded."""
-    tasks: Iterator[Task]
-    """The training tasks from the start's cursor on."""
     checkpoints: Checkpointer
     guard: CollapseGuard
     tracker: Tracker
     start: RunStart
+    intake: Intake | None = None
+    """Where the runner hands finished episodes (to the buffer); None in a replay."""
+    runner: AgentRunner | None = None
+    """None in a replay (components/training/rl/replay.py): its batches are recorded."""
+    tasks: Iterator[Task] = field(default_factory=lambda: iter(()))
+    """The training tasks from the start's cursor on (none in a replay)."""
 
 
 def thread_budget(cfg: Config, cores: int | None = None) -> tuple[int, int]:
@@ -130,19 +130,19 @@ def build_parts(
         rollouts.engine, chat, setup.env, episode_limits(cfg), cfg.rollout.concurrency, seed=cfg.task.seed + start.step
     )
     return TrainerParts(
-        cfg,
-        setup,
-        learner,
-        tokenizer,
-        rollouts,
-        buffer,
-        Intake(buffer, limit=max(2 * cfg.rollout.concurrency, 16)),
-        runner,
-        setup.train_tasks(start.cursor, group),
-        Checkpointer(store, tc.checkpoint_failures, on_checkpoint, log),
-        guard,
-        tracker,
-        start,
+        cfg=cfg,
+        setup=setup,
+        learner=learner,
+        tokenizer=tokenizer,
+        rollouts=rollouts,
+        buffer=buffer,
+        intake=Intake(buffer, limit=max(2 * cfg.rollout.concurrency, 16)),
+        runner=runner,
+        tasks=setup.train_tasks(start.cursor, group),
+        checkpoints=Checkpointer(store, tc.checkpoint_failures, on_checkpoint, log),
+        guard=guard,
+        tracker=tracker,
+        start=start,
     )
 
 

@@ -170,20 +170,17 @@ def replay(
         raise HomeStateError(f"{store.location} already holds checkpoints: a replay starts in an empty home")
     guard = CollapseGuard.from_config(cfg.train, detector)
     batches = ReplayBatches(recording.steps, strict)
-    parts = TrainerParts(
-        cfg,
-        setup,
-        learner,
-        load_tokenizer(sft_dir),
-        NoRollouts(),
-        batches,
-        None,
-        None,
-        iter(()),
-        Checkpointer(store, cfg.train.checkpoint_failures, None, log),
-        guard,
-        tracker,
-        RunStart(0, 0, manifest["origin"], fresh=True),
+    parts = TrainerParts(  # no runner, intake or task stream: the batches are the recorded ones
+        cfg=cfg,
+        setup=setup,
+        learner=learner,
+        tokenizer=load_tokenizer(sft_dir),
+        rollouts=NoRollouts(),
+        buffer=batches,
+        checkpoints=Checkpointer(store, cfg.train.checkpoint_failures, None, log),
+        guard=guard,
+        tracker=tracker,
+        start=RunStart(0, 0, manifest["origin"], fresh=True),
     )
     comparison = Comparison()
 
