@@ -45,7 +45,7 @@ def distill(
     key = dataset_key(cfg)
     if stage.existing_dataset(cfg, ctx.home, log) is not None:
         log(f"distill: {key} is complete for these inputs; skipped")
-        return artifact_uri(cfg, ctx.home, key)
+        return artifact_uri(cfg.store, ctx.home, key)
     with tracked(ctx, "distill", parent_run_id) as run:
         distilled = write_traces(cfg, log)
         report = gate_traces(cfg, distilled.traces)
@@ -53,7 +53,7 @@ def distill(
         log(f"gate: {report.summary()}")
         report.raise_if_failed()
         path = save_dataset(cfg, ctx.home, distilled, report, log)
-        uri = artifact_uri(cfg, ctx.home, key)
+        uri = artifact_uri(cfg.store, ctx.home, key)
         run.log_dataset(stage.dataset_rows(path), source=uri, name=key)
         run.log_metrics(
             {

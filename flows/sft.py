@@ -40,6 +40,6 @@ def sft(
         sft_dir = train_policy(cfg, ctx.home, force, ctx.log)
         accuracy = held_out_accuracy(cfg, sft_dir, ctx.home, ctx.log)
         run.log_metrics({f"eval/{cfg.env.name}/accuracy": accuracy})
-    uri = artifact_uri(cfg, ctx.home, sft_key(cfg))
+    uri = artifact_uri(cfg.store, ctx.home, sft_key(cfg))
     create_markdown_artifact(key="sft", markdown=markdown_table([{"policy": uri, "held-out accuracy": accuracy}]))
     return {"model_dir": str(sft_dir), "uri": uri, "accuracy": accuracy}

@@ -46,7 +46,7 @@ def value_pretrain(
                 "value_pretrain/best_epoch": summary["best_epoch"],
             }
         )
-    uri = artifact_uri(cfg, ctx.home, critic_key(cfg, sft_dir))
+    uri = artifact_uri(cfg.store, ctx.home, critic_key(cfg, sft_dir))
     create_markdown_artifact(
         key="value-pretrain",
         markdown=markdown_table(

@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from components.config import Config
+from components.config import Config, EnvConfig
 from components.contracts.environment import EnvSetup, Prompts
 from components.contracts.task import Task
 from components.contracts.trace import Trace
@@ -182,10 +182,10 @@ ENVIRONMENTS: dict[str, EnvKind] = {
 }
 
 
-def _kind(cfg: Config) -> EnvKind:
-    if cfg.env.name not in ENVIRONMENTS:
-        raise ValueError(f"env.name: unknown environment {cfg.env.name!r}; known: {sorted(ENVIRONMENTS)}")
-    return ENVIRONMENTS[cfg.env.name]
+def _kind(name: str) -> EnvKind:
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"env.name: unknown environment {name!r}; known: {sorted(ENVIRONMENTS)}")
+    return ENVIRONMENTS[name]
 
 
 def build_env(cfg: Config, log: Callable[[str], None] = print) -> EnvSetup:
@@ -193,17 +193,17 @@ def build_env(cfg: Config, log: Callable[[str], None] = print) -> EnvSetup:
     model-written code checks the sandbox first (`sandbox_check.check_sandbox`): under `rollout.sandbox_degraded =
     "refuse"` a run on a host without the sandbox's namespaces stops here, before anything else starts; under
     "warn" it says so in `log`."""
-    kind = _kind(cfg)
+    kind = _kind(cfg.env.name)
     if kind.sandboxed:
         check_sandbox(cfg.rollout.sandbox_degraded, cfg.rollout.tool_packages, log)
     return kind.build(cfg)
 
 
-def env_tools(cfg: Config) -> tuple[dict, ...]:
-    """The tool schemas of `cfg.env.name`'s episodes (see `EnvKind.tools`)."""
-    return _kind(cfg).tools
+def env_tools(env: EnvConfig) -> tuple[dict, ...]:
+    """The tool schemas of `env.name`'s episodes (see `EnvKind.tools`)."""
+    return _kind(env.name).tools
 
 
 def sft_traces(cfg: Config) -> list[Trace]:
     """The teacher traces SFT imitates for `cfg.env.name` (see `EnvKind.teacher`)."""
-    return _kind(cfg).teacher(cfg)
+    return _kind(cfg.env.name).teacher(cfg)

@@ -96,20 +96,24 @@ def write_teacher_traces(cfg: Config, log: Log = print, progress: Progress | Non
 def gate_traces(cfg: Config, traces: list[Trace]) -> GateReport:
     """The trace gate (components/data/gates.py) with this config's bounds."""
     return check_traces(
-        traces, start_chat(cfg.model), max_tokens=cfg.rollout.max_total_tokens, grade=grade_answer, tools=env_tools(cfg)
+        traces,
+        start_chat(cfg.model),
+        max_tokens=cfg.rollout.max_total_tokens,
+        grade=grade_answer,
+        tools=env_tools(cfg.env),
     )
 
 
 def save_dataset(cfg: Config, home: Path, distilled: Distilled, report: GateReport, log: Log = print) -> Path:
     """Write a gated dataset under its key and publish it; returns the traces' path."""
-    key = dataset_key(cfg)
+    key, recipe = dataset_key(cfg), data_recipe(cfg)
     with atomic_dir(Path(home) / key) as tmp:
         write_traces(tmp / "traces.parquet", distilled.traces)
         write_json(tmp / "gate.json", report.to_dict())
         write_json(
             tmp / "dataset.json",
             {
-                "recipe": data_recipe(cfg),
+                "recipe": recipe,
                 "traces": len(distilled.traces),
                 "rejected": distilled.rejected,
                 "teacher_seconds": distilled.seconds,
@@ -117,16 +121,16 @@ def save_dataset(cfg: Config, home: Path, distilled: Distilled, report: GateRepo
         )
     path = Path(home) / key / "traces.parquet"
     log(f"data: wrote {len(distilled.traces)} {cfg.env.name} traces to {path}")
-    publish(cfg, home, key, log)
+    publish(cfg.store, home, key, log)
     return path
 
 
 def existing_dataset(cfg: Config, home: Path, log: Log = print) -> Path | None:
     """The complete dataset for this config in the home (fetched from the store if only there), else None."""
     key = dataset_key(cfg)
-    if not available(cfg, home, key, log):
+    if not available(cfg.store, home, key, log):
         return None
-    publish(cfg, home, key, log, again=False)
+    publish(cfg.store, home, key, log, again=False)
     return Path(home) / key / "traces.parquet"
 
 

@@ -25,8 +25,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from components.config import Config
-from components.stages.recipes import sft_key, sft_recipe
+from components.config import StoreConfig
 from components.storage import (
     ArtifactStore,
     is_complete,
@@ -43,31 +42,32 @@ def default_home() -> Path:
     return Path(os.environ.get("SAO_HOME", ".sao"))
 
 
-def artifact_store(cfg: Config, home: Path) -> ArtifactStore | None:
-    """The configured artifact store, or None when it is the run home itself (the default: nothing to copy)."""
-    uri = resolve_store_uri(cfg.store.uri, home)
+def artifact_store(sc: StoreConfig, home: Path) -> ArtifactStore | None:
+    """The store of the config's `store` section, or None when it is the run home itself (the default: nothing to
+    copy)."""
+    uri = resolve_store_uri(sc.uri, home)
     if not uri.startswith("s3://") and Path(uri).resolve() == Path(home).resolve():
         return None
-    return open_store(uri, **cfg.store.options(uri))
+    return open_store(uri, **sc.options(uri))
 
 
-def artifact_uri(cfg: Config, home: Path, key: str) -> str:
+def artifact_uri(sc: StoreConfig, home: Path, key: str) -> str:
     """Where `key` lives for good: its URI in the store, or its path under the home when the home is the store."""
-    store = artifact_store(cfg, home)
+    store = artifact_store(sc, home)
     return store.uri(key) if store is not None else str((Path(home) / key).resolve())
 
 
-def publish(cfg: Config, home: Path, key: str, log: Log = print, again: bool = True) -> None:
+def publish(sc: StoreConfig, home: Path, key: str, log: Log = print, again: bool = True) -> None:
     """Copy the complete artifact `home/key` to the store (a no-op when the store is the home); with
     `again=False`, only when the store does not hold it complete yet."""
-    store = artifact_store(cfg, home)
+    store = artifact_store(sc, home)
     if store is not None and (again or not store.is_complete(key)):
         log(f"store: published {store.put_dir(Path(home) / key, key)}")
 
 
-def fetch(cfg: Config, home: Path, key: str, log: Log = print) -> bool:
+def fetch(sc: StoreConfig, home: Path, key: str, log: Log = print) -> bool:
     """Fetch the artifact `key` from the store into `home/key` when the store has it complete; True if so."""
-    store = artifact_store(cfg, home)
+    store = artifact_store(sc, home)
     if store is None or not store.is_complete(key):
         return False
     local = Path(home) / key
@@ -77,23 +77,22 @@ def fetch(cfg: Config, home: Path, key: str, log: Log = print) -> bool:
     return True
 
 
-def available(cfg: Config, home: Path, key: str, log: Log = print) -> bool:
+def available(sc: StoreConfig, home: Path, key: str, log: Log = print) -> bool:
     """True when `home/key` is complete, fetching it from the store first if only the store has it."""
-    return is_complete(Path(home) / key) or fetch(cfg, home, key, log)
+    return is_complete(Path(home) / key) or fetch(sc, home, key, log)
 
 
 SFT_RECIPE_FILE = "sao_sft.json"
 """Written into the SFT policy's directory: the recipe it was trained with and the SFT result."""
 
 
-def existing_sft(cfg: Config, home: Path, log: Log = print) -> Path | None:
-    """The complete SFT policy of this config's recipe in the home (fetched from the store if only there), else
-    None."""
-    key = sft_key(cfg)
-    if not available(cfg, home, key, log):
+def existing_sft(sc: StoreConfig, home: Path, key: str, recipe: dict, log: Log = print) -> Path | None:
+    """The complete SFT policy `key` trained with `recipe` (`recipes.sft_key`, `sft_recipe`) in the home (fetched from
+    the store `sc` if only there), else None."""
+    if not available(sc, home, key, log):
         return None
     out = Path(home) / key
-    if json.loads((out / SFT_RECIPE_FILE).read_text()).get("recipe") != sft_recipe(cfg):
+    if json.loads((out / SFT_RECIPE_FILE).read_text()).get("recipe") != recipe:
         log(f"sft: the policy at {out} was trained with another config")
         return None
     return out

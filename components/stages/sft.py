@@ -30,7 +30,8 @@ from components.stages.recipes import eval_task, sft_key, sft_recipe
 from components.storage import atomic_dir, weights_fingerprint, write_json
 from components.training.engines.collective import SOLO, Collective, from_environment, launched_world_size, rank_cores
 from components.training.engines.engine import init_single_process_group
-from components.training.engines.loading import EngineSettings, load_model, open_engine, whole_module
+from components.training.engines.loading import load_model, open_engine, whole_module
+from components.training.engines.settings import EngineSettings
 from components.training.sft import train_sft
 
 
@@ -39,11 +40,11 @@ def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> P
     complete one of this recipe (`force`: retrain). Under torchrun this is rank 0's part: it tells the other ranks
     (`join_sft`) what happens, and with `sft.backend = "deepspeed"` every rank trains its rows of each batch."""
     comm = world()
-    key = sft_key(cfg)
-    found = None if force else existing_sft(cfg, home, log)
+    key, recipe = sft_key(cfg), sft_recipe(cfg)
+    found = None if force else existing_sft(cfg.store, home, key, recipe, log)
     if found is not None:
         log(f"sft: reusing the complete SFT policy at {found} (--force retrains)")
-        publish(cfg, home, key, log, again=False)
+        publish(cfg.store, home, key, log, again=False)
         comm.broadcast(("done", str(found)))
         return found
     out = Path(home) / key
@@ -54,9 +55,9 @@ def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> P
     model, result, chat = _train(cfg, traces_path, comm if together else SOLO, log)
     with atomic_dir(out) as tmp:
         save_model_dir(model, chat.tokenizer, tmp)
-        write_json(tmp / SFT_RECIPE_FILE, {"recipe": sft_recipe(cfg), "result": asdict(result)})
+        write_json(tmp / SFT_RECIPE_FILE, {"recipe": recipe, "result": asdict(result)})
     log(f"sft: saved {out}")
-    publish(cfg, home, key, log)
+    publish(cfg.store, home, key, log)
     comm.broadcast(("done", str(out)))
     return out
 
@@ -97,7 +98,14 @@ def _train(cfg: Config, traces_path: Path, comm: Collective, log: Log):
         torch.set_num_threads(cfg.train.threads or rank_cores())
     engine = open_engine(settings, ds_config, model)
     result = train_sft(
-        engine, chat, traces, cfg.sft, log, env_tools(cfg), comm=comm, micro_batch_tokens=cfg.train.micro_batch_tokens
+        engine,
+        chat,
+        traces,
+        cfg.sft,
+        log,
+        env_tools(cfg.env),
+        comm=comm,
+        micro_batch_tokens=cfg.train.micro_batch_tokens,
     )
     return whole_module(engine, driver=comm.is_driver), result, chat
 

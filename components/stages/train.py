@@ -69,7 +69,7 @@ def run_train(
     failed = True
     try:
         result = train(cfg, setup, sft_dir, home, tracker, resume=resume, log=log, on_checkpoint=on_checkpoint)
-        publish(cfg, home, str(result.policy_dir.relative_to(home)), log)
+        publish(cfg.store, home, str(result.policy_dir.relative_to(home)), log)
         if not evaluate:
             failed = False
             return _summary(result, tracker, jsonl, cfg.train.batch_size)

@@ -18,7 +18,8 @@ from components.config import load_config
 from components.envs.registry import build_env, env_tools, sft_traces
 from components.models import load_policy, load_tokenizer, save_model_dir, start_chat
 from components.tracking import DiskTracker
-from components.training.engines.loading import EngineSettings, open_engine
+from components.training.engines.loading import open_engine
+from components.training.engines.settings import EngineSettings
 from components.training.rl.recording import Recording
 from components.training.rl.trainer import train
 from components.training.sft import train_sft
@@ -71,7 +72,7 @@ def dense_sft_dir(request, tokenizer, tmp_path_factory):
     chat = start_chat(cfg.model) if request.param == "qwen3" else MarkerFormat(tokenizer)
     model = dense_qwen3(chat.tokenizer, seed=0, hidden_size=hidden)
     engine = open_engine(EngineSettings.sft(cfg), None, model)
-    train_sft(engine, chat, sft_traces(cfg), cfg.sft, log=lambda _: None, tools=env_tools(cfg))
+    train_sft(engine, chat, sft_traces(cfg), cfg.sft, log=lambda _: None, tools=env_tools(cfg.env))
     out = save_model_dir(model.eval(), chat.tokenizer, tmp_path_factory.mktemp("sft") / "policy")
     return request.param, out
 
