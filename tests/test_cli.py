@@ -238,3 +238,37 @@ def test_sao_train_critic_reaches_the_flow_and_a_follower_as_the_config_field(tm
     main([*argv, "--resume"])
     [(stage, cfg, resume)] = followed
     assert (stage, cfg.train.critic_path, cfg.train.max_steps, resume) == ("train", str(critic), 3, True)
+
+
+def test_sao_train_after_sao_value_pretrain_starts_from_that_critic_and_says_so(seeded_home, prefect_env):
+    """The stage commands compose as the pipeline does: `sao train` finds the critic `sao value-pretrain` made for
+    the same recipe (it does not pretrain again, nor start cold) and names it, and the policy, on its first line."""
+    from tests.cli_args import sao, sets
+
+    small = sets(
+        {
+            "value_pretrain.episodes": 8,
+            "value_pretrain.max_epochs": 1,
+            "task.eval_size": 4,
+            "train.backend": '"torch"',
+            "train.batch_size": 2,
+            "rollout.concurrency": 2,
+            "tracking.backend": '"disk"',
+        }
+    )
+
+    def run(*args: str) -> str:
+        done = subprocess.run([*sao(*args), *small], capture_output=True, text=True, timeout=600, env=prefect_env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout + done.stderr
+
+    pretrained = run("value-pretrain", "--home", str(seeded_home))
+    assert "value-pretrain: kept epoch" in pretrained
+    [critic] = (seeded_home / "models").glob("critic-tir_math-*")
+    assert is_complete(critic)
+    trained = run("train", "--home", str(seeded_home), "--max-steps", "1")
+    assert f"value_pretrain: reusing the complete critic at {critic}" in trained
+    assert "value-pretrain: kept epoch" not in trained  # found, not made again
+    policy = seeded_home / "models" / "sft-tir_math"
+    assert f"train: starts from the policy {policy} and the critic {critic} (pretrained for this recipe)" in trained
+    assert trained.index("train: starts from the policy") < trained.index("train: sao, 1 steps")  # its first line

@@ -200,3 +200,44 @@ def test_imports_sit_at_the_top_unless_a_comment_says_why():
                     if not said:
                         unexplained.append(f"{path.relative_to(ROOT.parent)}:{sub.lineno} {name}")
     assert not unexplained, "imports inside functions with no reason given:\n" + "\n".join(unexplained)
+
+
+TRAINING_ROOMS = {
+    "engines": ("rl", "sft", "value_pretrain", "plan"),
+    "rl": ("sft", "value_pretrain", "plan"),
+    "sft": ("rl", "value_pretrain", "plan"),
+    "value_pretrain": ("rl", "sft", "plan"),
+}
+"""Inside `components/training/`: the engines know no trainer; the RL loop, SFT and value pretraining know the
+engines, not each other (the planner reads the algorithms' table from `rl`)."""
+
+
+def test_training_rooms_keep_to_their_roles():
+    training = ROOT / "training"
+    broken = []
+    for room, banned in TRAINING_ROOMS.items():
+        paths = sorted((training / room).rglob("*.py")) if (training / room).is_dir() else [training / f"{room}.py"]
+        assert paths and paths[0].exists(), f"components/training/{room} is gone: update TRAINING_ROOMS"
+        for path in paths:
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("components.training."):
+                    target = node.module.split(".")[2]
+                    if target in banned:
+                        broken.append(f"{path.relative_to(ROOT.parent)} imports components.training.{target}")
+    assert not broken, "\n".join(broken)
+
+
+LONGEST_FUNCTION = 80
+"""Lines, decorators and docstring included: a longer function is several steps that want names of their own."""
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = []
+    for root in (ROOT, ROOT.parent / "flows"):
+        for path in sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                    if node.end_lineno - first + 1 > LONGEST_FUNCTION:
+                        long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}")
+    assert not long, f"functions over {LONGEST_FUNCTION} lines:\n" + "\n".join(long)
