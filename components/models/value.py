@@ -18,16 +18,21 @@ HEAD_FILE = "value_head.safetensors"
 
 
 class ValueModel(nn.Module):
-    """Backbone (a transformers base model) + `value_head: Linear(hidden, 1)`."""
+    """Backbone (a transformers base model) + `value_head: Linear(hidden, 1)` in the backbone's dtype.
+
+    One dtype for every parameter: DeepSpeed's bf16 engines flatten a module's parameters into one buffer and
+    refuse a fp32 head beside a bf16 backbone. `forward` returns fp32 values whatever the dtype."""
 
     def __init__(self, backbone: PreTrainedModel, head: nn.Linear | None = None) -> None:
         super().__init__()
         self.backbone = backbone
         hidden = backbone.config.hidden_size
-        self.value_head = head if head is not None else nn.Linear(hidden, 1)
+        dtype = backbone.dtype
         if head is None:
-            nn.init.normal_(self.value_head.weight, std=1.0 / (hidden + 1))
-            nn.init.zeros_(self.value_head.bias)
+            head = nn.Linear(hidden, 1)  # initialised in fp32, then cast: the same draws whatever the dtype
+            nn.init.normal_(head.weight, std=1.0 / (hidden + 1))
+            nn.init.zeros_(head.bias)
+        self.value_head = head.to(dtype)
 
     @classmethod
     def from_policy(cls, policy: PreTrainedModel) -> ValueModel:

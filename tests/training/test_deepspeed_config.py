@@ -158,3 +158,31 @@ def test_train_adam_eps_is_the_rl_engines_adam_epsilon(backend):
     assert engine.optimizer.param_groups[0]["eps"] == 1e-4
     engine.backward_step(engine.module(torch.full((1, 2), 1e-4)).sum())
     assert engine.module.weight.detach()[0].tolist() == pytest.approx([1.0 - 1e-3, -2.0 - 1e-3], abs=1e-6)
+
+
+def test_the_repository_zero3_bf16_file_trains_the_critic_in_the_backbones_dtype(tmp_path):
+    """The GPU presets' file (ZeRO-3, bf16) with the critic loaded into partitions: DeepSpeed flattens one dtype,
+    so a fp32 head beside the bf16 backbone failed `deepspeed.initialize` (issue 42). The head is bf16, the
+    values fp32, and an update moves the head."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from components.training.engines.loading import initial_critic, load_model, open_engine
+
+    config = Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "policy")
+    settings = EngineSettings(1e-2, "deepspeed", deepspeed_config=str(REPO / "infra/deepspeed/zero3-bf16.json"))
+    ds_config = settings.deepspeed()
+    critic = load_model(ds_config, lambda dtype: initial_critic(tmp_path / "policy", "", dtype))
+    assert {p.dtype for p in critic.parameters()} == {torch.bfloat16}
+    engine = open_engine(settings, ds_config, critic)
+    assert engine.zero_stage == 3
+    ids = torch.randint(0, 64, (2, 8))
+    values = engine.module(ids)
+    assert values.dtype == torch.float32 and values.shape == (2, 8)
+    before = [part["value_head.bias"].clone() for part in engine.full_state() if "value_head.bias" in part]
+    engine.backward_step((values - 1.0).pow(2).mean())
+    after = [part["value_head.bias"] for part in engine.full_state() if "value_head.bias" in part]
+    assert after[0].dtype == torch.bfloat16 and not torch.equal(before[0], after[0])
