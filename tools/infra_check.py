@@ -37,6 +37,7 @@ from components.training.engines.deepspeed_config import (
 )
 from components.training.engines.settings import EngineSettings
 from tools.container_check import check_containers
+from tools.image_imports import check_image_imports
 from tools.k8s_check import check_k8s
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -641,6 +642,7 @@ def check_infra(root: Path) -> list[str]:
         + check_presets(root)
         + check_k8s(root)
         + check_containers(root)
+        + check_image_imports(root, sorted((root / "infra" / "docker").glob("*.Dockerfile")), dockerfile_instructions)
     )
 
 

@@ -13,10 +13,12 @@ ENV VLLM_SERVER_DEV_MODE=1 \
     DO_NOT_TRACK=1 \
     PYTHONPATH=/opt/sao
 
-# Only the extension and its (empty) package files: the module imports nothing at import time.
-COPY components/__init__.py /opt/sao/components/__init__.py
-COPY components/rollout/__init__.py /opt/sao/components/rollout/__init__.py
-COPY components/rollout/vllm_worker.py /opt/sao/components/rollout/vllm_worker.py
+# The extension, its (empty) package files and what its methods import in the worker: the collective transport
+# (transfer.py: torch and pydantic, both in the base image) and its fault points (faults.py: the standard library).
+# `make infra-check` follows these files' imports and refuses a module of the project left out.
+COPY components/__init__.py components/faults.py /opt/sao/components/
+COPY components/rollout/__init__.py components/rollout/vllm_worker.py components/rollout/transfer.py \
+     /opt/sao/components/rollout/
 
 RUN useradd --create-home --uid 10001 sao
 USER 10001

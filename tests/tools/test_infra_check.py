@@ -395,3 +395,30 @@ def test_the_engine_may_serve_open_on_loopback(tree):
         (WORKER_ENV, "<<: *sao-env"),
     ]
     assert _engine_access(tree, *edits) == []
+
+
+def test_an_image_without_a_module_its_code_imports_is_refused(tree):
+    """Issue 42: the vLLM image copied vllm_worker.py alone, whose methods import components.rollout.transfer
+    (which imports components.faults): every collective join failed inside the worker. Today's file passes; the
+    old COPY lines are refused, naming the importer and the module; dropping faults.py alone is found through
+    transfer.py."""
+    dockerfile = tree / "infra" / "docker" / "vllm.Dockerfile"
+    text = dockerfile.read_text()
+    start, end = text.index("COPY components/__init__.py"), text.index("RUN useradd")
+    old = (
+        "COPY components/__init__.py /opt/sao/components/__init__.py\n"
+        "COPY components/rollout/__init__.py /opt/sao/components/rollout/__init__.py\n"
+        "COPY components/rollout/vllm_worker.py /opt/sao/components/rollout/vllm_worker.py\n\n"
+    )
+    dockerfile.write_text(text[:start] + old + text[end:])
+    problems = [p for p in check_infra(tree) if "does not copy" in p]
+    assert problems == [
+        "infra/docker/vllm.Dockerfile: components/rollout/vllm_worker.py imports components/rollout/transfer.py, "
+        "which the image does not copy (add a COPY line)"
+    ]
+    dockerfile.write_text(text.replace("components/__init__.py components/faults.py", "components/__init__.py"))
+    problems = [p for p in check_infra(tree) if "does not copy" in p]
+    assert problems == [
+        "infra/docker/vllm.Dockerfile: components/rollout/transfer.py imports components/faults.py, "
+        "which the image does not copy (add a COPY line)"
+    ]
