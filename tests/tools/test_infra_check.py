@@ -422,3 +422,12 @@ def test_an_image_without_a_module_its_code_imports_is_refused(tree):
         "infra/docker/vllm.Dockerfile: components/rollout/transfer.py imports components/faults.py, "
         "which the image does not copy (add a COPY line)"
     ]
+
+
+def test_a_vllm_entrypoint_without_the_pinned_generation_config_is_refused(tree):
+    """vLLM's default `--generation-config auto` applies a model's generation_config.json (penalties, min_p) to
+    sampling and so to the logged log-probs DIS divides by (issue 42, item 11)."""
+    dockerfile = tree / "infra" / "docker" / "vllm.Dockerfile"
+    dockerfile.write_text(dockerfile.read_text().replace('"--generation-config", "vllm", ', ""))
+    problems = [p for p in check_infra(tree) if "ENTRYPOINT" in p]
+    assert len(problems) == 1 and problems[0].endswith("ENTRYPOINT lacks --generation-config vllm")

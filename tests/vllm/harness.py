@@ -77,6 +77,8 @@ class VLLMServer:
                 str(self.port),
                 "--logprobs-mode",
                 "processed_logprobs",
+                "--generation-config",
+                "vllm",
                 "--worker-extension-cls",
                 "components.rollout.vllm_worker.SaoWorkerExtension",
                 "--max-model-len",
