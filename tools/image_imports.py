@@ -17,17 +17,25 @@ from pathlib import Path
 FIRST_PARTY = ("components", "flows", "tools", "bench")
 
 
-def copied_files(root: Path, dockerfile: Path, instructions) -> set[str]:
+def instruction_words(args: str) -> list[str]:
+    """A Dockerfile instruction's arguments as words, in its exec (JSON) or shell form."""
+    return json.loads(args) if args.startswith("[") else shlex.split(args)
+
+
+def copy_sources(args: str) -> list[str]:
+    """The build-context sources of a COPY/ADD line's arguments (none for a copy from another stage, `--from`)."""
+    words = instruction_words(args)
+    if any(w.startswith("--from") for w in words):
+        return []
+    return [w for w in words if not w.startswith("--")][:-1]
+
+
+def copied_files(root: Path, instructions) -> set[str]:
     """Repository-relative paths of the files the Dockerfile's COPY/ADD lines take from the build context (`root`);
-    a copied directory brings every file below it. Copies from another stage (`--from`) bring none of ours."""
+    a copied directory brings every file below it."""
     files: set[str] = set()
     for _, word, args in instructions:
-        if word not in ("COPY", "ADD"):
-            continue
-        tokens = json.loads(args) if args.startswith("[") else shlex.split(args)
-        if any(t.startswith("--from") for t in tokens):
-            continue
-        for source in [t for t in tokens if not t.startswith("--")][:-1]:
+        for source in copy_sources(args) if word in ("COPY", "ADD") else ():
             for match in root.glob(source.lstrip("/")):
                 paths = [match] if match.is_file() else [p for p in match.rglob("*") if p.is_file()]
                 files.update(p.relative_to(root).as_posix() for p in paths if "__pycache__" not in p.parts)
@@ -84,7 +92,7 @@ def check_image_imports(root: Path, dockerfiles: list[Path], instructions_of) ->
     problems = []
     for dockerfile in dockerfiles:
         rel = dockerfile.relative_to(root).as_posix()
-        copied = copied_files(root, dockerfile, instructions_of(dockerfile))
+        copied = copied_files(root, instructions_of(dockerfile))
         for importer, needed in missing_imports(root, copied):
             problems.append(f"{rel}: {importer} imports {needed}, which the image does not copy (add a COPY line)")
     return problems

@@ -37,7 +37,7 @@ from components.training.engines.deepspeed_config import (
 )
 from components.training.engines.settings import EngineSettings
 from tools.container_check import check_containers
-from tools.image_imports import check_image_imports
+from tools.image_imports import check_image_imports, copy_sources, instruction_words
 from tools.k8s_check import check_k8s
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -541,7 +541,7 @@ penalties or min_p from the model's generation_config.json that the trainer's lo
 
 
 def _missing(entrypoint: str, flag: tuple[str, str]) -> bool:
-    words = json.loads(entrypoint) if entrypoint.startswith("[") else shlex.split(entrypoint)
+    words = instruction_words(entrypoint)
     return not any(words[i : i + 2] == list(flag) for i in range(len(words)))
 
 
@@ -571,10 +571,7 @@ def check_dockerfiles(root: Path, model: dict | None) -> list[str]:
                 if len(parts) >= 3 and parts[-2].upper() == "AS":
                     stages.add(parts[-1])
             elif word in ("COPY", "ADD"):
-                tokens = json.loads(args) if args.startswith("[") else shlex.split(args)
-                if any(t.startswith("--from") for t in tokens):
-                    continue
-                for source in [t for t in tokens if not t.startswith("--")][:-1]:
+                for source in copy_sources(args):
                     if "://" not in source and not list(context.glob(source.lstrip("/"))):
                         problems.append(
                             f"{rel}:{number}: {word} source {source!r} does not exist in the build "
