@@ -226,8 +226,9 @@ class RolloutConfig:
     probe_every: NonNegativeInt = 1
     """After every N-th version (0: never), each server's log-probs of a fixed sample are checked against the
     trainer's (components/rollout/probe.py); a server off by more than `probe_tolerance` leaves the pool."""
-    probe_tolerance: PositiveFloat = 1e-4
-    """Largest |log-prob| difference the probe accepts: fp32 servers agree to ~1e-6; bf16 ones (vLLM) need ~0.05."""
+    probe_tolerance: PositiveFloat | None = None
+    """Largest median |log-prob| difference over the probe's tokens that the probe accepts. None: from the dtype the
+    weights are served in (components/rollout/probe.py, `TOLERANCE`: 1e-4 at fp32, 0.05 at bf16)."""
     publish_overlap: bool = False
     """HTTP servers: the trainer goes on to its next step once a version is staged (a host copy), while the transfer
     runs; the step after waits for it. Rollouts sample the previous version meanwhile (their tokens say so). Sync

@@ -42,7 +42,7 @@ from components.rollout.access import OPEN, Access
 from components.rollout.client import EngineClient, server_failed
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.pool import EXCLUDED, EnginePool
-from components.rollout.probe import WeightsMismatch, compare, probe_request
+from components.rollout.probe import WeightsMismatch, compare, probe_requests, tolerance_for
 from components.rollout.transfer import route_address
 from components.rollout.transports import (
     PUBLISHED,
@@ -158,7 +158,7 @@ class HttpRollouts:
         self.rc, self.tokenizer, self.version, self.log = rc, tokenizer, version, log
         # Resolved once: the paths posted to the servers, and those they report back, are compared to it.
         self.publish_dir = Path(publish_dir).resolve()
-        self.probe_diff = 0.0
+        self.probe_diff = self.probe_median = 0.0
         self.probe_failures = 0
         self.transfer_s = self.publish_bytes = 0.0
         self._pending: asyncio.Task | None = None
@@ -321,23 +321,26 @@ class HttpRollouts:
     async def check(self, version: int) -> None:
         """Probe every live server that serves `version` (probe.py); one that answers with other weights is taken
         out of the pool for good, and `WeightsMismatch` is raised once every server is out for good."""
-        request = probe_request(self._template.config.vocab_size)
-        self.probe_diff = 0.0  # this round's largest difference
+        requests = probe_requests(self._template.config.vocab_size)
+        tolerance = tolerance_for(self._template, self.rc.probe_tolerance)
+        self.probe_diff = self.probe_median = 0.0  # this round's largest differences
         for server in [s for s in self.engine.servers if s.up and s.version == version]:
             try:
-                result = await server.client.generate(request)
+                results = await asyncio.gather(*(server.client.generate(r) for r in requests))
             except Exception as exc:
                 if not server_failed(exc):
                     raise
                 continue  # a dead server: the pool finds it on its next request and revives it with the weights
-            found = await asyncio.to_thread(compare, server.url, self._template, result, version)
+            found = await asyncio.to_thread(compare, server.url, self._template, results, version)
             self.probe_diff = max(self.probe_diff, found.max_abs_diff)
-            if not found.ok(self.rc.probe_tolerance):
+            self.probe_median = max(self.probe_median, found.median_abs_diff)
+            if not found.ok(tolerance):
                 self.probe_failures += 1
+                tagged = sorted({v for result in results for v in result.versions})
                 reason = (
                     f"weights probe after v{version}: its log-probs differ from the trainer's by "
-                    f"{found.max_abs_diff:.3g} (rollout.probe_tolerance = {self.rc.probe_tolerance:g})"
-                    + ("" if found.versions_ok else f", and its tokens are tagged {sorted(set(result.versions))}")
+                    f"{found.median_abs_diff:.3g} (median; rollout.probe_tolerance = {tolerance:g})"
+                    + ("" if found.versions_ok else f", and its tokens are tagged {tagged}")
                 )
                 self.log(f"rollout: {server.url} taken out of the pool: {reason}")
                 self.engine.exclude(server, reason)
@@ -357,7 +360,11 @@ class HttpRollouts:
         }
         if self.rc.probe_every:
             row.update(
-                {"rollout/probe_max_abs_diff": self.probe_diff, "rollout/probe_failures": float(self.probe_failures)}
+                {
+                    "rollout/probe_median_abs_diff": self.probe_median,
+                    "rollout/probe_max_abs_diff": self.probe_diff,
+                    "rollout/probe_failures": float(self.probe_failures),
+                }
             )
         return row
 

@@ -267,7 +267,7 @@ def test_http_backend_trains_against_a_served_engine(tmp_path, tiny_cfg, sft_dir
         log=lambda _: None,
     )
     http_only = {"rollout/engines_live", "rollout/transfer_s", "rollout/publish_bytes"}
-    probe = {"rollout/probe_max_abs_diff", "rollout/probe_failures"}  # rollout.probe_every = 1
+    probe = {"rollout/probe_median_abs_diff", "rollout/probe_max_abs_diff", "rollout/probe_failures"}  # rollout.probe_every = 1
     assert set(result.history[0]) == set(embedded.history[0]) | http_only | probe
     assert all(
         row["rollout/probe_failures"] == 0 and row["rollout/probe_max_abs_diff"] < 1e-5 for row in result.history
