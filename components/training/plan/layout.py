@@ -1,6 +1,9 @@
 """Where the models go and what each GPU then holds: one plan per ZeRO stage and critic placement, the cheapest
 that fits, and, when none does, how many GPUs or how short the rows would have to be. Numbers in, numbers out
-(`planner.py` reads them from a config); the bytes come from memory.py.
+(`planner.py` reads them from a config); the models' bytes come from memory.py, the rest from overheads.py.
+
+A plan fits when its fullest GPU keeps `HEADROOM` of its memory free: the peak counts the models, NCCL, the weight
+transfer and a fragmentation reserve, but not the CUDA context, the libraries' workspaces or the estimates' errors.
 
 Placements: `shared` puts the policy and the critic on every rank; `separate` puts the policy on `gpus - c` ranks and
 the critic on `c` (`train.critic_ranks`, components/training/rl/placement.py), at ZeRO stages 0-2 (the learner refuses
@@ -23,11 +26,14 @@ from components.training.plan.memory import (
     micro_batch_tokens,
     model_memory,
 )
+from components.training.plan.overheads import Runtime, fragmentation_share, nccl_group_bytes, transfer_bytes
 
 Placement = Literal["shared", "separate"]
 PLACEMENTS: tuple[Placement, ...] = ("shared", "separate")
 MAX_GPUS = 1024
 """`fewest_gpus` looks no further."""
+HEADROOM = 0.10
+"""The share of a GPU's memory a plan must leave free to fit (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,50 @@ class Workload:
     """Padded tokens per micro-batch (`train.micro_batch_tokens`); 0: a rank's whole share in one pass."""
     checkpointing: bool
     """Activation checkpointing (`train.activation_checkpointing`)."""
+    runtime: Runtime = Runtime()
+    """The weight transfer and the allocator (overheads.py); the default has no transfer and no expandable segments."""
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """One kind of GPU of a plan: the models it trains and what it holds besides them (overheads.py)."""
+
+    holds: str
+    """Which models: policy, critic or policy+critic."""
+    models: tuple[ModelMemory, ...]
+    """Their bytes on this GPU."""
+    groups: tuple[int, ...]
+    """Ranks of each NCCL communicator this GPU is in."""
+    transfer: float
+    """The weight transfer's buckets on this GPU (the policy's first rank; 0 elsewhere)."""
+    expandable: bool
+    """The allocator's segments grow in place (a smaller fragmentation reserve)."""
+
+    @property
+    def nccl(self) -> float:
+        """NCCL's buffers, every communicator's."""
+        return float(sum(nccl_group_bytes(ranks) for ranks in self.groups))
+
+    @property
+    def allocated(self) -> float:
+        """The caching allocator's peak: the models' (memory.py `gpu_peak`) and the transfer's buckets on top
+        (overheads.py: during the next step with `rollout.publish_overlap`, an upper bound without)."""
+        return gpu_peak(list(self.models)) + self.transfer
+
+    @property
+    def fragmentation(self) -> float:
+        """The reserve for the allocator's fragmentation, a share of its bytes."""
+        return fragmentation_share(self.expandable) * self.allocated
+
+    @property
+    def peak(self) -> float:
+        """Everything: the allocator's peak, its fragmentation reserve, NCCL's buffers."""
+        return self.allocated + self.fragmentation + self.nccl
+
+    @property
+    def host(self) -> float:
+        """Host memory the models' offloaded optimizers take per GPU (not counted in the peak)."""
+        return sum(m.host for m in self.models)
 
 
 @dataclass(frozen=True)
@@ -72,6 +122,10 @@ class GpuPlan:
     """Padded tokens in the policy's largest micro-batch."""
     capacity: float
     """Bytes one GPU has for training."""
+    runtime: Runtime
+    """The weight transfer and the allocator."""
+    transfer: float
+    """The weight transfer's buckets on the policy's first GPU (0 without a collective transfer)."""
 
     @property
     def gpus(self) -> int:
@@ -84,28 +138,45 @@ class GpuPlan:
         return max(self.policy_ranks, self.critic_ranks)
 
     @property
-    def kinds(self) -> list[tuple[str, list[ModelMemory]]]:
-        """The kinds of GPU, each with the models it holds: one kind when shared, two when separate."""
+    def kinds(self) -> list[GpuMemory]:
+        """The kinds of GPU: one when shared, two when separate. Each is in torchrun's world group and in the group
+        its model's DeepSpeed engine reduces over (a clone of the world when shared); the policy's kind is the one
+        with rank 0, which also holds the transfer's buckets and a group with each server (overheads.py)."""
+        pairs = (2,) * self.runtime.transfer_servers
+        expandable = self.runtime.expandable_segments
+
+        def kind(holds: str, models: list[ModelMemory], ranks: int, first: bool) -> GpuMemory:
+            groups = (self.gpus, ranks, *(pairs if first else ()))
+            return GpuMemory(holds, tuple(models), groups, self.transfer if first else 0.0, expandable)
+
         if self.critic is None:
-            return [("policy", [self.policy])]
+            return [kind("policy", [self.policy], self.policy_ranks, True)]
         if self.placement == "shared":
-            return [("policy+critic", [self.policy, self.critic])]
-        return [("policy", [self.policy]), ("critic", [self.critic])]
+            return [kind("policy+critic", [self.policy, self.critic], self.gpus, True)]
+        return [
+            kind("policy", [self.policy], self.policy_ranks, True),
+            kind("critic", [self.critic], self.critic_ranks, False),
+        ]
 
     @property
-    def fullest(self) -> tuple[str, list[ModelMemory]]:
+    def fullest(self) -> GpuMemory:
         """The kind of GPU whose peak is highest."""
-        return max(self.kinds, key=lambda kind: gpu_peak(kind[1]))
+        return max(self.kinds, key=lambda kind: kind.peak)
 
     @property
     def peak(self) -> float:
         """Peak bytes of the fullest GPU."""
-        return gpu_peak(self.fullest[1])
+        return self.fullest.peak
+
+    @property
+    def free(self) -> float:
+        """Bytes the fullest GPU leaves free (negative: what it lacks)."""
+        return self.capacity - self.peak
 
     @property
     def fits(self) -> bool:
-        """The fullest GPU's peak is within its capacity."""
-        return self.peak <= self.capacity
+        """The fullest GPU keeps `HEADROOM` of its capacity free."""
+        return self.free >= HEADROOM * self.capacity
 
 
 def plan(w: Workload, gpus: int, stage: int, placement: Placement, capacity: float, critic_ranks: int = 0) -> GpuPlan:
@@ -127,7 +198,9 @@ def plan(w: Workload, gpus: int, stage: int, placement: Placement, capacity: flo
 
     policy, tokens = on(w.policy, policy_ranks, lm_head=True)
     critic = on(w.critic, c_ranks, lm_head=False)[0] if w.critic is not None else None
-    return GpuPlan(stage, placement, policy_ranks, c_ranks, policy, critic, tokens, capacity)
+    low = 2 if zero.bf16 else 4
+    transfer = transfer_bytes(w.runtime.transfer_servers, w.runtime.transfer_bucket, low * w.policy.largest_param)
+    return GpuPlan(stage, placement, policy_ranks, c_ranks, policy, critic, tokens, capacity, w.runtime, transfer)
 
 
 def plans(w: Workload, gpus: int, capacity: float, placements: tuple[Placement, ...] = PLACEMENTS) -> list[GpuPlan]:
@@ -150,7 +223,8 @@ def cheapest(rows: list[GpuPlan]) -> GpuPlan | None:
 
 def fewest_gpus(w: Workload, capacity: float, start: int, placement: Placement) -> GpuPlan | None:
     """The cheapest fitting plan with `placement` on the fewest GPUs from `start`; None up to MAX_GPUS. More GPUs
-    never hold more (states shrink, a micro-batch never grows), so a bisection finds it."""
+    hold less (states shrink, a micro-batch never grows; NCCL's NVLS buffers from three GPUs on are far smaller than
+    the states the third GPU takes off the others), so a bisection finds it."""
 
     def best(gpus: int) -> GpuPlan | None:
         return cheapest(plans(w, gpus, capacity, (placement,)))

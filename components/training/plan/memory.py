@@ -1,5 +1,6 @@
 """Per-GPU memory of DeepSpeed training, by arithmetic: the planner behind `sao plan` (`planner.py` resolves the
-numbers from a config; nothing here sees one). Everything is in bytes.
+numbers from a config; nothing here sees one). Everything is in bytes. What a GPU holds besides the models' tensors
+(NCCL, the weight transfer, the allocator's fragmentation) is overheads.py's.
 
 Model states, bytes per parameter (DeepSpeed 0.19, torch AdamW, bf16 on):
 
@@ -20,9 +21,22 @@ offload) count the same 2 + 18/N at stage 2; at stage 3 they count 18/N, where s
 gradient partition (`grad_partitions_flat_buffer`, 2/N): ours is 20/N, and tests/training/test_plan.py holds the
 two to exactly that difference.
 
-ZeRO buffers: the gradient bucket (`reduce_bucket_size` elements, stages 1-3); at stage 3 also the gathered
-parameters (the largest module's, plus the prefetch bucket, within `stage3_max_live_parameters`) and that module's
-full gradient before it is reduce-scattered (DeepSpeed's estimator counts these two as 4 bytes x largest layer).
+Optimizer offload (`zero_optimization.offload_optimizer.device` cpu or nvme, stages 1-3): the fp32 master weights,
+Adam's moments and the fp32 gradients the step reads live on the host, where DeepSpeed steps them; at stage 3 so does
+the bf16 gradient partition (stage3.py allocates `grad_partitions_flat_buffer` on the offload device). At stages 1-2
+the planner still counts the gradients on the GPU (an upper bound). The host holds 12 + 4 bytes per trainable
+parameter of the rank's partition, + 2 at stage 3.
+
+ZeRO buffers: the gradient bucket (`reduce_bucket_size` elements, stages 1-3); at stage 3 also the gathered module's
+full gradient before it is reduce-scattered. ZeRO-3's gathered parameters are a line of their own (`gather`):
+DeepSpeed gathers a module's parameters all at once (`fetch_sub_module`, partitioned_param_coordinator.py), then
+prefetches the next parameters in trace order, a whole parameter at a time, while fewer than
+min(`stage3_max_live_parameters` - those available, `stage3_prefetch_bucket_size`) elements are in flight: the last
+one it starts overshoots that budget by up to the largest single parameter. So at most the largest module, the
+budget and the largest parameter are gathered at once (no prefetch when the largest module leaves no budget). In
+Qwen3-30B-A3B the 128 experts of a layer are one module of two fused parameters (`gate_up_proj` 402.65M elements,
+`down_proj` 201.33M): 603.98M + 50M + 402.65M elements, 2.11 GB in bf16. DeepSpeed's estimator counts 2 bytes x
+largest layer for the gathered parameters and as much for their gradient.
 
 Activations, bytes per token per decoder layer, counted from what autograd saves for the backward in transformers'
 Qwen3-MoE layer (SDPA attention, grouped_mm experts), bf16. The method is Korthikanti et al. 2022, "Reducing
@@ -46,17 +60,18 @@ bound: one unpadded row needs no mask and keeps k and v unrepeated). Per model, 
 and the head's input (8h + 4 per token), the token ids (8), rotary cos/sin (4 x head_dim x len). With activation
 checkpointing each layer keeps only its bf16 input (2h per token) and one layer is recomputed at a time. A dense
 MLP (no experts) keeps 8f. Left out: gradients in flight during the backward, the loss's (B, T) tensors (tens of
-bytes per token), the CUDA context, NCCL's buffers and the allocator's fragmentation; the capacity the planner is
-given should leave room for those. This is an estimate; the test checks the layer formula against what autograd
+bytes per token), the CUDA context and the libraries' workspaces: the free share a plan must keep
+(layout.py `HEADROOM`) is for those. This is an estimate; the test checks the layer formula against what autograd
 saves on CPU, not a GPU's peak.
 
 The policy's LM head runs in chunks of 1024 positions (components/models/logprobs.py): four fp32 (chunk, vocab)
 tensors at once (the statistics pass: logits, log-softmax, its exp and their product; the backward's recompute
 holds about as many), 16 x chunk x vocab bytes.
 
-A GPU's peak: the states of every model it holds, plus the larger of one model's backward (activations, logits,
-buffers) and one model's optimizer step (step gradients). Policy and critic update one after the other
-(components/training/rl/algorithms.py), so their working sets never coexist.
+What a GPU's models take (`gpu_peak`): the states of every model it holds, plus the larger of one model's backward
+(activations, logits, buffers, gathered parameters) and one model's optimizer step (step gradients). Policy and
+critic update one after the other (components/training/rl/algorithms.py), so their working sets never coexist.
+layout.py adds overheads.py's lines to that for the GPU's peak.
 """
 
 from __future__ import annotations
@@ -78,6 +93,9 @@ class Params:
     """Parameters with gradients and optimizer state (total less the frozen ones)."""
     largest_layer: int
     """Most parameters one module holds directly: what ZeRO-3 gathers at once (DeepSpeed's `model_to_params`)."""
+    largest_param: int
+    """Elements of the largest single parameter (Qwen3-MoE's fused `gate_up_proj`): what a ZeRO-3 prefetch may
+    overshoot its bucket by, and the least a weight-transfer bucket holds."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +138,8 @@ class Zero:
     """`stage3_max_live_parameters`, elements."""
     sub_group: int = 1_000_000_000
     """`sub_group_size`, elements: the stage-3 optimizer steps its partition in groups of this size."""
+    offload: bool = False
+    """`offload_optimizer.device` is cpu or nvme: from stage 1 the optimizer's states and step live on the host."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -143,7 +163,11 @@ class ModelMemory:
     logits: float
     """The LM head's chunk of logits and their gradients (transient; the policy only)."""
     buffers: float
-    """ZeRO's gradient bucket and, at stage 3, gathered parameters and their gradients (during the backward)."""
+    """ZeRO's gradient bucket and, at stage 3, the gathered module's gradient (during the backward)."""
+    gather: float = 0.0
+    """ZeRO-3's gathered parameters: the module being computed and the prefetched ones (during the backward)."""
+    host: float = 0.0
+    """What optimizer offload keeps in host memory instead (not the GPU's; reported beside it)."""
 
     @property
     def states(self) -> float:
@@ -153,7 +177,7 @@ class ModelMemory:
     @property
     def backward(self) -> float:
         """The working set of a forward and backward."""
-        return self.activations + self.logits + self.buffers
+        return self.activations + self.logits + self.buffers + self.gather
 
     @property
     def working(self) -> float:
@@ -162,34 +186,57 @@ class ModelMemory:
 
 
 def gpu_peak(models: list[ModelMemory]) -> float:
-    """Peak bytes of a GPU holding `models`, which train one after the other: every model's states plus the largest
-    working set."""
+    """Peak bytes the models of a GPU take, training one after the other: every model's states plus the largest
+    working set (the GPU's own peak adds overheads.py's lines: layout.py `GpuMemory`)."""
     return sum(m.states for m in models) + max(m.working for m in models)
 
 
 def model_states(params: Params, ranks: int, zero: Zero) -> tuple[float, float, float, float]:
-    """(weights, gradients, optimizer, step gradients) on each of `ranks` GPUs (module docstring's table)."""
+    """(weights, gradients, optimizer, step gradients) on each of `ranks` GPUs (module docstring's table); what
+    optimizer offload keeps on the host is 0 here (`host_states`)."""
     low = 2 if zero.bf16 else 4
     keeps_master = zero.bf16 or zero.stage >= 1
     weights = low * params.total / (ranks if zero.stage >= 3 else 1)
     gradients = low * params.trainable / (ranks if zero.stage >= 2 else 1)
     partition = params.trainable / (ranks if zero.stage >= 1 else 1)
+    if offloads(zero):
+        return weights, (0.0 if zero.stage == 3 else gradients), 0.0, 0.0
     optimizer = (12 if keeps_master else 8) * partition
     step = 4 * (min(partition, zero.sub_group) if zero.stage >= 3 else partition) if keeps_master else 0.0
     return weights, gradients, optimizer, step
 
 
+def offloads(zero: Zero) -> bool:
+    """Whether the optimizer steps on the host: offload asked for, at a stage that partitions it (1-3)."""
+    return zero.offload and zero.stage >= 1
+
+
+def host_states(params: Params, ranks: int, zero: Zero) -> float:
+    """Bytes of each rank's states in host memory under optimizer offload (module docstring; 0 without): its
+    partition's fp32 master weights and moments (12) and fp32 gradients (4), and at stage 3 its bf16 gradients."""
+    if not offloads(zero):
+        return 0.0
+    per_param = 16 + ((2 if zero.bf16 else 4) if zero.stage == 3 else 0)
+    return float(per_param * params.trainable / ranks)
+
+
 def zero_buffers(largest_layer: int, zero: Zero) -> float:
-    """ZeRO's buffers during the backward (module docstring): the gradient bucket from stage 1; at stage 3 the
-    gathered parameters and the gathered module's gradient."""
+    """ZeRO's buffers during the backward (module docstring): the gradient bucket from stage 1; at stage 3 also the
+    gathered module's full gradient."""
     if zero.stage == 0:
         return 0.0
     low = 2 if zero.bf16 else 4
-    buffers = low * zero.reduce_bucket
-    if zero.stage == 3:
-        gathered = max(largest_layer, min(zero.max_live, largest_layer + zero.prefetch_bucket))
-        buffers += low * gathered + low * largest_layer
-    return float(buffers)
+    return float(low * zero.reduce_bucket + (low * largest_layer if zero.stage == 3 else 0))
+
+
+def gather_bytes(largest_layer: int, largest_param: int, zero: Zero) -> float:
+    """ZeRO-3's gathered parameters at once (module docstring): the largest module, and the prefetch's budget
+    (the bucket, within what `max_live` leaves beside that module) overshot by up to the largest parameter."""
+    if zero.stage < 3:
+        return 0.0
+    budget = min(zero.prefetch_bucket, zero.max_live - largest_layer)
+    prefetched = budget + largest_param if budget > 0 else 0
+    return float((2 if zero.bf16 else 4) * (largest_layer + prefetched))
 
 
 def layer_bytes_per_token(d: Decoder, padded: bool = True) -> int:
@@ -257,4 +304,6 @@ def model_memory(
         activations=activation_bytes(decoder, tokens, longest, checkpointing, zero.bf16),
         logits=logits_bytes(decoder.vocab, tokens) if lm_head else 0.0,
         buffers=zero_buffers(params.largest_layer, zero),
+        gather=gather_bytes(params.largest_layer, params.largest_param, zero),
+        host=host_states(params, ranks, zero),
     )

@@ -51,13 +51,15 @@ def _config_from_fields(model: ModelConfig) -> Qwen3MoeConfig:
 
 
 def count_params(model: nn.Module) -> Params:
-    """Total and trainable parameters (a shared tensor once), and the most one module holds itself."""
+    """Total and trainable parameters (a shared tensor once), the most one module holds itself, and the largest
+    single parameter."""
     params = list(model.parameters())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     return Params(
         total=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in params if p.requires_grad),
         largest_layer=largest,
+        largest_param=max(p.numel() for p in params),
     )
 
 

@@ -1,27 +1,40 @@
 """`sao plan`: a preset's per-GPU training memory for every ZeRO stage and critic placement, and the cheapest
-configuration that fits. This module reads the numbers from the config and writes the report; layout.py places
-the models and memory.py does the arithmetic (and says where each figure comes from).
+configuration that fits with `HEADROOM` free. This module reads the numbers from the config and writes the report;
+layout.py places the models, memory.py and overheads.py do the arithmetic (and say where each figure comes from).
+Whether the allocator's expandable segments are on is read from the environment `sao plan` runs in: the training
+ranks' own when it runs where they start.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from components.config import Config, TrainConfig
 from components.training.engines.deepspeed_config import read_deepspeed_file
 from components.training.plan.layout import (
+    HEADROOM,
     PLACEMENTS,
     GpuPlan,
     Workload,
     cheapest,
     fewest_gpus,
     longest_rows,
+    plan,
     plans,
 )
 from components.training.plan.memory import Params, Zero
 from components.training.plan.model import decoder_sizes, hf_config, policy_and_critic
+from components.training.plan.overheads import (
+    FRAGMENTATION_EXPANDABLE,
+    Runtime,
+    expandable_segments,
+    fragmentation_share,
+    nccl_group_bytes,
+)
 from components.training.rl.algorithms import ALGORITHMS
 
 GB = 1e9
@@ -44,11 +57,26 @@ def zero_settings(train: TrainConfig) -> Zero:
         prefetch_bucket=int(zero.get("stage3_prefetch_bucket_size", defaults.prefetch_bucket)),
         max_live=int(zero.get("stage3_max_live_parameters", defaults.max_live)),
         sub_group=int(zero.get("sub_group_size", defaults.sub_group)),
+        offload=(zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme"),
     )
 
 
-def workload(cfg: Config) -> Workload:
-    """The numbers `layout.plan` reads, from a config (model, algorithm, DeepSpeed file, batch and token budget)."""
+def runtime_settings(cfg: Config, environ: Mapping[str, str]) -> Runtime:
+    """The weight transfer the rollout settings ask for (a collective one goes over NCCL from the policy's first
+    GPU to every server) and whether `environ` turns the allocator's expandable segments on."""
+    rc = cfg.rollout
+    collective = rc.backend == "http" and rc.weight_transfer == "collective"
+    return Runtime(
+        transfer_servers=len(rc.urls) if collective else 0,
+        transfer_bucket=rc.transfer_bucket_mb * 2**20 if collective else 0,
+        publish_overlap=collective and rc.publish_overlap,
+        expandable_segments=expandable_segments(environ),
+    )
+
+
+def workload(cfg: Config, environ: Mapping[str, str] | None = None) -> Workload:
+    """The numbers `layout.plan` reads, from a config (model, algorithm, DeepSpeed file, batch and token budget,
+    weight transfer) and the environment (`os.environ` unless given)."""
     algorithm = ALGORITHMS[cfg.train.algo]
     config = hf_config(cfg.model)
     policy, critic = policy_and_critic(config, algorithm.uses_critic, algorithm.freeze_critic_attention)
@@ -61,21 +89,23 @@ def workload(cfg: Config) -> Workload:
         longest=cfg.rollout.max_total_tokens,
         budget=cfg.train.micro_batch_tokens,
         checkpointing=cfg.train.activation_checkpointing,
+        runtime=runtime_settings(cfg, os.environ if environ is None else environ),
     )
 
 
-def report(cfg: Config, gpus: int, capacity_gb: float) -> str:
-    """`sao plan`'s output: the workload, one row per (stage, placement), and the configuration to use: the
-    cheapest plan that fits as configured, else with the leanest activations (checkpointing, one row per
-    micro-batch), else how many GPUs or how short the rows would have to be."""
+def report(cfg: Config, gpus: int, capacity_gb: float, environ: Mapping[str, str] | None = None) -> str:
+    """`sao plan`'s output: the workload, one row per (stage, placement), what the configured plan's fullest GPU
+    holds line by line, and the configuration to use: the cheapest plan that fits (keeps `HEADROOM` free) as
+    configured, else with the leanest activations (checkpointing, one row per micro-batch), else how many GPUs, how
+    short the rows or whether optimizer offload would do."""
     if gpus < 1:
         raise ValueError(f"--gpus: must be >= 1, got {gpus}")
     if capacity_gb <= 0:
         raise ValueError(f"--gpu-memory-gb: must be > 0, got {capacity_gb}")
-    w = workload(cfg)
+    w = workload(cfg, environ)
     capacity = capacity_gb * GB
     rows = plans(w, gpus, capacity)
-    lines = [*_header(cfg, w, gpus, capacity_gb), "", *_table(rows), ""]
+    lines = [*_header(cfg, w, gpus, capacity_gb), "", *_table(rows), "", *_configured(cfg, w, gpus, capacity), ""]
     if cheapest(rows) is not None:
         return "\n".join([*lines, *_choice(rows, cfg, {})])
     lean, lean_settings = _leanest(w)
@@ -83,7 +113,7 @@ def report(cfg: Config, gpus: int, capacity_gb: float) -> str:
     if lean_settings and cheapest(lean_rows) is not None:
         lines.append("nothing fits as configured; with " + ", ".join(f"{k} = {v}" for k, v in lean_settings.items()))
         return "\n".join([*lines, *_choice(lean_rows, cfg, lean_settings)])
-    return "\n".join([*lines, *_nothing_fits(lean, lean_settings, gpus, capacity, capacity_gb)])
+    return "\n".join([*lines, *_nothing_fits(lean, lean_settings, gpus, capacity, capacity_gb, cfg.train)])
 
 
 def _leanest(w: Workload) -> tuple[Workload, dict[str, str]]:
@@ -99,6 +129,7 @@ def _leanest(w: Workload) -> tuple[Workload, dict[str, str]]:
 
 def _header(cfg: Config, w: Workload, gpus: int, capacity_gb: float) -> list[str]:
     precision = "bf16 weights, fp32 master weights and Adam moments" if w.zero.bf16 else "fp32"
+    precision += ", the optimizer on the host (offload_optimizer)" if w.zero.offload else ""
     lines = [
         f"sao plan: preset {cfg.name}, algorithm {cfg.train.algo}, on {gpus} GPU(s) of {capacity_gb:g} GB "
         f"(GB = 1e9 bytes; {precision})",
@@ -112,6 +143,17 @@ def _header(cfg: Config, w: Workload, gpus: int, capacity_gb: float) -> list[str
         f"rows of up to {w.longest:,} tokens, {w.batch_size} per step; {budget}; activation checkpointing "
         f"{'on' if w.checkpointing else 'off'}"
     )
+    r = w.runtime
+    transfer = (
+        f"collective to {r.transfer_servers} server(s) in buckets of {r.transfer_bucket / 2**20:g} MiB, "
+        + ("during the next step" if r.publish_overlap else "between steps")
+        if r.transfer_servers
+        else "none from the GPUs"
+    )
+    allocator = (
+        "on" if r.expandable_segments else "off (PYTORCH_ALLOC_CONF=expandable_segments:True where the ranks start)"
+    )
+    lines += [f"weight transfer: {transfer}", f"the allocator's expandable segments in this environment: {allocator}"]
     return lines
 
 
@@ -135,31 +177,40 @@ COLUMNS = (
     "activations",
     "logits",
     "buffers",
+    "gather",
+    "transfer",
+    "nccl",
+    "reserve",
     "peak",
+    "free",
     "",
 )
 
 
 def _table(rows: list[GpuPlan]) -> list[str]:
-    """One line per plan, the fullest GPU's bytes in GB: its models' states summed; activations, logits and
-    buffers of the model with the larger backward; step the larger optimizer step."""
+    """One line per plan, the fullest GPU's bytes in GB: its models' states summed; activations, logits, buffers and
+    gathered parameters of the model with the larger backward; step the larger optimizer step; then what the GPU
+    holds besides its models (overheads.py)."""
     cells = [COLUMNS]
     for p in rows:
-        holds, models = p.fullest
-        backward = max(models, key=lambda m: m.backward)
-        where = f"shared {p.gpus}" if p.placement == "shared" else f"separate {p.policy_ranks}+{p.critic_ranks}"
+        gpu = p.fullest
+        backward = max(gpu.models, key=lambda m: m.backward)
         values = (
-            sum(m.weights for m in models),
-            sum(m.gradients for m in models),
-            sum(m.optimizer for m in models),
-            max(m.step_gradients for m in models),
+            sum(m.weights for m in gpu.models),
+            sum(m.gradients for m in gpu.models),
+            sum(m.optimizer for m in gpu.models),
+            max(m.step_gradients for m in gpu.models),
             backward.activations,
             backward.logits,
             backward.buffers,
+            backward.gather,
+            gpu.transfer,
+            gpu.nccl,
+            gpu.fragmentation,
             p.peak,
+            p.free,
         )
-        verdict = "fits" if p.fits else "does not fit"
-        cells.append((str(p.stage), where, holds, *(f"{v / GB:.1f}" for v in values), verdict))
+        cells.append((str(p.stage), _where(p), gpu.holds, *(f"{v / GB:.1f}" for v in values), _verdict(p)))
     widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
     left = {1, 2, len(COLUMNS) - 1}
     lines = [
@@ -168,9 +219,90 @@ def _table(rows: list[GpuPlan]) -> list[str]:
     ]
     return [
         *(line.rstrip() for line in lines),
-        "peak = weights + grads + optimizer + the larger of (activations + logits + buffers) and step; "
-        "separate a+b: policy on a GPUs, critic on b",
+        "peak = weights + grads + optimizer + the larger of (activations + logits + buffers + gather) and step, "
+        "+ transfer + nccl + reserve (fragmentation)",
+        f"free = the GPU's memory - peak, and a plan fits with {HEADROOM:.0%} free; separate a+b: policy on a GPUs, "
+        "critic on b",
     ]
+
+
+def _where(p: GpuPlan) -> str:
+    return f"shared {p.gpus}" if p.placement == "shared" else f"separate {p.policy_ranks}+{p.critic_ranks}"
+
+
+def _verdict(p: GpuPlan) -> str:
+    if p.fits:
+        return "fits"
+    return f"under {HEADROOM:.0%} free" if p.free >= 0 else "does not fit"
+
+
+def _configured(cfg: Config, w: Workload, gpus: int, capacity: float) -> list[str]:
+    """The configured plan (the run's ZeRO stage and `train.critic_ranks`) line by line on its fullest GPU, each
+    line with where it comes from; nothing when `--gpus` cannot hold that placement."""
+    separate = w.critic is not None and 0 < cfg.train.critic_ranks < gpus
+    if cfg.train.critic_ranks and not separate:
+        return []
+    p = plan(w, gpus, w.zero.stage, "separate" if separate else "shared", capacity, cfg.train.critic_ranks)
+    return [
+        f"as configured (ZeRO-{p.stage}, {_where(p)}), the fullest GPU ({p.fullest.holds}):",
+        *_lines(p, w),
+    ]
+
+
+def _lines(p: GpuPlan, w: Workload) -> list[str]:
+    """Each thing the fullest GPU of `p` holds, in GB, with its source."""
+    gpu = p.fullest
+    states = [sum(getattr(m, k) for m in gpu.models) for k in ("weights", "gradients", "optimizer")]
+    backward = max(gpu.models, key=lambda m: m.backward)
+    step = max(m.step_gradients for m in gpu.models)
+    working = (
+        f"a backward: activations {backward.activations / GB:.1f}, logits {backward.logits / GB:.1f}, ZeRO's buckets "
+        f"{backward.buffers / GB:.1f}, gathered parameters {backward.gather / GB:.1f}"
+        if backward.backward >= step
+        else "the optimizer step's fp32 gradients"
+    )
+    rows = [
+        (
+            "model states",
+            sum(states),
+            "weights {:.1f}, gradients {:.1f}, optimizer {:.1f}".format(*(v / GB for v in states)),
+        ),
+        ("working set", max(backward.backward, step), working),
+    ]
+    if gpu.transfer:
+        r = w.runtime
+        when = (
+            "during the next step (rollout.publish_overlap)" if r.publish_overlap else "between steps (an upper bound)"
+        )
+        largest = (2 if w.zero.bf16 else 4) * w.policy.largest_param
+        bucket = f"max({r.transfer_bucket / 2**20:g} MiB, the largest parameter's {largest / GB:.2f} GB)"
+        rows.append(
+            ("weight transfer", gpu.transfer, f"2 buckets of {bucket} per server ({r.transfer_servers}), {when}")
+        )
+    sizes = ", ".join(f"{n} ({nccl_group_bytes(n) / GB:.2f})" for n in gpu.groups)
+    rows += [
+        ("NCCL", gpu.nccl, f"one rank's buffers in communicators of {sizes} GPUs (overheads.py)"),
+        (
+            "fragmentation",
+            gpu.fragmentation,
+            f"{fragmentation_share(gpu.expandable):.0%} of the allocator's {gpu.allocated / GB:.1f} GB"
+            + (
+                ""
+                if gpu.expandable
+                else f" without expandable segments ({FRAGMENTATION_EXPANDABLE:.0%} with "
+                "PYTORCH_ALLOC_CONF=expandable_segments:True)"
+            ),
+        ),
+        ("peak", p.peak, ""),
+        (
+            "free",
+            p.free,
+            f"of {p.capacity / GB:g} GB ({p.free / p.capacity:.1%}); a plan fits with {HEADROOM:.0%} free",
+        ),
+    ]
+    if gpu.host:
+        rows.append(("host memory", gpu.host, "the offloaded optimizers' states and fp32 gradients, per GPU"))
+    return [f"  {name:<15}{value / GB:>7.1f} GB  {source}".rstrip() for name, value, source in rows]
 
 
 def _choice(rows: list[GpuPlan], cfg: Config, changed: dict[str, str]) -> list[str]:
@@ -191,7 +323,10 @@ def _settings(title: str, p: GpuPlan, cfg: Config, changed: dict[str, str]) -> l
         if p.placement == "shared"
         else f"policy on {p.policy_ranks} GPUs, critic on {p.critic_ranks}"
     )
-    lines = [f"{title}: ZeRO-{p.stage}, {where}: peak {p.peak / GB:.1f} GB of {p.capacity / GB:g} GB"]
+    lines = [
+        f"{title}: ZeRO-{p.stage}, {where}: peak {p.peak / GB:.1f} GB of {p.capacity / GB:g} GB, "
+        f"{p.free / GB:.1f} GB free ({p.free / p.capacity:.0%})"
+    ]
     settings = [f"train.zero_stage = {p.stage}"]
     file = _deepspeed_file(cfg.train, p.stage)
     if file:
@@ -217,16 +352,19 @@ def _deepspeed_file(train: TrainConfig, stage: int) -> str | None:
 
 
 def _nothing_fits(
-    lean: Workload, lean_settings: dict[str, str], gpus: int, capacity: float, capacity_gb: float
+    lean: Workload, lean_settings: dict[str, str], gpus: int, capacity: float, capacity_gb: float, train: TrainConfig
 ) -> list[str]:
-    """When no plan fits even with the leanest activations: how many GPUs would, and how long rows may be here."""
+    """When no plan fits even with the leanest activations: how many GPUs would, how long rows may be here, and
+    whether the optimizer on the host (DeepSpeed's offload) would fit these GPUs."""
     how = ", ".join(f"{k} = {v}" for k, v in lean_settings.items())
-    lines = [f"nothing fits on {gpus} GPU(s) of {capacity_gb:g} GB" + (f", even with {how}" if how else "")]
+    lines = [
+        f"nothing fits on {gpus} GPU(s) of {capacity_gb:g} GB with {HEADROOM:.0%} free"
+        + (f", even with {how}" if how else "")
+    ]
     placements = PLACEMENTS if lean.critic is not None else ("shared",)
     for p in filter(None, (fewest_gpus(lean, capacity, gpus + 1, placement) for placement in placements)):
-        where = f"shared {p.gpus}" if p.placement == "shared" else f"separate {p.policy_ranks}+{p.critic_ranks}"
         lines.append(
-            f"  rows of {lean.longest:,} tokens fit on {p.gpus} GPUs: ZeRO-{p.stage}, {where}, "
+            f"  rows of {lean.longest:,} tokens fit on {p.gpus} GPUs: ZeRO-{p.stage}, {_where(p)}, "
             f"peak {p.peak / GB:.1f} GB"
         )
     longest = longest_rows(lean, gpus, capacity)
@@ -235,4 +373,21 @@ def _nothing_fits(
             f"  on {gpus} GPU(s), rows of up to {longest:,} tokens fit: rollout.max_total_tokens = {longest}, "
             f"train.micro_batch_tokens = {longest}, train.activation_checkpointing = true"
         )
+    if not lean.zero.offload:
+        offloaded = dataclasses.replace(lean, zero=dataclasses.replace(lean.zero, offload=True))
+        fitting = [p for p in plans(offloaded, gpus, capacity) if p.fits]
+        if fitting:  # the run's own stage and the shared placement first: the least to change
+            best = min(fitting, key=lambda p: (p.stage != lean.zero.stage, p.placement != "shared", p.per_model))
+            file = _deepspeed_file(train, best.stage)
+            file = (
+                f"{file} and"
+                if file and file.startswith("a copy of")
+                else f"a copy of {file or 'a DeepSpeed file'} with"
+            )
+            lines += [
+                f"  on {gpus} GPU(s) with the optimizer on the host: ZeRO-{best.stage}, {_where(best)}, peak "
+                f"{best.peak / GB:.1f} GB, {best.free / GB:.1f} GB free ({best.free / best.capacity:.0%}), "
+                f"{best.fullest.host / GB:.1f} GB of host memory per GPU:",
+                f'    {file} zero_optimization.offload_optimizer = {{"device": "cpu"}}',
+            ]
     return lines
