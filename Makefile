@@ -20,7 +20,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export GX_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test lint format test-slow test-ops test-vllm test-reliability soak infra-check bench gpu-check gpu-wheels sweep experiment server deploy worker prefect-ui mlflow-ui clean
+.PHONY: setup run test lint format test-slow test-ops test-vllm test-reliability rehearse soak infra-check bench gpu-check gpu-wheels sweep experiment server deploy worker prefect-ui mlflow-ui clean
 
 setup: $(STAMP)
 
@@ -79,6 +79,14 @@ test-slow: $(STAMP)
 # (docs/reliability.md).
 test-reliability: $(STAMP)
 	$(PY) -m pytest -q -m reliability tests/reliability
+
+# make rehearse [GPU_PRESET=qwen3-30b-a3b]: the GPU preset as it is on this CPU, in bf16, the model shrunk and the
+# endpoints local (torchrun on two gloo ranks, value pretraining, RL against two bf16 servers over the collective
+# transfer, a kill and a resume; ~6 min on 2 cores); fails when a stage does (docs/gpu.md, "Rehearse on CPU").
+GPU_PRESET ?= qwen3-30b-a3b
+rehearse: $(STAMP)
+	rm -rf $(SAO_HOME)/rehearse/$(GPU_PRESET)
+	$(VENV)/bin/sao rehearse --preset $(GPU_PRESET) --home $(SAO_HOME)/rehearse/$(GPU_PRESET)
 
 # make soak [MINUTES=30]: the asynchronous run with engine restarts and store faults on a schedule; RSS and
 # throughput verdicts, plot and samples under .sao/soak/ (docs/reliability.md).

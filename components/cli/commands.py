@@ -252,6 +252,18 @@ COMMANDS = (
         common=False,
     ),
     Command(
+        "rehearse",
+        "a GPU preset run as it is on this CPU, in bf16, with only the model shrunk and the endpoints local: two "
+        "DeepSpeed ranks under torchrun, value pretraining, RL against two servers over the collective transfer, a "
+        "kill and a resume; `sao:` lines name what the shrink changes (docs/gpu.md)",
+        f"{_LOCAL}:rehearse",
+        (
+            flag("--preset", required=True, help="a GPU preset under components/presets (qwen3-30b-a3b, ...)"),
+            flag("--home", type=Path, default=None, help="an empty or new directory (default .sao-rehearse/PRESET)"),
+        ),
+        common=False,
+    ),
+    Command(
         "model init",
         "write a freshly initialised preset model as an HF directory",
         f"{_LOCAL}:model_init",
@@ -338,6 +350,12 @@ COMMANDS = (
                 type=POSITIVE,
                 default=None,
                 help="torch CPU threads (default: torch's); leave cores free for clients on the same host",
+            ),
+            flag(
+                "--dtype",
+                choices=("float32", "bfloat16"),
+                default="float32",
+                help="the dtype the model computes in (default float32; bfloat16 as a vLLM GPU server serves)",
             ),
             flag(
                 "--publish-root",

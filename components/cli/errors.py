@@ -10,6 +10,7 @@ OWN_ERRORS = (
     ("components.rollout.pool", "EnginesDown"),
     ("components.rollout.client", "EngineError"),
     ("components.data.teacher_client", "TeacherError"),
+    ("components.stages.rehearse", "RehearsalFailed"),
 )
 """Errors of heavy modules that mean a bad input or an unreachable service, not a bug (by module and name)."""
 

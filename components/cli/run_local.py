@@ -4,10 +4,12 @@ episodes written as Parquet, and a seed sweep."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from components.cli.prepare import prepare
 from components.config import load_config
 from components.models import init_model_dir
+from components.stages.rehearse import run_rehearse, summary
 from components.stages.rollout import run_rollout
 from components.stages.sft import run_sft
 from components.stages.sweep import run_sweep
@@ -35,3 +37,11 @@ def rollout(args: argparse.Namespace) -> None:
 def sweep(args: argparse.Namespace) -> None:
     cfg, home = prepare(args)
     run_sweep(cfg, home, args.seeds, args.first_seed, args.name)
+
+
+def rehearse(args: argparse.Namespace) -> None:
+    home = Path(args.home or Path(".sao-rehearse") / args.preset)
+    if home.exists() and any(home.iterdir()):
+        raise ValueError(f"--home: {home} is not empty; a rehearsal starts from an empty home")
+    for line in summary(run_rehearse(args.preset, home.resolve())):
+        print(line)

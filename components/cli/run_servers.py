@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from components.cli.checks import check_port
 from components.cli.prepare import prepare
 from components.data.solver_server import serve_solver
@@ -22,4 +24,4 @@ def engine_serve(args: argparse.Namespace) -> None:
     access = Access.from_environment(args.publish_root)
     check_bind(args.host, access)
     check_port(args.host, args.port)
-    serve(args.model, args.host, args.port, args.max_batch, args.threads, access)
+    serve(args.model, args.host, args.port, args.max_batch, args.threads, access, getattr(torch, args.dtype))

@@ -31,13 +31,15 @@ class EngineProcess:
         threads: int | None = None,
         log: Path | None = None,
         env: dict[str, str] | None = None,
+        dtype: str = "float32",
     ) -> None:
-        self.model_dir, self.port, self.threads, self.log, self.env = (
+        self.model_dir, self.port, self.threads, self.log, self.env, self.dtype = (
             Path(model_dir),
             port or free_port(),
             threads,
             log,
             env,
+            dtype,
         )
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -56,6 +58,8 @@ class EngineProcess:
             str(self.model_dir),
             "--port",
             str(self.port),
+            "--dtype",
+            self.dtype,
         ] + (["--threads", str(self.threads)] if self.threads else [])
         self._output = self.log.open("ab") if self.log else tempfile.TemporaryFile()
         self.proc = subprocess.Popen(command, stdout=self._output, stderr=subprocess.STDOUT, env=self.env)

@@ -309,15 +309,17 @@ def serve(
     max_batch: int = 64,
     threads: int | None = None,
     access: Access = OPEN,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
-    """`sao engine serve`: load an HF model directory and serve it until interrupted, to the callers `access` lets
-    in (the CLI builds it from the environment and `--publish-root`, and refuses an unsafe bind with `check_bind`)."""
+    """`sao engine serve`: load an HF model directory in `dtype` and serve it until interrupted, to the callers
+    `access` lets in (the CLI builds it from the environment and `--publish-root`, and refuses an unsafe bind with
+    `check_bind`). Weights posted later are cast to `dtype` as they load."""
     if threads is not None:
         # Busy-waiting OpenMP threads collapse throughput when clients share the cores (measured: 2 threads
         # with 32 local clients gave 0.56x of 1 thread).
         torch.set_num_threads(threads)
 
-    engine = EmbeddedEngine(load_policy(model_path), load_tokenizer(model_path), max_batch=max_batch).start()
+    engine = EmbeddedEngine(load_policy(model_path, dtype), load_tokenizer(model_path), max_batch=max_batch).start()
     try:
         uvicorn.run(create_app(engine, Path(model_path).name, access), host=host, port=port, log_level="warning")
     finally:
