@@ -24,7 +24,7 @@ def test_the_shrink_keeps_the_presets_training_and_transfer_settings_and_says_wh
     shrunk = load_config(preset, [s.override() for s in applied])  # the real loader accepts every override
     assert shrunk.rollout.urls == tuple(urls) and shrunk.train.max_steps == STEPS
     assert shrunk.train.checkpoint_every < KILL_AT  # a checkpoint lands before the kill
-    assert shrunk.train.deepspeed_config == cfg.train.deepspeed_config == "infra/deepspeed/zero3-bf16.json"
+    assert shrunk.train.deepspeed_config == cfg.train.deepspeed_config == "infra/deepspeed/zero3-bf16-offload.json"
     assert shrunk.rollout.weight_transfer == "collective" and shrunk.rollout.publish_overlap
     lines = notes(cfg, applied)
     assert all(line.startswith("sao: rehearse: ") for line in lines)

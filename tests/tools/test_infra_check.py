@@ -241,7 +241,11 @@ BREAKS = {  # name: (the break, patterns that must each match one problem)
         [r"^components/presets/qwen3-30b-a3b-coding\.toml: algo\.dis_presets: unknown field"],
     ),
     "preset naming a missing DeepSpeed file": (
-        _edit(GPU, "zero3-bf16.json", "zero3.json"),
+        _edit(
+            GPU,
+            'deepspeed_config = "infra/deepspeed/zero3-bf16-offload.json"',
+            'deepspeed_config = "infra/deepspeed/zero3.json"',
+        ),
         [
             r"^components/presets/qwen3-30b-a3b\.toml: train\.deepspeed_config: infra/deepspeed/zero3\.json does not "
             r"exist"

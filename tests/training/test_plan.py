@@ -341,20 +341,24 @@ def test_the_cheapest_plan_has_the_fewest_gpus_per_model_then_the_lowest_stage()
     assert cheapest(plans(w, 4, capacity=1.0)) is None
 
 
+ON_GPUS = 'train.deepspeed_config="infra/deepspeed/zero3-bf16.json"'
+"""The 30B presets with their optimizers on the GPUs (the file without offload_optimizer)."""
+
+
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-30b-a3b-coding"])
-def test_the_30b_presets_keep_a_tenth_of_8_h200s_free_only_with_the_optimizer_on_the_host(preset, tmp_path):
-    """The presets' own plan (ZeRO-3, both models on the deployments' 8 GPUs of 141 GB), rank 0's GPU: states
-    2 x 60,753,082,369 / 8 + 2 x 59,847,100,417 / 8 + 12 x 59,847,100,417 / 8 = 119.92 GB; the policy's backward
-    (activations 15.5, logits 2.49, buckets 2 x 200M + 2 x 603,979,776, gathered parameters 2.11); the transfer's
-    two 805,306,368-byte buckets per server (2) during the step; NCCL 2 x 973,078,528 (torchrun's world and
-    DeepSpeed's clone of it) + 2 x 671,088,640 (a pair per server); 10% of the allocator's 144.8 GB for
-    fragmentation: 162.6 GB, 21.6 more than the GPU has. Eleven GPUs keep 10% free, ten do not. With the optimizer
-    on the host (its states, its fp32 gradients and the bf16 gradient partition: 18 x 59,847,100,417 / 8 bytes per
-    GPU) the GPU keeps the weights 15.19 GB and the same working set: 47.4 GB, 66% free. Neither is the presets'
-    today (docs/gpu.md, "Memory")."""
-    w = workload(load_config(preset), {})
+def test_the_30b_presets_keep_a_tenth_of_8_h200s_free_with_the_optimizer_on_the_host(preset):
+    """The presets' plan with the optimizers on the GPUs (ZeRO-3, both models on the deployments' 8 GPUs of 141 GB),
+    rank 0's GPU: states 2 x 60,753,082,369 / 8 + 2 x 59,847,100,417 / 8 + 12 x 59,847,100,417 / 8 = 119.92 GB; the
+    policy's backward (activations 15.5, logits 2.49, buckets 2 x 200M + 2 x 603,979,776, gathered parameters 2.11);
+    the transfer's two 805,306,368-byte buckets per server (2) during the step; NCCL 2 x 973,078,528 (torchrun's world
+    and DeepSpeed's clone of it) + 2 x 671,088,640 (a pair per server); 10% of the allocator's 144.8 GB for
+    fragmentation: 162.6 GB, 21.6 more than the GPU has. Eleven GPUs keep 10% free, ten do not. The presets put the
+    optimizer on the host (infra/deepspeed/zero3-bf16-offload.json: its states, its fp32 gradients and the bf16
+    gradient partition, 18 x 59,847,100,417 / 8 bytes per GPU there): the GPU keeps the weights, 15.19 GB, and the
+    same working set: 47.4 GB, 66% free (docs/gpu.md, "Memory")."""
+    w = workload(load_config(preset, [ON_GPUS]), {})
     assert w.runtime == Runtime(transfer_servers=2, transfer_bucket=512 * MIB, publish_overlap=True)
-    on_disk = load_config(preset, ['rollout.weight_transfer="filesystem"', "rollout.publish_overlap=false"])
+    on_disk = load_config(preset, [ON_GPUS, 'rollout.weight_transfer="filesystem"', "rollout.publish_overlap=false"])
     assert workload(on_disk, {}).runtime == Runtime()  # no buckets on the GPU, no pair groups
     p = plan(w, 8, 3, "shared", 141e9)
     gpu = p.fullest
@@ -368,22 +372,23 @@ def test_the_30b_presets_keep_a_tenth_of_8_h200s_free_only_with_the_optimizer_on
     assert not p.fits
     assert plan(w, 11, 3, "shared", 141e9).free >= 0.10 * 141e9 > plan(w, 10, 3, "shared", 141e9).free
 
-    own = load_config(preset).train.deepspeed_config
-    assert own == "infra/deepspeed/zero3-bf16.json"
-    data = json.loads(Path(own).read_text())
-    data["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    offload_file = tmp_path / "zero3-bf16-offload.json"
-    offload_file.write_text(json.dumps(data))
-    w = workload(load_config(preset, [f'train.deepspeed_config="{offload_file}"']), {})
+    shipped = load_config(preset)
+    assert shipped.train.deepspeed_config == "infra/deepspeed/zero3-bf16-offload.json"
+    data = json.loads(Path(shipped.train.deepspeed_config).read_text())
+    assert data["zero_optimization"] == {
+        **json.loads(Path("infra/deepspeed/zero3-bf16.json").read_text())["zero_optimization"],
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    }
+    w = workload(shipped, {})
     offloaded = plan(w, 8, 3, "shared", 141e9)
     assert w.zero.offload and (offloaded.policy.optimizer, offloaded.policy.gradients) == (0, 0)
     assert offloaded.fullest.host == pytest.approx(18 * 59_847_100_417 / 8)
-    assert offloaded.free / offloaded.capacity >= 0.10
+    assert offloaded.fits and offloaded.free / offloaded.capacity >= 0.10
     assert round(offloaded.peak / 1e9, 1) == 47.4
 
 
 def test_sao_plan_prints_a_table_the_fullest_gpu_line_by_line_and_what_would_fit(capsys):
-    assert main(["plan", "--preset", "qwen3-30b-a3b", "--gpus", "8"]) == 0
+    assert main(["plan", "--preset", "qwen3-30b-a3b", "--gpus", "8", "--set", ON_GPUS]) == 0
     out = capsys.readouterr().out
     table = [line.split() for line in out.splitlines() if line[:5].strip() in {"0", "1", "2", "3"}]
     assert [(row[0], row[1]) for row in table] == [(s, pl) for s in "0123" for pl in ("shared", "separate")][:-1]
@@ -412,7 +417,7 @@ def test_sao_plan_prints_a_table_the_fullest_gpu_line_by_line_and_what_would_fit
 
 
 def test_sao_plan_names_the_cheapest_plan_that_keeps_a_tenth_free(capsys):
-    assert main(["plan", "--preset", "qwen3-30b-a3b", "--gpus", "11"]) == 0
+    assert main(["plan", "--preset", "qwen3-30b-a3b", "--gpus", "11", "--set", ON_GPUS]) == 0
     out = capsys.readouterr().out
     assert (
         "cheapest that fits: ZeRO-3, policy and critic on every GPU (11): peak 126.6 GB of 141 GB, 14.4 GB free" in out
@@ -423,7 +428,7 @@ def test_sao_plan_names_the_cheapest_plan_that_keeps_a_tenth_free(capsys):
 def test_sao_plan_takes_expandable_segments_from_its_environment(monkeypatch, capsys):
     """With expandable segments the reserve is 3% of the same 144.8 GB: 4.3 GB, a peak of 152.4."""
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    assert main(["plan", "--preset", "qwen3-30b-a3b", "--gpus", "8"]) == 0
+    assert main(["plan", "--preset", "qwen3-30b-a3b", "--gpus", "8", "--set", ON_GPUS]) == 0
     out = capsys.readouterr().out
     assert "the allocator's expandable segments in this environment: on" in out
     assert "  fragmentation      4.3 GB  3% of the allocator's 144.8 GB\n  peak             152.4 GB" in out
@@ -432,7 +437,17 @@ def test_sao_plan_takes_expandable_segments_from_its_environment(monkeypatch, ca
 def test_sao_plan_says_what_would_fit_when_nothing_does(capsys):
     """65,536-token rows on 12 GPUs: 80 GB of states and twice the activations leave less than 10% free; 14 GPUs
     keep it, and on 12 rows of up to 46,080 tokens do."""
-    argv = ["plan", "--preset", "qwen3-30b-a3b", "--gpus", "12", "--set", "rollout.max_total_tokens=65536"]
+    argv = [
+        "plan",
+        "--preset",
+        "qwen3-30b-a3b",
+        "--gpus",
+        "12",
+        "--set",
+        ON_GPUS,
+        "--set",
+        "rollout.max_total_tokens=65536",
+    ]
     assert main([*argv, "--set", "train.micro_batch_tokens=65536"]) == 0
     out = capsys.readouterr().out
     assert "cheapest" not in out and "nothing fits on 12 GPU(s) of 141 GB with 10% free" in out
