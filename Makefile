@@ -133,23 +133,26 @@ experiment: $(STAMP)
 	$(VENV)/bin/sao experiment $(NAME) --preset $(PRESET) --home $(SAO_HOME) $(ARGS)
 
 # The GPU check (docs/gpu.md, "The GPU check"): the trainer's loop with the embedded engine on one GPU, bf16, ZeRO-0
-# and ZeRO-3; step time, tokens/s, MFU, engine tokens/s, bf16 vs fp32 log-probs, peak memory against `sao plan`.
-# Without a GPU it runs a tiny model on the host (make test runs that path).
+# and ZeRO-3, and checks that fail (pinned versions, training moves both models, DIS keeps every on-policy token, peak
+# memory within `sao plan`, MFU floor, bf16 vs fp32 and engine vs trainer log-probs); the JSON is rewritten after
+# each stage; exit status 1 when a check fails. Without a GPU it runs a tiny model on the host (make test runs it).
 gpu-check: $(STAMP)
-	$(PY) -m bench.gpu_check $(ARGS)
+	mkdir -p $(SAO_HOME)
+	$(PY) -m bench.gpu_check --out $(SAO_HOME)/gpu-check.json $(ARGS)
 
-# make gpu-wheels: into .whl/, the wheels a bare GPU machine (Python 3.12, torch, transformers and accelerate
-# installed) needs to run the GPU check: DeepSpeed built here (a source archive; its ops compile there when used)
-# and the pure-Python or manylinux wheels of what it and the config need, at this venv's versions.
+# make gpu-wheels: into .whl/ (emptied first: two versions of one package stop the install), the wheels a bare GPU
+# machine (Python 3.12 with its own CUDA torch and numpy) needs for the GPU check: what `bench.gpu_check --wheels`
+# lists, at this venv's versions: transformers (the GPU image's 5.17 is below the pin), accelerate, DeepSpeed,
+# pydantic and everything they require there, about 36 MB. DeepSpeed is built here (a source archive; its ops
+# compile there when used); the others are that Python's pure-Python or manylinux wheels.
 GPU_PYTHON ?= 3.12
-GPU_WHEELS := hjson einops msgpack ninja py-cpuinfo pydantic pydantic_core annotated-types typing-inspection
 gpu-wheels: $(STAMP)
-	mkdir -p .whl
-	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==$$($(PY) -c 'import importlib.metadata as m; print(m.version("deepspeed"))')
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m bench.gpu_check --wheels > .whl/carried.txt
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w .whl $$(grep '^deepspeed==' .whl/carried.txt)
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-		--platform any -d .whl \
-		$$(for w in $(GPU_WHEELS); do echo "$$w==$$($(PY) -c "import importlib.metadata as m; print(m.version('$$w'))")"; done)
+		--platform any -d .whl $$(grep -v '^deepspeed==' .whl/carried.txt)
 
 # make bench [BENCH=gae|engine|async|loop|sandbox|placement|transfer]
 bench: $(STAMP)
