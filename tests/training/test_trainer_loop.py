@@ -1,5 +1,7 @@
 """The RL loop end to end on the tiny SFT policy: async and sync, GRPO groups, checkpoints and resume."""
 
+import threading
+
 import pytest
 
 from components.envs.registry import build_env
@@ -255,8 +257,20 @@ def test_http_backend_trains_against_a_served_engine(tmp_path, tiny_cfg, sft_dir
         cfg = replace(
             base, rollout=replace(base.rollout, backend="http", urls=(url,), publish_dir=str(tmp_path / "published"))
         )
-        result = train_env(cfg, sft_dir, tmp_path / "http", NullTracker(), log=lambda _: None)
+        gathered_on, threads = [], set()  # the threads the weights were gathered on; the loop's and the learner's
+
+        def watch(trainer, batch, row) -> None:
+            threads.update({("loop", threading.get_native_id()), ("learner", trainer.learner_thread_id)})
+            learner = trainer.parts.learner
+            if not gathered_on:  # from step 2 on: every gather goes through this wrapper of the real one
+                weights = learner.weights
+                learner.weights = lambda copy=False: gathered_on.append(threading.get_native_id()) or weights(copy)
+
+        result = train_env(cfg, sft_dir, tmp_path / "http", NullTracker(), log=lambda _: None, on_step=[watch])
         assert result.version == 3 and httpx.get(f"{url}/health").json()["version"] == 3
+    # Off the event loop (whose thread ran `watch`), on the learner's one thread: the rollouts' I/O goes on meanwhile.
+    assert len(gathered_on) == 2 and {("learner", t) for t in gathered_on} <= threads
+    assert not {("loop", t) for t in gathered_on} & threads
     assert sorted(p.name for p in (tmp_path / "published").iterdir()) == ["v00000002", "v00000003"]
     assert all(row["rollout/engine_errors"] == 0 and row["rollout/engines_live"] == 1 for row in result.history)
     embedded = train_env(
@@ -267,7 +281,11 @@ def test_http_backend_trains_against_a_served_engine(tmp_path, tiny_cfg, sft_dir
         log=lambda _: None,
     )
     http_only = {"rollout/engines_live", "rollout/transfer_s", "rollout/publish_bytes"}
-    probe = {"rollout/probe_median_abs_diff", "rollout/probe_max_abs_diff", "rollout/probe_failures"}  # rollout.probe_every = 1
+    probe = {
+        "rollout/probe_median_abs_diff",
+        "rollout/probe_max_abs_diff",
+        "rollout/probe_failures",
+    }  # rollout.probe_every = 1
     assert set(result.history[0]) == set(embedded.history[0]) | http_only | probe
     assert all(
         row["rollout/probe_failures"] == 0 and row["rollout/probe_max_abs_diff"] < 1e-5 for row in result.history

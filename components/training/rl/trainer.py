@@ -259,13 +259,18 @@ class Trainer:
         self.learner_thread_id = threading.get_native_id()
         return self.parts.learner.step(tensors, scale)
 
+    async def _weights(self, copy: bool) -> dict:
+        """The policy's weights for the engines, gathered on the learner's thread: under ZeRO-3 every rank joins the
+        gathers and the copies to the host take seconds at 30B, while the event loop goes on serving the rollouts."""
+        return await asyncio.get_running_loop().run_in_executor(self._learner_thread, self.parts.learner.weights, copy)
+
     async def _publish(self) -> float:
         """Send the weights of version `step - sync_lag` to the engines; returns the seconds it took (with
         `rollout.publish_overlap`, only until they are staged). An engine that loads before `publish` returns may
         get the live weights as they are: nothing moves them until the next step. A lagged version, or one the
         rollouts keep to send later, must be a copy."""
         p, began = self.parts, time.perf_counter()
-        self.lagged.append((self.step, p.learner.weights(copy=bool(self.tc.sync_lag) or p.rollouts.keeps_weights)))
+        self.lagged.append((self.step, await self._weights(copy=bool(self.tc.sync_lag) or p.rollouts.keeps_weights)))
         if len(self.lagged) > self.tc.sync_lag:  # versions are consecutive: the oldest is `step - sync_lag`
             version, weights = self.lagged.popleft()
             await p.rollouts.publish(weights, version)
@@ -323,7 +328,7 @@ class Trainer:
             return False
         self.step += 1
         self.lagged.clear()
-        await p.rollouts.publish(p.learner.weights(copy=True), self.step)
+        await p.rollouts.publish(await self._weights(copy=True), self.step)
         await p.buffer.set_version(self.step)
         p.tracker.log_metrics(
             {"trainer/rollbacks": float(p.guard.rollbacks), "trainer/rollback_to": restored}, self.step
