@@ -15,6 +15,7 @@ character tokenizer's 106 entries), whose numbers therefore stay bit-for-bit tho
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -63,10 +64,29 @@ def token_logprobs(
         raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError(f"{type(model).__name__} soft-caps its logits; token_logprobs would not match it")
+    args = (input_ids, attention_mask, temperature, chunk_size, return_stats, positions)
+    return call_as(model, _decoder_then_head, model, *args)
+
+
+def call_as(module: nn.Module, fn: Callable, *args):
+    """`fn(*args)` run as one call of `module`: the module's hooks fire once around it, as around its own forward.
+
+    Under ZeRO-3 that is what DeepSpeed needs. The top module's pre-forward hook starts DeepSpeed's step (without it
+    the trace of module calls it prefetches by is never completed, and the record of it grows call after call), and
+    the head's hooks gather its weight once around every chunk, forward and backward, instead of once per chunk and
+    pass (three times per 1024 positions: the forward, the statistics and the recomputation). The calls inside are
+    then the same in every step, whatever the number of chunks, so the trace holds. Without hooks (no ZeRO-3) it is
+    `fn(*args)`."""
+    module.forward = fn  # an instance attribute: the class's forward comes back with the `del`
+    try:
+        return module(*args)
+    finally:
+        del module.forward
+
+
+def _decoder_then_head(model: PreTrainedModel, input_ids: Tensor, attention_mask, temperature, chunk_size, stats, at):
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    return chunked_head_logprobs(
-        hidden, input_ids, model.get_output_embeddings(), temperature, chunk_size, return_stats, positions
-    )
+    return chunked_head_logprobs(hidden, input_ids, model.get_output_embeddings(), temperature, chunk_size, stats, at)
 
 
 HEAD_GATHER_MIN_VOCAB = 4096
@@ -91,8 +111,22 @@ def chunked_head_logprobs(
     positions: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, TokenStats]:
     """The chunked LM-head part of `token_logprobs`. hidden `(B, T, H)`, input_ids `(B, T)`, `head` the LM head
-    (`(H,) -> (V,)`), always called as a module, never read as a weight: under ZeRO-3 its weight is a partition
-    that DeepSpeed gathers around the call."""
+    (an `nn.Linear`, `(H,) -> (V,)`). The chunks read its weight inside one call of the head (`call_as`): under
+    ZeRO-3 the weight is a partition that DeepSpeed gathers around that call."""
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"head: the LM head must be an nn.Linear, got {type(head).__name__}")
+    return call_as(head, _chunked, hidden, input_ids, head, temperature, chunk_size, return_stats, positions)
+
+
+def _chunked(
+    hidden: Tensor,
+    input_ids: Tensor,
+    head: nn.Linear,
+    temperature: float,
+    chunk_size: int,
+    return_stats: bool,
+    positions: Tensor | None,
+) -> Tensor | tuple[Tensor, TokenStats]:
     batch, length, width = hidden.shape
     flat_hidden = hidden[:, :-1].reshape(-1, width)
     targets = input_ids[:, 1:].reshape(-1)
@@ -100,8 +134,8 @@ def chunked_head_logprobs(
         chosen = positions[:, 1:].reshape(-1).nonzero().squeeze(1)
         # One row of n + 1 positions whose n predictions are the chosen ones (the head reads hidden[:, :-1]).
         rows = torch.cat([flat_hidden[chosen], flat_hidden.new_zeros(1, width)])[None]
-        result = chunked_head_logprobs(
-            rows, torch.cat([targets[:1], targets[chosen]])[None], head, temperature, chunk_size, return_stats
+        result = _chunked(
+            rows, torch.cat([targets[:1], targets[chosen]])[None], head, temperature, chunk_size, return_stats, None
         )
         return _scatter(result, chosen, batch, length, hidden.device)
     use_checkpoint = torch.is_grad_enabled() and (
@@ -151,8 +185,8 @@ def _align(chunks: list[Tensor], batch: int, length: int, dtype: torch.dtype, de
     return torch.cat([zero_col, torch.cat(chunks).view(batch, length - 1)], dim=1)
 
 
-def _chunk_logprobs(h: Tensor, targets: Tensor, head: nn.Module, temperature: float) -> Tensor:
-    logits = head(h).float()
+def _chunk_logprobs(h: Tensor, targets: Tensor, head: nn.Linear, temperature: float) -> Tensor:
+    logits = F.linear(h, head.weight, head.bias).float()
     if temperature != 1.0:  # x / 1.0 == x exactly: skipping it saves a pass over (n, V), forward and backward
         logits = logits / temperature
     if logits.shape[-1] >= HEAD_GATHER_MIN_VOCAB:
@@ -161,7 +195,7 @@ def _chunk_logprobs(h: Tensor, targets: Tensor, head: nn.Module, temperature: fl
     return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
-def _chunk_stats(h: Tensor, targets: Tensor, head: nn.Module, temperature: float) -> tuple[Tensor, Tensor]:
-    logits = head(h).float() / temperature
+def _chunk_stats(h: Tensor, targets: Tensor, head: nn.Linear, temperature: float) -> tuple[Tensor, Tensor]:
+    logits = F.linear(h, head.weight, head.bias).float() / temperature
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(dim=-1), logits.argmax(dim=-1) == targets

@@ -186,3 +186,53 @@ def test_the_repository_zero3_bf16_file_trains_the_critic_in_the_backbones_dtype
     engine.backward_step((values - 1.0).pow(2).mean())
     after = [part["value_head.bias"] for part in engine.full_state() if "value_head.bias" in part]
     assert after[0].dtype == torch.bfloat16 and not torch.equal(before[0], after[0])
+
+
+@pytest.mark.parametrize("chunk_size", [8, 80])
+def test_zero3_gathers_the_lm_head_once_forward_and_once_backward_and_completes_its_trace(chunk_size):
+    """The policy's log-prob path under ZeRO-3 (the GPU presets' file): the head's weight is gathered once per forward
+    and once per backward whatever the number of chunks (80 action positions in chunks of 8 took 30 gathers: forward,
+    recomputation and backward per chunk), DeepSpeed's step starts with each pass so its trace of module calls
+    completes (it stayed invalid: the top module's forward never ran), and the log-probs and the head's gradient are
+    plain torch's."""
+    import copy
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from components.models.logprobs import token_logprobs
+    from components.training.engines.loading import load_model, open_engine
+
+    config = Qwen3MoeConfig(
+        vocab_size=5000, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = Qwen3MoeForCausalLM(config)
+    ids, actions = torch.randint(0, 5000, (2, 41)), torch.ones(2, 41, dtype=torch.bool)
+    expected = token_logprobs(plain, ids, 1.0, chunk_size=chunk_size, positions=actions)
+    expected.sum().backward()
+    settings = EngineSettings(1e-2, "deepspeed", deepspeed_config=str(REPO / "infra/deepspeed/zero3-bf16.json"))
+    ds_config = {**settings.deepspeed(), "bf16": {"enabled": False}}  # fp32: the same numbers as plain torch
+    engine = open_engine(settings, ds_config, load_model(ds_config, lambda dtype: copy.deepcopy(plain).to(dtype)))
+    coordinator = engine.engine.optimizer.parameter_offload.get_param_coordinator()
+    fetch, head_fetches = coordinator.fetch_sub_module, []
+
+    def counted(module, *args, **kwargs):  # DeepSpeed's own fetch, counted for the head
+        head_fetches.append(module is engine.module.lm_head)
+        return fetch(module, *args, **kwargs)
+
+    coordinator.fetch_sub_module = counted
+    from deepspeed.utils import safe_get_full_grad
+
+    for step in range(2):
+        head_fetches.clear()
+        logprobs = token_logprobs(engine.module, ids, 1.0, chunk_size=chunk_size, positions=actions)
+        engine.engine.backward(logprobs.sum())
+        assert sum(head_fetches) == 2, (step, sum(head_fetches))
+        torch.testing.assert_close(logprobs.detach(), expected.detach(), rtol=0, atol=1e-6)
+        if step == 0:
+            head_grad = safe_get_full_grad(engine.module.lm_head.weight)
+            torch.testing.assert_close(head_grad, plain.lm_head.weight.grad, rtol=1e-5, atol=1e-7)
+        engine.engine.optimizer.zero_grad()
+    assert coordinator.is_complete_trace()
