@@ -54,7 +54,7 @@ from components.config import RolloutConfig, load_config
 from components.models import build_policy, config_tokenizer, save_model_dir
 from components.rollout.backends import HttpRollouts
 from components.rollout.engine_process import EngineProcess, free_port
-from components.rollout.transfer import broadcast, pair_group
+from components.rollout.pairs import broadcast, pair_group
 
 REPO = Path(__file__).resolve().parents[1]
 SERVERS = 2

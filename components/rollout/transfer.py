@@ -12,13 +12,23 @@ token (components/rollout/access.py):
    its side at the same time. `/health` reports the group the server holds (`transfer_group`): one that
    differs from the trainer's (a restarted server holds none) is formed again before the next transfer.
 2. `POST /v1/weights/receive {"group", "version", "rewind", "path", "buckets"}`: `buckets` lists, per bucket,
-   its size in bytes and the `[name, dtype, shape]` of each tensor in it. The server receives every bucket
+   its size in bytes and the `[name, dtype, shape]` of each tensor in it. The server checks that list first (a
+   bucket whose tensors do not fill it is refused before anything is broadcast), then receives every bucket
    (always all of them, into scratch if it then refuses the update, so the trainer's broadcast never hangs on
    a refusal), views the tensors out of it, and loads them into the engine between decode steps as `version`;
    `path` is only the label `/health` reports (`publish_dir/v{version:08d}`, never written), so a resumed
    trainer tells its own versions from another run's as it does for the filesystem path.
 
 Tensors are laid out in a bucket at 16-byte aligned offsets, so every one is viewed, not copied, out of it.
+
+Every collective is completed on the host against a deadline (components/rollout/pairs.py). The sender
+(`Sender.send`) finishes a transfer within `rollout.transfer_timeout_s` with at most `IN_FLIGHT` buckets posted
+and not completed; under NCCL each is copied from pinned host memory to the GPU on a CUDA stream of the transfer's
+own, never on the stream training runs on. The receiver (`receive_buckets`) takes each bucket into a buffer of its
+own and posts the next before loading the current one: two buffers are alive, plus those whose tensors the loader
+keeps. No buffer is recycled by hand: vLLM's layerwise reload keeps the tensors of a layer that spans buckets until
+its last one has come (`online_process_loader`, vllm/model_executor/model_loader/reload/layerwise.py), and a reused
+buffer would overwrite them.
 """
 
 from __future__ import annotations
@@ -27,20 +37,29 @@ import asyncio
 import datetime
 import itertools
 import socket
+import threading
+import time
 import uuid
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
-from torch.distributed import PrefixStore, TCPStore
+from torch.distributed import TCPStore
 
 from components.faults import fault_point
+from components.rollout.pairs import abort, complete, is_nccl, pair_group, post, release_when_done
 
 ALIGN = 16
 """Byte alignment of each tensor in a bucket (any dtype can be viewed at it)."""
+CPU = torch.device("cpu")
+IN_FLIGHT = 2
+"""Buckets a sender posts before it completes the oldest: one on the wire while the next is copied to the GPU."""
 Spec = tuple[str, str, tuple[int, ...]]
 """(name, dtype name as torch spells it without `torch.`, shape) of one tensor."""
+Bucket = tuple[int, list[Spec]]
+"""(size in bytes, the specs of its tensors in their order) of one bucket."""
 
 
 class GroupMismatch(ValueError):
@@ -84,12 +103,12 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
-def plan_buckets(weights: dict[str, torch.Tensor], bucket_bytes: int) -> list[tuple[int, list[Spec]]]:
+def plan_buckets(weights: dict[str, torch.Tensor], bucket_bytes: int) -> list[Bucket]:
     """Split `weights` (in their order) into buckets of at most `bucket_bytes` (a larger tensor is a bucket of its
     own): per bucket, its size in bytes and the specs of its tensors."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes: must be > 0, got {bucket_bytes}")
-    buckets: list[tuple[int, list[Spec]]] = []
+    buckets: list[Bucket] = []
     size, specs = 0, []
     for name, tensor in weights.items():
         n = _nbytes(tensor.dtype, tensor.shape)
@@ -103,9 +122,7 @@ def plan_buckets(weights: dict[str, torch.Tensor], bucket_bytes: int) -> list[tu
     return buckets
 
 
-def pack(
-    weights: dict[str, torch.Tensor], bucket: tuple[int, list[Spec]], device: torch.device, pinned: bool = False
-) -> torch.Tensor:
+def pack(weights: dict[str, torch.Tensor], bucket: Bucket, device: torch.device, pinned: bool = False) -> torch.Tensor:
     """The bytes of one bucket's tensors, each at its aligned offset, as one uint8 tensor on `device` (in pinned
     host memory with `pinned`; the padding between them is left as allocated: nobody reads it)."""
     size, specs = bucket
@@ -131,36 +148,34 @@ def unpack(buffer: torch.Tensor, specs: list[Spec]) -> dict[str, torch.Tensor]:
     return out
 
 
-# ---- the process group --------------------------------------------------------------------------------------
+def bucket_layout(buckets: list) -> list[Bucket]:
+    """A receive request's `buckets` as (size, specs), checked before anything is broadcast: every dtype known, and
+    the tensors at their aligned offsets filling the bucket exactly; ValueError naming the bucket."""
+    out: list[Bucket] = []
+    for index, (size, specs) in enumerate(buckets):
+        specs = [(name, dtype_name, tuple(shape)) for name, dtype_name, shape in specs]
+        taken = sum(_nbytes(dtype_of(dtype_name), shape) for _, dtype_name, shape in specs)
+        if taken != size:
+            raise ValueError(f"buckets: bucket {index}: the tensors take {taken} bytes, the bucket has {size}")
+        out.append((size, specs))
+    return out
 
 
-def pair_group(store, group: str, rank: int, backend: str, host: str, timeout_s: float):
-    """This side (`rank` 0: the trainer, 1: a server) of the two-member group `group` over `store`."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    prefixed = PrefixStore(f"{group}/", store)
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        options._timeout = timeout
-        return dist.ProcessGroupGloo(prefixed, rank, 2, options)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
-    raise ValueError(f"backend: expected gloo or nccl, got {backend!r}")
-
-
-def broadcast(group, buffer: torch.Tensor) -> None:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([buffer], options).wait()
+# ---- the groups -------------------------------------------------------------------------------------------
 
 
 @dataclass
-class _Held:
+class Held:
+    """One side's transfer group: its id, the process group, the store it was formed over, its timeout."""
+
     id: str
     group: object
     store: object = None
+    timeout_s: float = 60.0
+
+    def device(self, gpu: torch.device) -> torch.device:
+        """Where this side receives its buckets: on `gpu` over an NCCL group, else on the CPU."""
+        return gpu if is_nccl(self.group) else CPU
 
 
 def joined_key(group: str) -> str:
@@ -171,12 +186,79 @@ def ready_key(group: str, version: int) -> str:
     return f"{group}/ready/{version}"
 
 
+def join_group(request: GroupRequest) -> Held:
+    """A server's side (rank 1) of `request.group`: join the trainer's store, set the joined key (the trainer forms its
+    side once it is there), form the group (once both have). RuntimeError or ValueError when it cannot."""
+    timeout = datetime.timedelta(seconds=request.timeout_s)
+    store = TCPStore(request.address, request.port, None, False, timeout=timeout)
+    store.set(joined_key(request.group), "1")
+    # gloo binds this side's pair sockets on the interface that reaches the trainer
+    host = "127.0.0.1" if request.address in ("127.0.0.1", "localhost") else _own_address(request)
+    group = pair_group(store, request.group, 1, request.backend, host, request.timeout_s)
+    return Held(request.group, group, store, request.timeout_s)
+
+
+# ---- the receiving side -------------------------------------------------------------------------------------
+
+
+class TransferBroken(RuntimeError):
+    """The group failed before every bucket had arrived (the trainer broke off or died, or a bucket did not come
+    within the timeout): the group is gone. `handed`: how many buckets had reached the loader by then (the last one
+    perhaps refused)."""
+
+    def __init__(self, message: str, handed: int) -> None:
+        super().__init__(message)
+        self.handed = handed
+
+
+def receive_buckets(
+    group,
+    buckets: list[Bucket],
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
+    timeout_s: float,
+    device: torch.device = CPU,
+    allocate: Callable[[int], torch.Tensor] | None = None,
+) -> int:
+    """Receive `buckets` (checked by `bucket_layout`) over `group`, each into a buffer of its own from `allocate(size)`
+    (default: uint8 on `device`), and hand each bucket's (name, tensor) pairs, viewed out of it, to `load` once it
+    has arrived, the next bucket already posted (module docstring); returns the bytes received. Each bucket must
+    arrive within `timeout_s` of being awaited. When `load` raises, the rest are still received (so the trainer's
+    broadcast ends) and its exception raised after them; when the group fails, it is aborted: TransferBroken."""
+    allocate = allocate or (lambda size: torch.empty(size, dtype=torch.uint8, device=device))
+    count, handed, refused, pending = len(buckets), 0, None, None
+
+    def posted(index: int):
+        return (post(group, buffer := allocate(buckets[index][0])), buffer) if index < count else None
+
+    for index, (_, specs) in enumerate(buckets):
+        current = None
+        try:
+            current, pending = pending or posted(index), None
+            pending = posted(index + 1)  # received while this one loads
+            complete(group, current[0], time.monotonic() + timeout_s, f"not received within {timeout_s:g} s")
+        except (RuntimeError, OSError) as exc:  # the trainer died, broke off or stalled: nothing more will come
+            abort(group)  # NCCL: the receive posted for the next bucket ends too
+            release_when_done(group, [ops[0] for ops in (current, pending) if ops is not None])
+            after = f" (the loader had refused bucket {handed}: {refused})" if refused is not None else ""
+            raise TransferBroken(f"bucket {index + 1} of {count}: {exc}{after}", handed) from exc
+        if refused is None:
+            handed += 1
+            try:
+                load(iter(unpack(current[1], specs).items()))
+            except Exception as exc:  # raised once the rest are drained, by whoever called this
+                refused = exc
+        current = None  # this bucket's buffer is free now, unless `load` keeps its tensors
+    if refused is not None:
+        raise refused
+    return sum(size for size, _ in buckets)
+
+
 class Receiver:
     """A server's side: the group it holds and the transfers over it, one at a time."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self._held: _Held | None = None
+        self._held: Held | None = None
         self._lock = asyncio.Lock()
 
     @property
@@ -187,54 +269,31 @@ class Receiver:
         """Form this server's side of `request.group` (replacing any group it held)."""
         async with self._lock:
             self._held = None
-
-            def form():
-                store = TCPStore(
-                    request.address,
-                    request.port,
-                    None,
-                    False,
-                    timeout=datetime.timedelta(seconds=request.timeout_s),
-                )
-                store.set(joined_key(request.group), "1")  # the trainer forms its side once this is there
-                # gloo binds this side's pair sockets on the interface that reaches the trainer
-                host = "127.0.0.1" if request.address in ("127.0.0.1", "localhost") else _own_address(request)
-                return store, pair_group(store, request.group, 1, request.backend, host, request.timeout_s)
-
-            store, group = await asyncio.to_thread(form)
-            self._held = _Held(request.group, group, store)
+            self._held = await asyncio.to_thread(join_group, request)
 
     async def receive(self, request: ReceiveRequest) -> int:
-        """Receive every bucket, then load the tensors as `request.version`; returns the bytes received.
-        `GroupMismatch` at once (before the ready key, so the trainer broadcasts nothing) when the group is not the
-        one held; ValueError after draining every bucket when the tensors do not fit the model."""
+        """Receive every bucket, then load the tensors as `request.version`; returns the bytes received. At once
+        (before the ready key, so the trainer broadcasts nothing): `GroupMismatch` when the group is not the one held,
+        ValueError when the buckets' specs do not fill them. ValueError after draining every bucket when the tensors
+        do not fit the model. The engine loads all the tensors at once, so it keeps every bucket until then."""
         async with self._lock:
             held = self._held
             if held is None or held.id != request.group:
                 raise GroupMismatch(f"group: {request.group} is not the transfer group held here ({self.group_id})")
-            device = self.engine.device if request.buckets and _is_nccl(held.group) else torch.device("cpu")
-
-            def drain() -> dict[str, torch.Tensor]:
-                tensors: dict[str, torch.Tensor] = {}
-                for size, specs in request.buckets:
-                    buffer = torch.empty(size, dtype=torch.uint8, device=device)
-                    broadcast(held.group, buffer)
-                    tensors.update(unpack(buffer, [(n, d, tuple(s)) for n, d, s in specs]))
-                return tensors
-
+            buckets = bucket_layout(request.buckets)
+            device = held.device(self.engine.device) if buckets else CPU
+            tensors: dict[str, torch.Tensor] = {}
             held.store.set(ready_key(request.group, request.version), "1")  # the trainer broadcasts once set
             try:
-                tensors = await asyncio.to_thread(drain)
-            except RuntimeError:
+                received = await asyncio.to_thread(
+                    receive_buckets, held.group, buckets, tensors.update, held.timeout_s, device
+                )
+            except TransferBroken:
                 self._held = None  # the trainer went away or broke off mid-transfer: the group is gone
                 raise
             load = self.engine.load_weights(tensors, request.version, request.rewind, label=request.path)
             await asyncio.wrap_future(load)
-            return sum(size for size, _ in request.buckets)
-
-
-def _is_nccl(group) -> bool:
-    return type(group).__name__ == "ProcessGroupNCCL"
+            return received
 
 
 def _own_address(request: GroupRequest) -> str:
@@ -249,10 +308,14 @@ def route_address(host: str, port: int = 9) -> str:
         return sock.getsockname()[0]
 
 
+# ---- the sending side ---------------------------------------------------------------------------------------
+
+
 class Sender:
     """The trainer's side: a rendezvous store, one group per server (by URL), and the broadcasts.
 
-    `address` is where the servers reach this process (`rollout.transfer_address`).
+    `address` is where the servers reach this process (`rollout.transfer_address`); `timeout_s` bounds forming a
+    group and each whole transfer (`rollout.transfer_timeout_s`).
     """
 
     def __init__(self, address: str = "127.0.0.1", timeout_s: float = 60.0, backend: str = "gloo") -> None:
@@ -260,7 +323,7 @@ class Sender:
         self._store = TCPStore(
             address, 0, None, True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
         )
-        self._groups: dict[str, _Held] = {}
+        self._groups: dict[str, Held] = {}
         self._ids = itertools.count()
         self._run = uuid.uuid4().hex[:8]
 
@@ -286,19 +349,42 @@ class Sender:
     def form(self, url: str, request: GroupRequest) -> None:
         """This side of `request.group` (blocks until the server forms its side)."""
         group = pair_group(self._store, request.group, 0, self.backend, self.address, self.timeout_s)
-        self._groups[url] = _Held(request.group, group)
+        self._groups[url] = Held(request.group, group, timeout_s=self.timeout_s)
 
-    def send(self, url: str, buffers: list[torch.Tensor]) -> int:
-        """Broadcast the packed buckets `buffers` (host tensors, shared by every server's transfer) to `url`'s group;
-        returns the bytes sent. RuntimeError when the peer fails."""
+    def send(self, url: str, buffers: list[torch.Tensor], abandon: threading.Event | None = None) -> int:
+        """Broadcast the packed buckets `buffers` (host tensors, shared by every server's transfer) to `url`'s group,
+        all within `timeout_s`, at most `IN_FLIGHT` posted and not completed (module docstring); returns the bytes
+        sent. TimeoutError at the deadline, ConnectionError once `abandon` is set (the server's call failed),
+        RuntimeError when the peer fails: the group is then aborted (NCCL) and dropped."""
         held = self._groups[url]
-        device = torch.device("cuda", torch.cuda.current_device()) if _is_nccl(held.group) else None
+        deadline = time.monotonic() + self.timeout_s
+        late = f"not done within rollout.transfer_timeout_s = {self.timeout_s:g} s"
+        nccl = is_nccl(held.group)
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        in_flight: deque[tuple[object, torch.Tensor]] = deque()  # (work, the tensor it sends) per bucket posted
+
+        def finish_oldest() -> None:
+            complete(held.group, in_flight[0][0], deadline, late, abandon)
+            in_flight.popleft()
+
         try:
-            for buffer in buffers:
-                broadcast(held.group, buffer if device is None else buffer.to(device, non_blocking=True))
-                fault_point("weights.bucket")
-        except Exception:  # gloo's RuntimeError, a socket's OSError: the group is gone, the peer too perhaps
-            self.drop(url)  # the server's receive fails when it sees this process die, else at its timeout
+            # NCCL: the copies go on a stream of this transfer's own, and the broadcasts wait for it (module docstring)
+            with torch.cuda.stream(torch.cuda.Stream(device) if nccl else None):
+                for buffer in buffers:
+                    if len(in_flight) == IN_FLIGHT:
+                        finish_oldest()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(late)
+                    sent = buffer if device is None else buffer.to(device, non_blocking=True)
+                    in_flight.append((post(held.group, sent, left), sent))
+                    fault_point("weights.bucket")  # a failure here leaves this bucket and the one before in flight
+                while in_flight:
+                    finish_oldest()
+        except Exception:  # RuntimeError (gloo, NCCL), OSError (a socket, the deadline): the group is gone
+            abort(held.group)
+            self.drop(url)  # the server's receive fails when it sees this group close, else at its timeout
+            release_when_done(held.group, [work for work, _ in in_flight])
             raise
         return sum(buffer.numel() for buffer in buffers)
 

@@ -5,7 +5,8 @@
   must see `publish_dir` at the same path (same machine or a shared volume). The last two directories are
   kept (a reviving server may still be loading the previous one).
 - `CollectiveTransport` ("collective"): the tensors go in buckets over a process group between the trainer
-  and each server (components/rollout/transfer.py); no file is written. A transfer that fails is retried
+  and each server (components/rollout/transfer.py); no file is written. A transfer that fails (the group fails, it
+  passes `rollout.transfer_timeout_s`, or the server's call fails, which stops the broadcast at once) is retried
   once on a new group, then, with `fallback`, sent through the filesystem path; both are counted
   (`rollout/transfer_retries`, `rollout/transfer_fallbacks`).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Protocol
@@ -205,11 +207,13 @@ class CollectiveTransport:
         url, group = client.base_url, self.sender.group_id(client.base_url)
         body = {"group": group, "version": version, "rewind": rewind, "path": label, "buckets": buckets}
         post = asyncio.create_task(client.receive_weights(body))
+        abandon = threading.Event()  # the server's call failed: the broadcast stops at once, not at the deadline
+        post.add_done_callback(lambda call: (call.cancelled() or call.exception() is not None) and abandon.set())
         try:
             key = ready_key(group, version)
             await self._arrival(key, post, client)
             self.sender.clear(key)
-            sent = await asyncio.to_thread(self.sender.send, url, buffers)
+            sent = await asyncio.to_thread(self.sender.send, url, buffers, abandon)
         except BaseException:
             post.cancel()  # the server's answer (its failed receive) says nothing more than this error
             await asyncio.gather(post, return_exceptions=True)

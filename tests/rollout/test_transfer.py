@@ -1,8 +1,12 @@
 """The collective weight transport and the weights probe against real servers: buckets over real gloo groups
 between this process (the trainer) and `sao engine serve` (in this process on uvicorn threads, or a child
-process to SIGKILL), and a test double that drops the new tensors, which the probe must catch."""
+process to SIGKILL), and a test double that drops the new tensors, which the probe must catch. Then the trainer's
+`Sender` against a server's side that stalls: the whole transfer ends at `rollout.transfer_timeout_s`, or at once
+when the server's call fails."""
 
 import asyncio
+import threading
+import time
 
 import httpx
 import pytest
@@ -10,8 +14,9 @@ import torch
 
 from components.rollout.backends import HttpRollouts
 from components.rollout.engine_process import EngineProcess
+from components.rollout.pairs import broadcast
 from components.rollout.probe import WeightsMismatch
-from components.rollout.transfer import ALIGN, pack, plan_buckets, unpack
+from components.rollout.transfer import ALIGN, Sender, join_group, pack, plan_buckets, ready_key, unpack
 from components.rollout.transports import FilesystemTransport
 from tests.conftest import child_env
 from tests.rollout.test_backends import _config, _request, _teacher_forced, _version, _weights
@@ -283,3 +288,116 @@ def test_a_transfer_that_fails_twice_goes_through_the_filesystem_then_collective
     assert health2["version"] == 2 and health2["transfer_group"] not in (None, health1["transfer_group"])
     assert (metrics2["rollout/transfer_retries"], metrics2["rollout/transfer_fallbacks"]) == (1.0, 1.0)
     assert metrics2["rollout/probe_max_abs_diff"] < 1e-5
+
+
+TIMEOUT_S = 2.0
+
+
+class _Pair:
+    """A trainer-side `Sender` and a server's side (`join_group`) of one gloo pair group, formed in this process."""
+
+    def __init__(self, timeout_s: float = TIMEOUT_S) -> None:
+        self.sender = Sender("127.0.0.1", timeout_s)
+        self.request = self.sender.request("server")
+        joined = {}
+        thread = threading.Thread(target=lambda: joined.update(held=join_group(self.request)))
+        thread.start()
+        self.sender.form("server", self.request)
+        thread.join()
+        self.held = joined["held"]
+        self.sent: dict = {}
+
+    def send_when_ready(self, buffers, version: int = 1) -> threading.Thread:
+        """Send `buffers` from a thread once the server has set its ready key, as the trainer does; the outcome (bytes
+        or the exception) goes to `self.sent["result"]`."""
+
+        def run() -> None:
+            deadline = time.monotonic() + 10
+            while not self.sender.arrived(ready_key(self.request.group, version)):
+                if time.monotonic() > deadline:
+                    self.sent["result"] = TimeoutError("no ready key")
+                    return
+                time.sleep(0.001)
+            try:
+                self.sent["result"] = self.sender.send("server", buffers)
+            except Exception as exc:
+                self.sent["result"] = exc
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+
+class _StallingServer(threading.Thread):
+    """A server's side of a pair group that receives `count` buckets of `size` bytes in turn, `pause_s` before each,
+    and after `stops_after` of them stops receiving while it holds its group, as a stalled process would, until
+    `release` is set."""
+
+    def __init__(self, held, count: int, size: int, pause_s: float = 0.0, stops_after: int | None = None) -> None:
+        super().__init__(daemon=True)
+        self.held, self.count, self.size, self.pause_s, self.stops_after = held, count, size, pause_s, stops_after
+        self.received = 0
+        self.release = threading.Event()
+
+    def run(self) -> None:
+        for index in range(self.count):
+            if index == self.stops_after:
+                self.release.wait(30)
+                return
+            time.sleep(self.pause_s)
+            try:
+                broadcast(self.held.group, torch.empty(self.size, dtype=torch.uint8), 10.0)
+            except (RuntimeError, OSError):  # the trainer's side gave up: `received` tells how far it came
+                return
+            self.received += 1
+
+
+def test_a_server_that_stops_receiving_mid_transfer_fails_the_send_within_its_timeout():
+    pair = _Pair(timeout_s=2.0)
+    server = _StallingServer(pair.held, count=10, size=4096, stops_after=3)
+    server.start()
+    began = time.monotonic()
+    with pytest.raises((TimeoutError, RuntimeError)):
+        pair.sender.send("server", [torch.zeros(4096, dtype=torch.uint8) for _ in range(10)])
+    took = time.monotonic() - began
+    server.release.set()
+    server.join(5)
+    # gloo's send waits for the receiver: bucket 4 never completes, and the transfer's deadline ends it at 2 s
+    assert server.received == 3
+    assert 1.9 < took < 3.0
+    assert pair.sender.group_id("server") is None  # dropped: the next transfer forms a new group (and retries)
+
+
+def test_a_transfer_slower_than_its_timeout_fails_at_the_deadline_not_bucket_by_bucket():
+    pair = _Pair(timeout_s=2.0)
+    server = _StallingServer(pair.held, count=10, size=4096, pause_s=0.5)
+    server.start()
+    began = time.monotonic()
+    with pytest.raises((TimeoutError, RuntimeError)):
+        pair.sender.send("server", [torch.zeros(4096, dtype=torch.uint8) for _ in range(10)])
+    took = time.monotonic() - began
+    server.join(5)
+    # Each bucket arrives 0.5 s after the one before, well inside a 2 s timeout per operation: bucket by bucket the
+    # transfer would take 10 x 0.5 = 5 s and succeed. `rollout.transfer_timeout_s` bounds the whole transfer, so it
+    # ends at 2 s, after the buckets received at 0.5, 1.0 and 1.5 s (a fourth one at 2.0 s races the deadline).
+    assert server.received in (3, 4)
+    assert 1.9 < took < 3.0
+
+
+def test_a_send_abandoned_by_the_servers_call_stops_at_once():
+    """The trainer's HTTP call to the server fails (the transport sets `abandon`): the broadcast stops then, not at
+    the transfer's deadline."""
+    pair = _Pair(timeout_s=5.0)
+    server = _StallingServer(pair.held, count=10, size=4096, stops_after=2)
+    server.start()
+    abandon = threading.Event()
+    threading.Timer(0.5, abandon.set).start()
+    began = time.monotonic()
+    with pytest.raises(ConnectionError, match="abandoned"):
+        pair.sender.send("server", [torch.zeros(4096, dtype=torch.uint8) for _ in range(10)], abandon)
+    took = time.monotonic() - began
+    server.release.set()
+    server.join(5)
+    assert server.received == 2
+    assert 0.45 < took < 1.5  # not the 5 s deadline
+    assert pair.sender.group_id("server") is None
