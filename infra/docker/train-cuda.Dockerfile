@@ -23,6 +23,8 @@ ENV TOKENIZERS_PARALLELISM=false
 # The allocator grows segments instead of caching fixed blocks: `sao plan` reserves 3% of the allocator's bytes for
 # fragmentation with it, 10% without (docs/gpu.md, "Memory").
 ENV PYTORCH_ALLOC_CONF=expandable_segments:True
+# A weight-transfer side group that times out is aborted, not dumped: the dump would end the trainer minutes later.
+ENV TORCH_NCCL_DUMP_ON_TIMEOUT=0
 
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3.12 python3.12-venv python3.12-dev build-essential \
