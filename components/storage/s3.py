@@ -12,7 +12,10 @@ a blip; but its retries share a client-wide quota and add up to seconds, not the
 takes. So each idempotent unit of work (one file up or down, the manifest, the marker, a listing, a delete) is
 also retried by the store, `attempts` times with exponential backoff and jitter (`backoff_s` doubling up to
 `max_backoff_s`), on transient failures only: a 4xx such as NoSuchBucket or AccessDenied fails at once. Every
-request is bounded by `connect_timeout_s` / `read_timeout_s`, so a hung endpoint costs a retry, never the run."""
+request is bounded by `connect_timeout_s` / `read_timeout_s`, so a hung endpoint costs a retry, never the run.
+
+`threads` files are hashed and uploaded (or downloaded and verified) at once, each through the transfer manager's
+own part threads; boto3's client is thread-safe, and its connection pool is sized for all of them."""
 
 from __future__ import annotations
 
@@ -43,14 +46,17 @@ from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceede
 from components.faults import fault_point
 from components.storage.artifacts import (
     MANIFEST,
+    STORE_THREADS,
     CorruptArtifact,
     IncompleteArtifact,
     StoreError,
     check_key,
+    check_threads,
     file_meta,
     join,
     manifest_bytes,
     manifest_entries,
+    run_all,
     source_files,
     verify,
 )
@@ -124,6 +130,7 @@ class S3Store:
         max_backoff_s: float = 30.0,
         connect_timeout_s: float = 10.0,
         read_timeout_s: float = 60.0,
+        threads: int = STORE_THREADS,
     ) -> None:
         if not bucket or "/" in bucket:
             raise ValueError(f"S3Store bucket must be a bucket name, got {bucket!r}")
@@ -145,6 +152,8 @@ class S3Store:
         for name, value in (("connect_timeout_s", connect_timeout_s), ("read_timeout_s", read_timeout_s)):
             if not 0 < value <= 3600:
                 raise ValueError(f"S3Store {name} must be in (0, 3600] seconds, got {value}")
+        self.threads = check_threads(threads, "S3Store")
+        """Files hashed and moved at once (each in `transfer.max_concurrency` parts at once when multipart)."""
         self.bucket = bucket
         """Bucket holding the artifacts."""
         self.prefix = check_key(prefix, allow_empty=True)
@@ -155,6 +164,9 @@ class S3Store:
         """Store-level tries of each unit of work on transient failures, and the backoff between them: attempt
         i+1 waits uniformly in [d/2, d], d = min(backoff_s * 2**i, max_backoff_s). The defaults (6 tries, 1 s
         doubling) wait 15.5-31 s in all before giving up, on top of botocore's own retries."""
+        self.jitter = random.Random()
+        """The backoff's own generator: an upload on a checkpoint's thread leaves the run's `random` state (saved in
+        every checkpoint) alone."""
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         # botocore's "max_attempts" counts retries after the first try (it keeps retries + 1 as the total).
         self.client = boto3.client(
@@ -164,11 +176,13 @@ class S3Store:
                 retries={"max_attempts": retries, "mode": "standard"},
                 connect_timeout=connect_timeout_s,
                 read_timeout=read_timeout_s,
+                max_pool_connections=self.threads * self.transfer.max_concurrency,
             ),
         )
         """The boto3 S3 client: endpoint from AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, `retries` retries of
         throttled and transient failures per request in botocore's "standard" mode, and every request bounded
-        by `connect_timeout_s` and `read_timeout_s` (a read timeout is one more transient failure)."""
+        by `connect_timeout_s` and `read_timeout_s` (a read timeout is one more transient failure); a connection
+        for each part in flight of `threads` files."""
 
     @classmethod
     def from_uri(cls, uri: str, **options) -> S3Store:
@@ -210,7 +224,7 @@ class S3Store:
                         f"s3://{self.bucket}/{what}: failed {failures} times, last: {type(exc).__name__}: {exc}"
                     ) from exc
                 ceiling = min(self.backoff_s * 2 ** (failures - 1), self.max_backoff_s)
-                time.sleep(random.uniform(ceiling / 2, ceiling))
+                time.sleep(self.jitter.uniform(ceiling / 2, ceiling))
 
     def _get(self, object_key: str) -> bytes | None:
         def get() -> bytes | None:  # the body is read inside the retry: a stream cut short is retried too
@@ -236,16 +250,18 @@ class S3Store:
         base, files = self._key(key), source_files(local_dir)
         with self._errors(key):
             self.delete(key)  # the old marker goes first: a half-replaced artifact is never complete
-            manifest = {}
-            for rel, path in files:
-                manifest[rel] = file_meta(path)
+
+            def upload(path: Path, rel: str) -> dict:
+                meta = file_meta(path)
                 self._retry(
                     f"{base}/{rel}",
-                    lambda path=path, rel=rel: self.client.upload_file(
-                        str(path), self.bucket, f"{base}/{rel}", Config=self.transfer
-                    ),
+                    lambda: self.client.upload_file(str(path), self.bucket, f"{base}/{rel}", Config=self.transfer),
                 )
                 fault_point("store.upload")
+                return meta
+
+            metas = run_all([lambda p=path, r=rel: upload(p, r) for rel, path in files], self.threads)
+            manifest = {rel: meta for (rel, _), meta in zip(files, metas)}
             self._put(f"{base}/{MANIFEST}", manifest_bytes(check_key(key), manifest))
             self._put(f"{base}/{MARKER}", json.dumps({"completed_at": time.time()}).encode())
         return self.uri(key)
@@ -257,13 +273,14 @@ class S3Store:
                 raise IncompleteArtifact(f"{uri}: not a complete artifact (no {MARKER} marker)")
             entries = manifest_entries(uri, self._get(f"{base}/{MANIFEST}"))
             with atomic_fill(local_dir) as tmp:
-                for rel, expected in entries:
+
+                def download(rel: str, expected: dict) -> None:
                     dst = tmp / rel
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     try:
                         self._retry(
                             f"{base}/{rel}",
-                            lambda rel=rel, dst=dst: self.client.download_file(
+                            lambda: self.client.download_file(
                                 self.bucket, f"{base}/{rel}", str(dst), Config=self.transfer
                             ),
                         )
@@ -272,6 +289,8 @@ class S3Store:
                             raise CorruptArtifact(f"{uri}/{rel} is listed in its manifest but missing") from exc
                         raise
                     verify(uri, rel, expected, file_meta(dst))
+
+                run_all([lambda r=rel, e=expected: download(r, e) for rel, expected in entries], self.threads)
         return Path(local_dir)
 
     def is_complete(self, key: str) -> bool:

@@ -138,15 +138,13 @@ def test_marker_comes_last_and_without_it_nothing_is_complete(store, tmp_path):
     store.put_dir(src, "k")
     store.put_dir(src, "k")  # re-publish
     if _is_s3(store):
-        first = [
-            "DeleteObject _COMPLETE",
-            "PutObject a.pt",
-            "PutObject sub/b.pt",
-            "PutObject manifest.json",
-            "PutObject _COMPLETE",
-        ]
+        files = {"PutObject a.pt", "PutObject sub/b.pt"}  # uploaded at once (the store's threads): in any order
+        last = ["PutObject manifest.json", "PutObject _COMPLETE"]  # once every file is stored
+        first, again = writes[:5], writes[5:]
+        assert first[0] == "DeleteObject _COMPLETE" and set(first[1:3]) == files and first[3:] == last
         # The re-publish takes the old marker away before anything else, then the old files.
-        assert writes == first + ["DeleteObject _COMPLETE", "DeleteObjects"] + first[1:]
+        assert again[:2] == ["DeleteObject _COMPLETE", "DeleteObjects"] and set(again[2:4]) == files
+        assert again[4:] == last
     # Files and manifest without the marker: an upload that never finished.
     _raw_delete(store, "k", "_COMPLETE")
     assert _raw_names(store, "k") == {"a.pt", "sub/b.pt", "manifest.json"}
@@ -162,12 +160,47 @@ _CHILD = (
 )
 
 
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_files_hashed_and_moved_at_once_give_the_serial_manifest(kind, tmp_path, request):
+    """The same tree published by one thread and by four: the same manifest, byte for byte, and each entry the
+    sha256 of the file's whole content as hashlib gives it in one call (the reference); both round-trip. The
+    files straddle the 1 MiB read chunk and S3's 5 MiB multipart part."""
+    files = {
+        "a.bin": os.urandom(6 * MIB + 17),
+        "deep/b.bin": os.urandom(MIB),
+        "deep/er/c.bin": os.urandom(MIB + 1),
+        "empty": b"",
+        "state.json": b'{"step": 3}',
+    }
+    src = _write_tree(tmp_path / "src", files)
+    manifests = []
+    for threads in (1, 4):
+        if kind == "local":
+            store = LocalStore(tmp_path / f"store-{threads}", threads=threads)
+        else:
+            request.getfixturevalue("s3_env")
+            bucket = f"threads-{threads}-{uuid.uuid4().hex[:12]}"
+            store = open_store(
+                f"s3://{bucket}/runs", multipart_threshold=5 * MIB, multipart_chunksize=5 * MIB, threads=threads
+            )
+            store.client.create_bucket(Bucket=bucket)
+        assert store.threads == threads
+        store.put_dir(src, "checkpoints/t/step-00000003")
+        manifests.append(_raw_read(store, "checkpoints/t/step-00000003", "manifest.json"))
+        assert _tree(store.get_dir("checkpoints/t/step-00000003", tmp_path / f"out-{threads}")) == files
+    assert manifests[0] == manifests[1]
+    reference = {rel: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)} for rel, data in files.items()}
+    assert json.loads(manifests[1]) == {"key": "checkpoints/t/step-00000003", "files": reference}
+    with pytest.raises(ValueError, match="LocalStore threads must be an integer >= 1, got 0"):
+        LocalStore(tmp_path, threads=0)
+
+
 def test_killed_upload_is_not_complete_and_checkpoints_fall_back(store, tmp_path):
     ckpt = CheckpointStore(store, "checkpoints/tiny", tmp_path / "cache")
     for step in (1, 2):
         ckpt.save(step, {"state": {"step": step}})
     # A publish that dies part-way: the third file is a FIFO nobody writes to, so the child blocks reading it
-    # after the first two are stored, and is SIGKILLed there.
+    # while the others are stored, and is SIGKILLed there.
     src = _write_tree(tmp_path / "src", {"a.pt": os.urandom(70_000), "b.pt": b"b"})
     os.mkfifo(src / "c.pt")
     key = ckpt.key(3)
@@ -191,8 +224,8 @@ def test_killed_upload_is_not_complete_and_checkpoints_fall_back(store, tmp_path
 
 
 def _partly_published(store, key: str) -> bool:
-    """a.pt and b.pt are stored and the publisher is on c.pt (S3: b.pt's object exists; local: c.pt's copy was
-    opened in the temporary sibling, which happens only after b.pt was copied whole)."""
+    """The publisher is stuck on c.pt, the files it could store stored or under way (S3: b.pt's object exists;
+    local: c.pt's copy was opened in the temporary sibling). Files go up at once, so c.pt may block first."""
     if _is_s3(store):
         return "b.pt" in _raw_names(store, key)
     parent, name = (store.root / key).parent, (store.root / key).name

@@ -1,6 +1,8 @@
 """A store outage longer than its retries, in the middle of a run: the checkpoint it hits is not stored, training
 goes on and the next checkpoint is; `train.checkpoint_failures` in a row is the most a run takes. The store is
-moto's S3 server behind the fault proxy, which drops every request for one checkpoint's objects."""
+moto's S3 server behind the fault proxy, which drops every request for one checkpoint's objects. Checkpoints are
+published in the background: a failure is counted when the loop next waits for the upload (the next save, the
+guard's roll back, the end of the run)."""
 
 from dataclasses import replace
 
@@ -43,7 +45,9 @@ def test_a_checkpoint_lost_to_an_outage_does_not_stop_training(proxied_s3, tmp_p
     result = train_env(_outage_cfg(tiny_cfg, "a"), sft_dir, tmp_path, NullTracker(), log=log.append)
     assert result.version == 4
     assert _complete(s3, "a/") == [0, 1, 3, 4]  # 2 never completed; the next ones did
-    assert [row["trainer/checkpoint_failures"] for row in result.history] == [0.0, 0.0, 1.0, 1.0]
+    # Checkpoint 2 uploads while step 3 trains; the save after step 3's row waits for it and counts the failure,
+    # so the row of step 4 is the first to show it.
+    assert [row["trainer/checkpoint_failures"] for row in result.history] == [0.0, 0.0, 0.0, 1.0]
     assert any("checkpoint 2 not stored" in line and "training goes on" in line for line in log)
 
 
@@ -56,7 +60,7 @@ def test_more_failures_in_a_row_than_allowed_stop_the_run(proxied_s3, tmp_path, 
         )
 
 
-def test_a_store_that_never_took_a_checkpoint_stops_the_run_at_once(proxied_s3, tmp_path, tiny_cfg, sft_dir):
+def test_a_store_that_never_took_a_checkpoint_stops_the_run_at_the_next_save(proxied_s3, tmp_path, tiny_cfg, sft_dir):
     proxy, _ = proxied_s3
     proxy.mode("down", match="step-00000000/")  # the starting weights' checkpoint: a broken store, not an outage
     with pytest.raises(StoreError, match="step-00000000"):
@@ -79,25 +83,31 @@ def _checkpointer(prefix: str, max_failures: int, tmp_dir):
 
 
 def test_the_checkpointer_spends_its_budget_on_failures_in_a_row(proxied_s3, tmp_path):
-    """Budget 1: step 0 stored; 1 lost (1 in a row, within budget: None, logged); 2 stored (the count starts
-    over); 3 lost (1 in a row again); 4 lost too (2 in a row > 1): raised. Only stored steps are announced."""
+    """Budget 1: step 0 stored; 1 lost (1 in a row, within budget: logged); 2 stored (the count starts over); 3
+    lost (1 in a row again); 4 lost too (2 in a row > 1): raised. Each upload runs on its own thread (joined here
+    so that the proxy's mode holds for all of it); its outcome is counted only when the next `save` or `wait`
+    waits for it. Only stored steps are announced."""
     import torch
 
     proxy, s3 = proxied_s3
     checkpoints, stored, log = _checkpointer("budget", 1, tmp_path)
     payload = {"weights": torch.arange(4.0)}
-    assert checkpoints.save(0, payload) is not None
+    checkpoints.save(0, payload)
+    assert checkpoints.wait().endswith("budget/run/step-00000000")
     for step, down in ((1, True), (2, False), (3, True), (4, True)):
         proxy.mode("down", match=f"step-{step:08d}/") if down else proxy.mode("pass")
-        if step == 4:
-            with pytest.raises(StoreError, match="step-00000004"):
-                checkpoints.save(step, payload)
-        else:
-            assert (checkpoints.save(step, payload) is None) == down
+        checkpoints.save(step, payload)  # counts the previous upload, starts this one
+        counted = checkpoints.failed
+        assert counted == {1: 0, 2: 1, 3: 1, 4: 2}[step]  # the failures of the steps before this one
+        checkpoints.in_flight.join()
+        assert checkpoints.failed == counted  # this one's, over or not, is counted only when waited for
+    with pytest.raises(StoreError, match="step-00000004"):
+        checkpoints.wait()
     assert [s for s, _ in stored] == [0, 2] and all(uri.endswith(f"step-{s:08d}") for s, uri in stored)
     assert (checkpoints.stored, checkpoints.failed, checkpoints.failed_in_a_row) == (2, 3, 2)
-    assert sum("not stored" in line for line in log) == 2  # steps 1 and 3; step 4 raised instead
+    assert [line.split(" (")[0] for line in log] == ["train: checkpoint 1 not stored", "train: checkpoint 3 not stored"]
     assert _complete(s3, "budget/") == [0, 2]
+    assert checkpoints.wait() is None and checkpoints.in_flight is None  # nothing left in flight
 
 
 def test_the_checkpointer_never_forgives_the_first_or_the_final_checkpoint(proxied_s3, tmp_path):
@@ -106,11 +116,16 @@ def test_the_checkpointer_never_forgives_the_first_or_the_final_checkpoint(proxi
     proxy, _ = proxied_s3
     first, _, _ = _checkpointer("first", 5, tmp_path)
     proxy.mode("down", match="step-00000000/")
-    with pytest.raises(StoreError):  # nothing stored yet: a broken store, not an outage to ride out
-        first.save(0, {"x": torch.zeros(1)})
+    first.save(0, {"x": torch.zeros(1)})
+    first.in_flight.join()
     proxy.mode("pass")
+    with pytest.raises(StoreError, match="step-00000000"):  # nothing stored yet: a broken store, not an outage
+        first.save(1, {"x": torch.zeros(1)})  # the next save raises it, before writing anything
+    assert first.in_flight is None and not list(tmp_path.glob(".save-*"))  # 0's scratch went, 1 was never written
     final, _, _ = _checkpointer("final", 5, tmp_path)
-    assert final.save(0, {"x": torch.zeros(1)}) is not None
+    final.save(0, {"x": torch.zeros(1)})
+    assert final.wait() is not None
     proxy.mode("down", match="step-00000007/")
-    with pytest.raises(StoreError):  # the run's last checkpoint holds its result
-        final.save(7, {"x": torch.zeros(1)}, final=True)
+    final.save(7, {"x": torch.zeros(1)}, final=True)
+    with pytest.raises(StoreError, match="step-00000007"):  # the run's last checkpoint holds its result
+        final.wait()

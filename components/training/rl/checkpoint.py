@@ -7,13 +7,21 @@ half-written checkpoint is therefore never loaded, and `load_latest` steps back 
 checkpoint that verifies: a bad checkpoint costs progress, not the run. A store that cannot be reached (its
 retries spent) is not a damaged checkpoint: that StoreError propagates, so an outage never sends a resume back
 to an older step whose successors it would then overwrite.
+
+A run's `Checkpointer` splits a save in two (issue 42, item 10). The loop writes the checkpoint into local scratch
+(`CheckpointStore.stage`: the learner's engines, a collective write on every rank, and the payload): that much
+must happen between two steps. Hashing and publishing it (`CheckpointStore.publish`) run on a thread of their
+own while the loop trains on; one checkpoint is in flight at a time, so the next save, the collapse guard's
+roll back and the end of the run first wait for it (`Checkpointer.wait`), and local scratch holds one checkpoint.
 """
 
 from __future__ import annotations
 
+import contextvars
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +41,7 @@ from components.storage.artifacts import (
 )
 
 OnCheckpoint = Callable[[int, str], None]
-"""Called with (step, URI) once a checkpoint is complete in the store."""
+"""Called with (step, URI) once a checkpoint is complete in the store: on the upload's thread, as soon as it is."""
 Writer = Callable[[Path], None]
 """Writes files into a checkpoint's local directory before it is published (`Learner.save`)."""
 Reader = Callable[[Path], Any]
@@ -71,8 +79,13 @@ class CheckpointStore:
 
     def save(self, step: int, payload: dict[str, Any], write: Writer | None = None) -> str:
         """Each payload entry becomes `<name>.pt` (torch.save), beside what `write(directory)` writes; returns the
-        checkpoint's URI."""
-        key = self.key(step)
+        checkpoint's URI once it is complete in the store (`stage`, then `publish`)."""
+        return self.publish(step, self.stage(step, payload, write))
+
+    def stage(self, step: int, payload: dict[str, Any], write: Writer | None = None) -> Path:
+        """Write checkpoint `step` into a new local scratch directory and return it: what `write(directory)` writes,
+        and each payload entry as `<name>.pt` (torch.save). Nothing reaches the store; `publish` does that."""
+        self.key(step)
         for name in payload:
             if not name or "/" in name or name.startswith("."):
                 raise ValueError(f"checkpoint payload name {name!r} must be a plain file name")
@@ -82,7 +95,16 @@ class CheckpointStore:
                 write(scratch)
             for name, obj in payload.items():
                 torch.save(obj, scratch / f"{name}.pt")
-            return self.store.put_dir(scratch, key)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        return scratch
+
+    def publish(self, step: int, scratch: Path) -> str:
+        """Publish a `stage`d directory as checkpoint `step` (files, manifest, marker) and remove it, also when
+        the store fails; returns the checkpoint's URI."""
+        try:
+            return self.store.put_dir(scratch, self.key(step))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -165,11 +187,36 @@ def checkpoint_store(cfg: Config, home: Path) -> CheckpointStore:
     return CheckpointStore(store, f"checkpoints/{cfg.name}", Path(home) / "cache" / "checkpoints")
 
 
+class Upload(threading.Thread):
+    """One checkpoint's publication on a thread of its own: `publish(step, scratch)`, then `on_checkpoint(step,
+    uri)`, in the context (contextvars) of the thread that started it. Its outcome waits in `uri` and `error` for
+    the loop's thread to read after `join`."""
+
+    def __init__(
+        self, store: CheckpointStore, step: int, scratch: Path, final: bool, on_checkpoint: OnCheckpoint
+    ) -> None:
+        super().__init__(name=f"sao-checkpoint-{step:08d}")  # not a daemon: an exiting process finishes it
+        self.store, self.step, self.scratch, self.final, self.on_checkpoint = store, step, scratch, final, on_checkpoint
+        self.context = contextvars.copy_context()
+        self.uri: str | None = None
+        """The checkpoint's URI once it is complete in the store."""
+        self.error: BaseException | None = None
+        """What the publication (or `on_checkpoint`) raised."""
+
+    def run(self) -> None:
+        try:
+            self.uri = self.context.run(self.store.publish, self.step, self.scratch)
+            self.context.run(self.on_checkpoint, self.step, self.uri)
+        except BaseException as exc:  # handed to the loop's thread by `Checkpointer.wait`, never dropped
+            self.error = exc
+
+
 class Checkpointer:
-    """A run's checkpoints with a failure budget: a checkpoint lost to a store outage (its retries spent) does not
-    end the run, up to `max_failures` in a row (`train.checkpoint_failures`; docs/reliability.md). The first
-    checkpoint of a process and the run's last one must be stored: without them there is nothing to resume
-    from, or the result is lost."""
+    """A run's checkpoints, published in the background with a failure budget: a checkpoint lost to a store
+    outage (its retries spent) does not end the run, up to `max_failures` in a row (`train.checkpoint_failures`;
+    docs/reliability.md). The first checkpoint of a process and the run's last one must be stored: without them
+    there is nothing to resume from, or the result is lost. An upload's outcome is counted, and its error raised,
+    on the loop's thread when it next waits: at the next save, the guard's roll back or the end of the run."""
 
     def __init__(
         self,
@@ -181,28 +228,49 @@ class Checkpointer:
         self.store, self.max_failures, self.log = store, max_failures, log
         self.on_checkpoint = on_checkpoint or (lambda step, uri: None)
         self.stored = 0
-        """Checkpoints this process stored."""
+        """Checkpoints this process stored (counted when waited for)."""
         self.failed = 0
-        """Checkpoints this process could not store (`trainer/checkpoint_failures`)."""
+        """Checkpoints this process could not store (`trainer/checkpoint_failures`; counted when waited for)."""
         self.failed_in_a_row = 0
+        self.in_flight: Upload | None = None
+        """The checkpoint being published, until `wait` reads its outcome."""
 
-    def save(self, step: int, payload: dict[str, Any], final: bool = False, write: Writer | None = None) -> str | None:
-        """Store `payload` (and what `write` writes) as checkpoint `step` and call `on_checkpoint(step, uri)`;
-        returns the URI, or None when the store failed and the budget lets the run go on. Raises the `StoreError`
-        otherwise (`final`: the run's last checkpoint)."""
-        try:
-            uri = self.store.save(step, payload, write)
-        except StoreError as exc:  # the store's retries are spent: an outage, or a store that never worked
-            self.failed += 1
-            self.failed_in_a_row += 1
-            if not self.stored or final or self.failed_in_a_row > self.max_failures:
-                raise
-            self.log(
-                f"train: checkpoint {step} not stored ({exc}); training goes on, {self.failed_in_a_row} of "
-                f"train.checkpoint_failures={self.max_failures} in a row"
-            )
+    def save(self, step: int, payload: dict[str, Any], final: bool = False, write: Writer | None = None) -> None:
+        """Wait for the checkpoint in flight (`wait`: its failure may raise here), write `payload` and what `write`
+        writes as checkpoint `step` into local scratch, and start publishing it on its own thread;
+        `on_checkpoint(step, uri)` follows once it is complete in the store. `final` (the run's last
+        checkpoint): its failure is raised by `wait`, whatever the budget."""
+        self.wait()
+        scratch = self.store.stage(step, payload, write)
+        self.in_flight = Upload(self.store, step, scratch, final, self.on_checkpoint)
+        self.in_flight.start()
+
+    def wait(self) -> str | None:
+        """Block until the checkpoint in flight is published or failed, and count it. Returns its URI; None when
+        none was in flight or the store failed and the budget lets the run go on. Raises the `StoreError`
+        otherwise (the process's first checkpoint, the run's last, or one failure too many in a row), and any
+        other error of the upload as it is."""
+        upload, self.in_flight = self.in_flight, None
+        if upload is None:
             return None
-        self.stored += 1
-        self.failed_in_a_row = 0
-        self.on_checkpoint(step, uri)
-        return uri
+        upload.join()
+        if upload.uri is not None:
+            self.stored += 1
+            self.failed_in_a_row = 0
+        if upload.error is None:
+            return upload.uri
+        if upload.uri is not None or not isinstance(upload.error, StoreError):
+            raise upload.error  # on_checkpoint failed, or something else than the store did (a bad file, a bug)
+        self.failed += 1  # the store's retries are spent: an outage, or a store that never worked
+        self.failed_in_a_row += 1
+        if not self.stored or upload.final or self.failed_in_a_row > self.max_failures:
+            raise upload.error
+        self.log(
+            f"train: checkpoint {upload.step} not stored ({upload.error}); training goes on, {self.failed_in_a_row} "
+            f"of train.checkpoint_failures={self.max_failures} in a row"
+        )
+        return None
+
+    def latest_step(self) -> int | None:
+        """The newest checkpoint's step: the one in flight, else the store's newest complete one."""
+        return self.in_flight.step if self.in_flight is not None else self.store.latest_step()

@@ -199,6 +199,7 @@ class Trainer:
                 self._learner_thread.shutdown()
         with atomic_dir(self.out_dir) as tmp:
             save_model_dir(p.learner.serving_module(), p.tokenizer, tmp)
+        p.checkpoints.wait()  # the last checkpoint's upload ran beside the export; the run ends once it is stored
         return TrainResult(
             self.updates,
             self.step,
@@ -223,7 +224,7 @@ class Trainer:
         if message:
             self.log(message)
             p.guard.task_changed(self.step, hold=self.tc.max_staleness + 1)
-            if not first and p.guard.active and p.checkpoints.store.latest_step() != self.step:
+            if not first and p.guard.active and p.checkpoints.latest_step() != self.step:
                 self.save_checkpoint()
         return metrics
 
@@ -323,6 +324,7 @@ class Trainer:
         if not p.guard.active:
             self.log(f"train: collapse at step {self.step} ({collapse.cause}); train.collapse_guard=off, continuing")
             return True
+        p.checkpoints.wait()  # the guard returns only to a checkpoint complete in the store
         restored = p.guard.roll_back(collapse, p.checkpoints.store, p.learner, self.log)
         if restored is None:
             return False
@@ -341,7 +343,8 @@ class Trainer:
         return not p.guard.ends
 
     def save_checkpoint(self) -> None:
-        """Checkpoint the learner, the loop's position, the guard's record and the RNG states at `step`."""
+        """Checkpoint the learner, the loop's position, the guard's record and the RNG states at `step`: written
+        locally here (every rank), published on the checkpointer's thread while the loop goes on."""
         p = self.parts
         try:
             p.checkpoints.save(
