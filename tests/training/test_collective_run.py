@@ -81,7 +81,12 @@ def test_collective_transfer_run_survives_a_server_killed_and_restarted(tmp_path
     assert any(not s["in_traffic"][a.url] for s in seen[kill_at:]) and seen[-1]["in_traffic"][a.url]
     assert _served(a.url) == _served(b.url) == steps
     # The probe compared both servers' log-probs with the trainer's after every version: all agreed.
-    assert all(row["rollout/probe_failures"] == 0 and row["rollout/probe_max_abs_diff"] < 1e-5 for row in rows)
+    assert all(
+        row["rollout/probe_failures"] == 0
+        and row["rollout/probe_median_abs_diff"] < 1e-5
+        and row["rollout/probe_max_abs_diff"] < 1e-4
+        for row in rows
+    )
     assert rows[-1]["rollout/transfer_fallbacks"] == 0 and rows[-1]["rollout/engine_errors"] >= 1
     # The restarted process answered requests, every token with weights at least as new as those of the kill:
     # it got the current version before its first request (its starting weights would tag tokens v0).

@@ -288,7 +288,10 @@ def test_http_backend_trains_against_a_served_engine(tmp_path, tiny_cfg, sft_dir
     }  # rollout.probe_every = 1
     assert set(result.history[0]) == set(embedded.history[0]) | http_only | probe
     assert all(
-        row["rollout/probe_failures"] == 0 and row["rollout/probe_max_abs_diff"] < 1e-5 for row in result.history
+        row["rollout/probe_failures"] == 0
+        and row["rollout/probe_median_abs_diff"] < 1e-5
+        and row["rollout/probe_max_abs_diff"] < 1e-4
+        for row in result.history
     )
 
 
