@@ -241,7 +241,11 @@ def test_env_accepts_each_documented_form():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"name": "chess"}, "env.name: Input should be 'tir_math', 'coding' or 'style', got 'chess'"),
+        (
+            {"name": "chess game"},
+            "env.name: must be letters, digits, '_', '-' or '.' (it names metrics and models), got 'chess game'",
+        ),
+        ({"entrypoint": "mypkg.envs"}, "env.entrypoint: expected 'package.module:factory', got 'mypkg.envs'"),
         ({"tasks": "s3://bucket"}, "env.tasks: s3 URI has no key: 's3://bucket'"),
         ({"tasks": "s3:///key.jsonl"}, "env.tasks: s3 URI has no bucket: 's3:///key.jsonl'"),
         (

@@ -64,7 +64,7 @@ _SERVERS = "components.cli.run_servers"
 _LOCAL = "components.cli.run_local"
 
 _MODEL = "HF model directory"
-_ENV = "tir_math, coding or style (default: the config's env.name)"
+_ENV = "a registered environment: tir_math, coding, style or a package's (default: the config's env.name)"
 _HOST = flag("--host", default="127.0.0.1")
 _RUNS_HELP = "MLflow run ids or run names"
 

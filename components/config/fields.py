@@ -12,8 +12,6 @@ from typing import Annotated, Any, Literal, TypeVar
 import pydantic
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 
-EnvName = Literal["tir_math", "coding", "style"]
-"""Environments (components/envs/registry.py builds each)."""
 AlgoName = Literal["sao", "sao-k1", "sao-full-critic", "sao-running-mean", "grpo", "grpo-dis", "ppo"]
 """Algorithms, all trained by one loop (components/training/rl/algorithms.py defines each)."""
 AdmissionRule = Literal["capacity", "oldest"]

@@ -3,7 +3,9 @@ docstring under every field (a test enforces it) and the invariants checked at c
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from dataclasses import field
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
@@ -11,7 +13,6 @@ from components.config.fields import (
     AdmissionRule,
     AlgoName,
     ChatFormatName,
-    EnvName,
     LatencyKind,
     MalformedCalls,
     Seed,
@@ -23,6 +24,9 @@ from components.config.fields import (
     require,
     section,
 )
+
+ENV_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+"""What `env.name` may be: it goes into metric keys and registered model names."""
 
 
 @section("model")
@@ -424,8 +428,17 @@ class TrackingConfig:
 
 @section("env")
 class EnvConfig:
-    name: EnvName = "tir_math"
-    """The environment every job uses: SFT data, RL rollouts and evaluation."""
+    name: str = ""
+    """The environment every job uses (SFT data, RL rollouts, evaluation), by its name in the `sao.environments`
+    entry-point group: the built-in tir_math, coding and style, or any an installed package registers. With
+    `entrypoint` set it only labels the run (metric keys `eval/{name}/...`, registered model names). Empty: the
+    entry point's module name (its last dotted part), else tir_math."""
+    entrypoint: str = ""
+    """`package.module:factory`: the environment factory to call, imported as is (a module on PYTHONPATH is
+    enough), instead of looking `name` up. `factory(options)` or `factory(options, context)` returns an
+    `EnvSetup` (components/contracts/environment.py; docs/environments.md)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """`[env.options]`: a free table handed to the factory as its `options` (`--set env.options.size=100`)."""
     tasks: str = ""
     """Training problem set: empty = the environment's built-in set; else a local JSONL/Parquet path or an
     `s3://bucket/key` URI."""
@@ -444,6 +457,20 @@ class EnvConfig:
     schedule repeats after its last phase. Empty: cute throughout."""
 
     def __post_init__(self) -> None:
+        if self.entrypoint:
+            module, sep, attr = self.entrypoint.partition(":")
+            require(
+                bool(sep and module.strip() and attr.strip()) and " " not in self.entrypoint,
+                "env.entrypoint",
+                f"expected 'package.module:factory', got {self.entrypoint!r}",
+            )
+        if not self.name:  # frozen: set once, here, before anything reads it
+            object.__setattr__(self, "name", self.entrypoint.partition(":")[0].rsplit(".", 1)[-1] or "tir_math")
+        require(
+            bool(ENV_NAME.fullmatch(self.name)),
+            "env.name",
+            f"must be letters, digits, '_', '-' or '.' (it names metrics and models), got {self.name!r}",
+        )
         check_location(self.tasks, "env.tasks", "key")
         check_location(self.eval_tasks, "env.eval_tasks", "key")
         judge_url = is_http_url(self.judge)

@@ -7,18 +7,28 @@ episode gives its `Prompt` (question, tools) and turns each model turn (one gene
 format into content and a tool call or an answer: `components.contracts.chat.ModelTurn`) into either an
 observation the model sees next (a tool's output) or the end of the episode with its reward. Episodes never see
 the chat format's markup: the format (components/chat) renders prompts and observations as token ids.
-Episodes keep their own state, so many run concurrently. `components/envs/registry.py` builds an `EnvSetup` for
-the environment `env.name` names.
+Episodes keep their own state, so many run concurrently.
+
+Where an environment comes from (`components/envs/registry.py`): a factory `factory(options) -> EnvSetup`, or
+`factory(options, context) -> EnvSetup` when it needs the run's config (`EnvContext`), named by `env.entrypoint`
+("package.module:factory") or registered under a name in the `sao.environments` entry-point group (the built-in
+tir_math, coding and style are registered there, `components/envs/builtin.py`). `options` is the free table
+`[env.options]`. A factory may hand its training and held-out sets as plain task lists: the registry cycles the
+training list (reshuffled per epoch by `train.task_seed`), so a resumed run continues exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from components.contracts.chat import ModelTurn, Prompt
 from components.contracts.task import Task
+from components.contracts.trace import Trace
+
+if TYPE_CHECKING:
+    from components.config import Config
 
 
 @dataclass(frozen=True)
@@ -65,19 +75,38 @@ def no_hook(step: int) -> tuple[dict[str, float], str | None]:
     return {}, None
 
 
+@dataclass(frozen=True)
+class EnvContext:
+    """What a factory that takes a second argument is given besides its options."""
+
+    config: Config
+    """The run's whole config (read it, never change it): seeds, tool time-outs, `env.tasks`, the model."""
+    log: Callable[[str], None] = print
+    """Where to say something worth a line (a degraded setting, a downloaded-nothing warning)."""
+
+
 @dataclass
 class EnvSetup:
     name: str
-    """The environment's name (`cfg.env.name`)."""
+    """The environment's name: `env.name` (metric keys `eval/{name}/...`, registered model names)."""
     env: Environment
     """The environment rollouts run episodes in."""
-    prompts: Prompts
+    prompts: Prompts | Sequence[Task]
     """`prompts(start)`: endless `(index, task)` pairs of the training set from prompt index `start` on; each
-    task id is unique per index."""
-    held_out: Callable[[], list[Task]]
-    """Loads the held-out set; called by `eval_tasks`, so a job that never evaluates never reads it."""
+    task id is unique per index. A factory may give a plain task list instead: the registry cycles it."""
+    held_out: Callable[[], list[Task]] | Sequence[Task]
+    """Loads the held-out set; called by `eval_tasks`, so a job that never evaluates never reads it (or the list
+    itself)."""
     hook: StepHook = field(default=no_hook)
     """What `on_step` runs: the style preference schedule, else `no_hook`."""
+    tools: tuple[dict[str, Any], ...] = ()
+    """The tool schemas its episodes offer (`Prompt.tools`): SFT renders its traces' prompts with them."""
+    teacher: Callable[[], list[Trace]] | None = None
+    """Writes the SFT traces of `distill.teacher = "programmatic"`; None when the environment has no teacher of
+    its own (then SFT data comes from an endpoint teacher, `sao distill --teacher URL`)."""
+    sandboxed: bool = False
+    """Its episodes run model-written code in the sandbox (tool calls, grading): `build_env` checks the sandbox
+    first (`rollout.sandbox_degraded`)."""
 
     def train_tasks(self, start: int, group_size: int) -> Iterator[Task]:
         """Endless training tasks from prompt index `start` on (the cursor a checkpoint stores), each prompt
@@ -98,7 +127,7 @@ class EnvSetup:
         """The held-out set: `env.eval_tasks` when set, else the environment's built-in one. For the tiny
         built-in coding and style sets that is the training set itself (eval and train overlap); real
         held-out sets come through `env.eval_tasks`."""
-        return self.held_out()
+        return self.held_out() if callable(self.held_out) else list(self.held_out)
 
     def on_step(self, step: int) -> tuple[dict[str, float], str | None]:
         """Called before policy step `step` (0-based count of completed updates): `(metrics, message)`,

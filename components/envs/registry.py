@@ -1,64 +1,46 @@
-"""Environments chosen by config: `build_env(cfg)` is the environment named by `cfg.env.name` with its
-training stream, held-out set and per-step hook; `sft_traces(cfg)` is its teacher's SFT data.
+"""Environments chosen by config: `build_env(cfg)` finds the factory `env.entrypoint` or `env.name` names, calls it
+with `[env.options]` and checks what it returns; `sft_traces(cfg)` is its teacher's SFT data.
 
-`ENVIRONMENTS` is one plain dict keyed by the `env.name` literal (STYLE principle 12). Building one that runs
-model-written code (tir_math, coding) checks the sandbox first: `rollout.sandbox_degraded` (sandbox_check.py).
+A factory is found by `env.entrypoint = "package.module:factory"` (imported as is: a module on `PYTHONPATH`
+is enough), else by `env.name` in the `sao.environments` entry-point group (an installed package registers its
+environments there; the built-in tir_math, coding and style are registered the same way, by this project's
+pyproject.toml). Whatever goes wrong (a module that cannot be imported, a missing attribute, a factory that
+raises or returns something other than an `EnvSetup`, a task without a prompt) is one `EnvFactoryError`
+naming the entry point and what was wrong: the CLI prints it as one `sao:` line.
 
-Training streams are pure functions of (seed, start), so a run resumed from the cursor a checkpoint stores
-continues exactly:
-
-- tir_math, built-in: the synthetic training split of `train.task_seed`, generated in chunks of 4096, ids
-  `rl-{index}`: the trainer's original `task_stream`, so existing runs reproduce bit for bit.
-- every other set (a file or URI in `env.tasks`; the small built-in coding and style sets) is cycled: epoch
-  `e` visits each task once, in an order shuffled by `Random(f"{train.task_seed}:{e}")`, ids
-  `{task_id}@{index}`.
-
-SFT teachers: tir_math's programmatic TIR teacher on the synthetic training split (also when `env.tasks`
-names a real problem set: the programmatic teacher only solves synthetic problems); style's phrase teacher
-(`style_teacher`) over the training prompts; coding's reference solutions (the `solution` column).
+A training set given as a task list is cycled: epoch `e` visits each task once, in an order shuffled by
+`Random(f"{train.task_seed}:{e}")`, ids `{task_id}@{index}`; a pure function of (seed, start), so a run
+resumed from the cursor a checkpoint stores continues exactly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
+import inspect
 import itertools
 import random
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from importlib.metadata import entry_points
+from typing import Any
 
-from components.config import Config, EnvConfig
-from components.contracts.environment import EnvSetup, Prompts
+from components.config import Config
+from components.contracts.environment import EnvContext, EnvSetup
 from components.contracts.task import Task
 from components.contracts.trace import Trace
-from components.data.problem_sets import load_tasks
-from components.data.tasks import generate_problems
-from components.data.teacher import teacher_trace
-from components.envs.coding import CodingEnvironment, load_coding_tasks, solution_trace
-from components.envs.latency import ToolLatency
 from components.envs.sandbox_check import check_sandbox
-from components.envs.style import (
-    LexicalJudge,
-    LLMJudge,
-    PreferenceSchedule,
-    StyleEnvironment,
-    StyleJudge,
-    load_style_tasks,
-)
-from components.envs.style_teacher import style_traces
-from components.envs.tir_math import TIRMathEnvironment, tasks_from_problems
-from components.envs.tool_calls import TOOLS
 
-SYNTHETIC_CHUNK = 4096
-"""Problems generated at a time by the synthetic stream (changing it changes nothing but speed)."""
+ENTRY_POINT_GROUP = "sao.environments"
+"""The entry-point group packages register environment factories in (`name = "package.module:factory"`)."""
+
+CHECKED_TASKS = 8
+"""How many tasks of the training stream and of the held-out set are checked when an environment is built."""
 
 
-def synthetic_prompts(kinds: tuple[str, ...], seed: int, operand_max: int, start: int) -> Iterator[tuple[int, Task]]:
-    """The built-in tir_math stream from `start` on: training-split problem `index` as task `rl-{index}`."""
-    for offset in itertools.count(start - start % SYNTHETIC_CHUNK, SYNTHETIC_CHUNK):
-        problems = generate_problems(kinds, offset + SYNTHETIC_CHUNK, seed, operand_max, "train")[offset:]
-        for index, p in enumerate(problems, start=offset):
-            if index >= start:
-                yield index, Task(f"rl-{index}", p.question, p.answer, {"kind": p.kind})
+class EnvFactoryError(ValueError):
+    """An environment factory could not be found, failed, or returned something unusable (a ValueError: the CLI
+    prints it as one `sao:` line and exits 2)."""
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -80,130 +62,173 @@ def cycled_prompts(tasks: list[Task], seed: int, start: int) -> Iterator[tuple[i
             yield index, Task(f"{task.task_id}@{index}", task.prompt, task.answer, dict(task.metadata))
 
 
-def judge_from(judge: str, model: str) -> StyleJudge:
-    """`lexical` -> `LexicalJudge`; an http(s) base URL -> `LLMJudge(judge, model)`."""
-    if judge == "lexical":
-        return LexicalJudge()
-    if judge.startswith(("http://", "https://")):
-        if not model.strip():
-            raise ValueError(f"env.judge_model: required when env.judge is a URL ({judge})")
-        return LLMJudge(judge, model)
-    raise ValueError(f"env.judge: must be 'lexical' or an http:// or https:// base URL, got {judge!r}")
+def registered() -> dict[str, str]:
+    """Names in the `sao.environments` group and the `module:attr` each points to."""
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def _latency(cfg: Config) -> ToolLatency:
-    return ToolLatency(cfg.rollout.latency, cfg.rollout.latency_mean_s, cfg.rollout.latency_sigma, cfg.task.seed)
-
-
-def _cycled(tasks: list[Task], cfg: Config) -> Prompts:
-    if not tasks:
-        raise ValueError(f"env.tasks: the training set {cfg.env.tasks or '(built-in)'} holds no tasks")
-    return functools.partial(cycled_prompts, tasks, cfg.train.task_seed)
-
-
-def _tir_math(cfg: Config) -> EnvSetup:
-    env = TIRMathEnvironment(
-        cfg.rollout.tool_timeout_s,
-        _latency(cfg),
-        malformed_calls=cfg.env.malformed_calls,
-        packages=cfg.rollout.tool_packages,
-    )
-    if cfg.env.tasks:
-        prompts = _cycled(load_tasks(cfg.env.tasks), cfg)
-    else:
-        prompts = functools.partial(synthetic_prompts, cfg.task.kinds, cfg.train.task_seed, cfg.task.operand_max)
-
-    def held_out() -> list[Task]:
-        if cfg.env.eval_tasks:
-            return load_tasks(cfg.env.eval_tasks)
-        return tasks_from_problems(
-            generate_problems(cfg.task.kinds, cfg.task.eval_size, cfg.task.seed, cfg.task.operand_max, "eval")
+def entrypoint_of(cfg: Config) -> str:
+    """The `module:attr` the config names: `env.entrypoint`, else `env.name`'s registered entry point."""
+    if cfg.env.entrypoint:
+        return cfg.env.entrypoint
+    known = registered()
+    if cfg.env.name not in known:
+        raise EnvFactoryError(
+            f"env.name: no environment {cfg.env.name!r} in the {ENTRY_POINT_GROUP!r} entry-point group "
+            f"(registered: {sorted(known)}); name one there or set env.entrypoint = 'package.module:factory'"
         )
-
-    return EnvSetup("tir_math", env, prompts, held_out)
-
-
-def _coding(cfg: Config) -> EnvSetup:
-    tasks = load_coding_tasks(cfg.env.tasks or None)
-    env = CodingEnvironment(
-        tasks,
-        latency=_latency(cfg),
-        timeout_s=cfg.rollout.tool_timeout_s,
-        malformed_calls=cfg.env.malformed_calls,
-        packages=cfg.rollout.tool_packages,
-    )
-    return EnvSetup("coding", env, _cycled(tasks, cfg), lambda: load_coding_tasks(cfg.env.eval_tasks or None))
+    return known[cfg.env.name]
 
 
-def _style(cfg: Config) -> EnvSetup:
-    tasks = load_style_tasks(cfg.env.tasks or None)
-    phases = cfg.env.preference_phases
-    env = StyleEnvironment(tasks, judge_from(cfg.env.judge, cfg.env.judge_model), preferred=phases[0][0])
-    return EnvSetup(
-        "style",
-        env,
-        _cycled(tasks, cfg),
-        lambda: load_style_tasks(cfg.env.eval_tasks or None),
-        PreferenceSchedule(env, phases).on_step,
-    )
+def load_factory(spec: str) -> Callable[..., Any]:
+    """The callable `module:attr` (dotted attributes allowed) names."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise EnvFactoryError(f"env.entrypoint {spec!r}: expected 'package.module:factory'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # a missing module or one that fails on import: both the entry point's fault
+        raise EnvFactoryError(f"env.entrypoint {spec!r}: cannot import {module_name!r} ({exc})") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise EnvFactoryError(f"env.entrypoint {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise EnvFactoryError(f"env.entrypoint {spec!r}: {attr} is a {type(obj).__name__}, not a callable")
+    return obj
 
 
-def _tir_math_traces(cfg: Config) -> list[Trace]:
-    problems = generate_problems(cfg.task.kinds, cfg.task.train_size, cfg.task.seed, cfg.task.operand_max, "train")
-    return [teacher_trace(p, cfg.task.teacher_mental_max, cfg.task.teacher_mental_frac) for p in problems]
+def _call(factory: Callable[..., Any], spec: str, options: dict, context: EnvContext) -> Any:
+    """`factory(options, context)`, or `factory(options)` when it takes one argument."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        takes_context = len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+    except (TypeError, ValueError):  # a builtin without a signature: call it with the options alone
+        takes_context = False
+    try:
+        return factory(options, context) if takes_context else factory(options)
+    except EnvFactoryError:
+        raise
+    except Exception as exc:
+        raise EnvFactoryError(f"env.entrypoint {spec!r}: the factory failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _style_traces(cfg: Config) -> list[Trace]:
-    return style_traces(load_style_tasks(cfg.env.tasks or None), cfg.task.train_size, cfg.task.seed)
+def _check_task(task: Any, spec: str, where: str) -> None:
+    if not isinstance(task, Task):
+        raise EnvFactoryError(f"env.entrypoint {spec!r}: {where} is a {type(task).__name__}, not a Task")
+    if not isinstance(task.task_id, str) or not task.task_id:
+        raise EnvFactoryError(f"env.entrypoint {spec!r}: {where} has no task_id (got {task.task_id!r})")
+    if not isinstance(task.prompt, str) or not task.prompt.strip():
+        raise EnvFactoryError(f"env.entrypoint {spec!r}: {where} ({task.task_id}) has no prompt")
 
 
-def _coding_traces(cfg: Config) -> list[Trace]:
-    return [solution_trace(task) for task in load_coding_tasks(cfg.env.tasks or None)]
+def _check(setup: Any, spec: str) -> None:
+    if not isinstance(setup, EnvSetup):
+        raise EnvFactoryError(
+            f"env.entrypoint {spec!r}: the factory returned a {type(setup).__name__}, expected an EnvSetup "
+            "(components.contracts.environment)"
+        )
+    env = setup.env
+    for attr in ("name", "success_threshold", "start"):
+        if not hasattr(env, attr):
+            raise EnvFactoryError(f"env.entrypoint {spec!r}: its environment has no {attr!r} (see Environment)")
+    if not callable(setup.prompts) and not isinstance(setup.prompts, Sequence):
+        raise EnvFactoryError(
+            f"env.entrypoint {spec!r}: prompts is a {type(setup.prompts).__name__}; expected a task list or "
+            "a function of the start index"
+        )
+    if not callable(setup.held_out) and not isinstance(setup.held_out, Sequence):
+        raise EnvFactoryError(
+            f"env.entrypoint {spec!r}: held_out is a {type(setup.held_out).__name__}; expected a task list or "
+            "a function returning one"
+        )
+    for name in ("tools",):
+        if not all(isinstance(t, dict) for t in getattr(setup, name)):
+            raise EnvFactoryError(f"env.entrypoint {spec!r}: {name} must be a tuple of function-schema dicts")
 
 
-@dataclass(frozen=True)
-class EnvKind:
-    build: Callable[[Config], EnvSetup]
-    """Builds the environment with its streams from the config."""
-    teacher: Callable[[Config], list[Trace]]
-    """Writes the SFT traces: tir_math `task.train_size` TIR traces; style `task.train_size` answers of
-    uniformly mixed styles; coding one reference-solution trace per training task."""
-    tools: tuple[dict, ...] = ()
-    """The tool schemas its episodes offer (`Prompt.tools`): SFT renders its traces' prompts with them."""
-    sandboxed: bool = False
-    """Its episodes run model-written code in the sandbox (tool calls, grading): `build_env` checks the sandbox
-    first (`rollout.sandbox_degraded`)."""
+def _normalised(setup: EnvSetup, spec: str, cfg: Config) -> EnvSetup:
+    """The setup with `env.name` as its name, a task list cycled, and its first tasks checked."""
+    prompts = setup.prompts
+    if not callable(prompts):
+        tasks = list(prompts)
+        if not tasks:
+            raise EnvFactoryError(f"env.entrypoint {spec!r}: the training set holds no tasks")
+        for i, task in enumerate(tasks):
+            _check_task(task, spec, f"training task {i}")
+        prompts = functools.partial(cycled_prompts, tasks, cfg.train.task_seed)
+    else:
+        try:
+            first = list(itertools.islice(prompts(0), CHECKED_TASKS))
+        except EnvFactoryError:
+            raise
+        except Exception as exc:
+            raise EnvFactoryError(f"env.entrypoint {spec!r}: its training stream failed: {exc}") from exc
+        if not first:
+            raise EnvFactoryError(f"env.entrypoint {spec!r}: the training stream yields no tasks")
+        for i, item in enumerate(first):
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int)):
+                raise EnvFactoryError(
+                    f"env.entrypoint {spec!r}: the training stream must yield (index, Task) pairs, got "
+                    f"{type(item).__name__} at position {i}"
+                )
+            _check_task(item[1], spec, f"training task {item[0]}")
+    held_out = setup.held_out
+    if not callable(held_out):
+        held_list = list(held_out)
+        for i, task in enumerate(held_list):
+            _check_task(task, spec, f"held-out task {i}")
+        held_out = functools.partial(list, held_list)
+    else:
+        held_out = _checked_held_out(held_out, spec)
+    return dataclasses.replace(setup, name=cfg.env.name, prompts=prompts, held_out=held_out)
 
 
-ENVIRONMENTS: dict[str, EnvKind] = {
-    "tir_math": EnvKind(_tir_math, _tir_math_traces, TOOLS, sandboxed=True),
-    "coding": EnvKind(_coding, _coding_traces, TOOLS, sandboxed=True),
-    "style": EnvKind(_style, _style_traces),
-}
+def _checked_held_out(load: Callable[[], list[Task]], spec: str) -> Callable[[], list[Task]]:
+    """`load`, with what it returns checked when it is called (held-out sets load lazily)."""
+
+    def checked() -> list[Task]:
+        tasks = list(load())
+        for i, task in enumerate(tasks):
+            _check_task(task, spec, f"held-out task {i}")
+        return tasks
+
+    return checked
 
 
-def _kind(name: str) -> EnvKind:
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"env.name: unknown environment {name!r}; known: {sorted(ENVIRONMENTS)}")
-    return ENVIRONMENTS[name]
+def load_env(cfg: Config, log: Callable[[str], None] = print) -> EnvSetup:
+    """The environment's setup, checked, without the sandbox check (`build_env` adds it)."""
+    spec = entrypoint_of(cfg)
+    factory = load_factory(spec)
+    setup = _call(factory, spec, dict(cfg.env.options), EnvContext(cfg, log))
+    _check(setup, spec)
+    return _normalised(setup, spec, cfg)
 
 
 def build_env(cfg: Config, log: Callable[[str], None] = print) -> EnvSetup:
-    """The environment `cfg.env.name` names, with its training stream, held-out set and step hook. One that runs
-    model-written code checks the sandbox first (`sandbox_check.check_sandbox`): under `rollout.sandbox_degraded =
-    "refuse"` a run on a host without the sandbox's namespaces stops here, before anything else starts; under
-    "warn" it says so in `log`."""
-    kind = _kind(cfg.env.name)
-    if kind.sandboxed:
+    """The environment `env.entrypoint` or `env.name` names, with its training stream, held-out set and step hook.
+    One that runs model-written code checks the sandbox first (`sandbox_check.check_sandbox`): under
+    `rollout.sandbox_degraded = "refuse"` a run on a host without the sandbox's namespaces stops here, before
+    anything else starts; under "warn" it says so in `log`."""
+    setup = load_env(cfg, log)
+    if setup.sandboxed:
         check_sandbox(cfg.rollout.sandbox_degraded, cfg.rollout.tool_packages, log)
-    return kind.build(cfg)
+    return setup
 
 
-def env_tools(env: EnvConfig) -> tuple[dict, ...]:
-    """The tool schemas of `env.name`'s episodes (see `EnvKind.tools`)."""
-    return _kind(env.name).tools
+def env_tools(cfg: Config) -> tuple[dict, ...]:
+    """The tool schemas of the environment's episodes (see `EnvSetup.tools`)."""
+    return load_env(cfg, lambda _: None).tools
 
 
 def sft_traces(cfg: Config) -> list[Trace]:
-    """The teacher traces SFT imitates for `cfg.env.name` (see `EnvKind.teacher`)."""
-    return _kind(cfg.env.name).teacher(cfg)
+    """The traces the environment's own (programmatic) teacher writes for SFT (see `EnvSetup.teacher`)."""
+    setup = load_env(cfg)
+    if setup.teacher is None:
+        raise EnvFactoryError(
+            f"distill.teacher: the environment {cfg.env.name!r} ({entrypoint_of(cfg)}) has no programmatic "
+            "teacher; distil its traces from an endpoint (sao distill --teacher URL --teacher-model NAME) or "
+            "start RL from an existing SFT policy"
+        )
+    return setup.teacher()

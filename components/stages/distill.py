@@ -100,7 +100,7 @@ def gate_traces(cfg: Config, traces: list[Trace]) -> GateReport:
         start_chat(cfg.model),
         max_tokens=cfg.rollout.max_total_tokens,
         grade=grade_answer,
-        tools=env_tools(cfg.env),
+        tools=env_tools(cfg),
     )
 
 

@@ -103,7 +103,7 @@ def _train(cfg: Config, traces_path: Path, comm: Collective, log: Log):
         traces,
         cfg.sft,
         log,
-        env_tools(cfg.env),
+        env_tools(cfg),
         comm=comm,
         micro_batch_tokens=cfg.train.micro_batch_tokens,
     )

@@ -8,22 +8,22 @@ import itertools
 import json
 import math
 import random
-import typing
 from collections import Counter
 
 import pytest
 
 from components.chat import MarkerFormat, trace_segments
 from components.chat.markers import parse_turn
-from components.config import EnvName, load_config
+from components.config import load_config
 from components.contracts.environment import EnvSetup
 from components.contracts.markers import END
 from components.contracts.task import Task
 from components.data.tasks import generate_problems
 from components.data.traces import read_traces, write_traces
+from components.envs.builtin import judge_from
 from components.envs.coding import CodingEnvironment, solution_trace
 from components.envs.latency import ToolLatency
-from components.envs.registry import ENVIRONMENTS, build_env, judge_from, sft_traces
+from components.envs.registry import build_env, registered, sft_traces
 from components.envs.style import STYLES, LexicalJudge, LLMJudge
 from components.envs.style_teacher import MAX_ANSWER_CHARS, PHRASES, style_answer, style_traces
 from components.models import build_tokenizer
@@ -52,8 +52,12 @@ def old_task_stream(cfg, start: int, group_size: int):
                 yield Task(f"rl-{index}{suffix}", p.question, p.answer, {"kind": p.kind, "cursor": index})
 
 
-def test_every_env_name_has_an_entry():
-    assert set(ENVIRONMENTS) == set(typing.get_args(EnvName))
+def test_the_built_in_environments_are_registered_as_entry_points():
+    assert registered() == {
+        "tir_math": "components.envs.builtin:tir_math",
+        "coding": "components.envs.builtin:coding",
+        "style": "components.envs.builtin:style",
+    }
 
 
 @pytest.mark.parametrize("start, group", [(0, 1), (7, 4), (4094, 2), (4096, 1)])

@@ -72,7 +72,7 @@ def dense_sft_dir(request, tokenizer, tmp_path_factory):
     chat = start_chat(cfg.model) if request.param == "qwen3" else MarkerFormat(tokenizer)
     model = dense_qwen3(chat.tokenizer, seed=0, hidden_size=hidden)
     engine = open_engine(EngineSettings.sft(cfg), None, model)
-    train_sft(engine, chat, sft_traces(cfg), cfg.sft, log=lambda _: None, tools=env_tools(cfg.env))
+    train_sft(engine, chat, sft_traces(cfg), cfg.sft, log=lambda _: None, tools=env_tools(cfg))
     out = save_model_dir(model.eval(), chat.tokenizer, tmp_path_factory.mktemp("sft") / "policy")
     return request.param, out
 
