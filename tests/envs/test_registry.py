@@ -57,6 +57,7 @@ def test_the_built_in_environments_are_registered_as_entry_points():
         "tir_math": "components.envs.builtin:tir_math",
         "coding": "components.envs.builtin:coding",
         "style": "components.envs.builtin:style",
+        "verifiers": "components.envs.verifiers_env:factory",  # any verifiers environment (env.options.module)
     }
 
 
