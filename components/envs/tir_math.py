@@ -13,7 +13,7 @@ from components.contracts.chat import ModelTurn, Prompt
 from components.contracts.environment import StepResult
 from components.contracts.task import Task
 from components.data.tasks import Problem
-from components.envs.grading import grade_answer, reference_answer
+from components.envs.grading import grade_answer, task_reference
 from components.envs.latency import NO_LATENCY, ToolLatency
 from components.envs.python_tool import PythonTool
 from components.envs.tool_calls import TOOLS, MalformedCalls, call_problem, check_mode, malformed_step
@@ -64,5 +64,6 @@ class TIRMathEpisode:
             self.tool_calls += 1
             output = await asyncio.to_thread(self.env.tool, turn.call.arguments["code"])
             return StepResult(output, False)
-        correct = turn.ended and grade_answer(turn.content, reference_answer(self.task.answer))
+        # in a thread: math-verify may take up to its deadline on an odd answer, and the loop runs other episodes
+        correct = turn.ended and await asyncio.to_thread(grade_answer, turn.content, task_reference(self.task))
         return StepResult(None, True, float(correct), "stop", {"correct": correct, "tool_calls": self.tool_calls})

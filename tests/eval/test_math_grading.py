@@ -1,5 +1,6 @@
-"""Math-answer grading: `math_equal` on hand-written pairs, `extract_boxed`, `grade_answer`, the guarantee that
-nothing is evaluated, and the tir_math environment grading a benchmark answer in a real episode."""
+"""Math-answer grading: `math_equal` (the answer rules, then math-verify) on hand-written pairs, the pairs where
+the rules and math-verify disagree with the right verdict asserted, `extract_boxed`, `grade_answer`, the guarantee
+that nothing is evaluated, and the tir_math environment grading benchmark answers in real episodes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 from components.chat.markers import parse_turn
 from components.contracts.markers import CALL, CALL_END, END
 from components.contracts.task import Task
-from components.envs.grading import extract_boxed, grade_answer, math_equal, reference_answer
+from components.envs.answer_rules import rules_equal
+from components.envs.grading import extract_boxed, grade_answer, math_equal, reference_answer, task_reference
+from components.envs.math_verifier import VERIFIER
 from components.envs.tir_math import TIRMathEnvironment
 
 PAIRS = [
@@ -38,7 +41,7 @@ PAIRS = [
     ("0.33", "1/3", False),  # 33/100 != 1/3
     ("0.3333333333", "\\frac{1}{3}", False),  # a truncated decimal is still not 1/3: no float tolerance
     ("\\frac{1}{2}", "2", False),  # 1/2 != 2
-    ("2+2", "4", False),  # expressions are never evaluated, so "2+2" is only a string
+    ("2+2", "4", True),  # math-verify: the expression's value is 4
     # --- negative signs in every position
     ("-\\frac{3}{4}", "-0.75", True),  # sign in front of \frac
     ("\\frac{-3}{4}", "-3/4", True),  # sign on the numerator
@@ -56,7 +59,7 @@ PAIRS = [
     ("n=12", "12", True),  # no spaces
     ("x = \\frac{1}{2}", "0.5", True),  # the value after the = is parsed as a number
     ("x = 5", "6", False),  # 5 != 6
-    ("x = 1, y = 2", "(1, 2)", False),  # two "=": nothing is stripped, and the strings differ
+    ("x = 1, y = 2", "(1, 2)", True),  # math-verify: the pair (x, y) = (1, 2), written as two assignments
     # --- trailing units, in \text{} or as words
     ("5 cm", "5", True),  # a unit word after a space
     ("5\\text{ meters}", "5", True),  # a unit in \text{}
@@ -65,6 +68,7 @@ PAIRS = [
     ("6 cm", "5 cm", False),  # 6 != 5 with the units gone
     ("3 x", "3", False),  # one bare letter may be a product (3x): not a unit
     ("2 pi", "2", False),  # pi is a value, not a unit: 2 pi != 2
+    ("1", "1 and odd prime numbers", False),  # words of prose are no unit: the answer is more than the number 1
     ("1 million", "1", False),  # a scale word is not a unit: 1 million != 1
     # --- trailing periods, dollar signs, math delimiters, degrees
     ("5.", "5", True),  # a sentence's full stop
@@ -81,14 +85,17 @@ PAIRS = [
     # --- percent: a unit mark, never a factor of 1/100
     ("50\\%", "50", True),  # "what percent": 50% answers 50
     ("50\\%", "50%", True),  # both with the sign
-    ("50\\%", "0.5", False),  # not rescaled: 50 != 1/2
+    ("50\\%", "0.5", True),  # 50% is 50/100 = 1/2
+    ("75\\%", "\\frac{3}{4}", True),  # 75/100 = 3/4
+    ("33.3333\\%", "\\frac{1}{3}", False),  # 333333/1000000 != 1/3, math-verify's 6 places would say equal
     ("5\\%", "50\\%", False),  # 5 != 50
     # --- answers that are not numbers: normalised strings
     ("\\sqrt{2}", "\\sqrt2", True),  # braces around a one-digit argument
     ("\\sqrt{2}", "\\sqrt{3}", False),  # different radicands
     ("x^{2} + 1", "x^2+1", True),  # braced exponent and spaces
     ("x^2+1", "x^2-1", False),  # different polynomials
-    ("2\\sqrt{2}", "\\sqrt{8}", False),  # equal values, different expressions: a known false negative
+    ("2\\sqrt{2}", "\\sqrt{8}", True),  # math-verify: sqrt(8) = sqrt(4 * 2) = 2 sqrt(2)
+    ("2\\sqrt{2}", "\\sqrt{6}", False),  # 8 != 6 under the root
     # --- tuples, intervals, sets and lists
     ("(1, 2)", "(1,2)", True),  # spacing only
     ("(0.5, 3/4)", "(\\frac{1}{2}, 0.75)", True),  # element-wise numbers: 1/2 = 0.5 and 3/4 = 0.75
@@ -98,7 +105,9 @@ PAIRS = [
     ("[0, 1)", "[0, 1]", False),  # half-open is not closed
     ("\\{1, 2\\}", "\\{2,1\\}", True),  # a set has no order
     ("2026, 2030", "2030, 2026", True),  # "find all values": a bare list in any order
-    ("1, 2", "(1, 2)", False),  # a bare list is not a tuple
+    ("1, 2", "(1, 2)", False),  # a bare list is not a tuple (math-verify says equal)
+    ("\\{1, 2\\}", "2, 1", True),  # a set and a bare list are both unordered
+    ("\\{1, 2\\}", "(1, 2)", False),  # the set {1, 2} is not the open interval (1, 2) (math-verify says equal)
 ]
 
 
@@ -106,6 +115,53 @@ PAIRS = [
 def test_math_equal_pairs(pred, ref, expected):
     assert math_equal(pred, ref) is expected
     assert math_equal(ref, pred) is expected  # every rule applies to both sides alike
+
+
+# Where the answer rules and math-verify (as `math_verifier` asks it) disagree, measured by
+# `python -m bench.grading_compare` (docs/grading.md): (answer, reference, rules, math-verify, right).
+DISAGREEMENTS = [
+    # math-verify right: equal values written as different expressions
+    ("3\\frac{1}{2}", "3.5", False, True, True),  # the mixed number 3 1/2 = 7/2 = 3.5
+    ("1+\\sqrt{2}", "\\sqrt{2}+1", False, True, True),  # a sum commuted
+    ("\\sqrt{8}", "2\\sqrt{2}", False, True, True),  # sqrt(8) = 2 sqrt(2)
+    ("2+2", "4", False, True, True),  # 2 + 2 = 4
+    ("n \\ge 3, n=1", "n=1, n \\ge 3", False, True, True),  # the same two conditions, in the other order
+    ("x = 1, y = 2", "(1, 2)", False, True, True),  # the pair (x, y) = (1, 2)
+    # the rules right: a set or a bare list is no tuple or interval (math-verify reads (1, 2) as an interval and
+    # calls it equal to the set {1, 2})
+    ("\\{1, 2\\}", "(1, 2)", False, True, False),
+    ("1, 2", "(1, 2)", False, True, False),
+    # the rules right: thousands separators and spacing math-verify does not read
+    ("(1{,}000, 2)", "(1000, 2)", True, False, True),  # 1{,}000 = 1000 inside a tuple
+    ("1\\,000", "1000", True, False, True),  # a thin space between thousands
+    ("p_1^{p_1^{e_1}-1}\\cdotsp_k^{p_k^{e_k}-1}", "p_1^{p_1^{e_1}-1} \\cdots p_k^{p_k^{e_k}-1}", True, False, True),
+]
+
+
+@pytest.mark.parametrize("pred, ref, rules, mv, right", DISAGREEMENTS)
+def test_rules_and_math_verify_disagree_and_math_equal_picks_the_right_one(pred, ref, rules, mv, right):
+    assert rules_equal(pred, ref) is rules
+    assert VERIFIER.verify_equal(pred, ref) is mv
+    assert math_equal(pred, ref) is right
+
+
+@pytest.mark.parametrize(
+    "pred, ref",
+    [
+        ("0.333333", "\\frac{1}{3}"),  # 333333/1000000 = 1/3 - 1/3000000
+        ("2.414214", "1+\\sqrt{2}"),  # 1 + sqrt(2) = 2.41421356...: a 6-place approximation
+        ("-3.333333", "-\\frac{10}{3}"),  # -10/3 = -3.333...
+    ],
+)
+def test_a_rounded_decimal_is_not_the_exact_answer(pred, ref):
+    # math-verify alone rounds a comparison with a decimal to 6 places and calls these equal; the worker makes
+    # every decimal the rational it writes first, so neither the rules nor math-verify accept an approximation.
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    raw = [parse(f"\\boxed{{{x}}}", [LatexExtractionConfig()], parsing_timeout=None) for x in (ref, pred)]
+    assert verify(*raw, timeout_seconds=None) is True  # what math-verify itself says
+    assert VERIFIER.verify_equal(pred, ref) is False
+    assert math_equal(pred, ref) is False
 
 
 @pytest.mark.parametrize(
@@ -197,9 +253,10 @@ def test_reference_answer_keeps_integers_exact():
     assert reference_answer(0.75) == 0.75
 
 
-def _episode(answer, final: str) -> list:
+def _episode(answer, final: str, metadata: dict | None = None) -> list:
     """One tir_math episode driven by hand: a real tool call in the sandbox, then the final answer."""
-    episode = TIRMathEnvironment(tool_timeout_s=10.0).start(Task("bench-1", "What is 3 divided by 4?", answer))
+    task = Task("bench-1", "What is 3 divided by 4?", answer, metadata or {})
+    episode = TIRMathEnvironment(tool_timeout_s=10.0).start(task)
 
     async def run():
         return [
@@ -224,3 +281,28 @@ def test_tir_math_grades_integer_answers_exactly_from_int_or_str(answer):
     # "449" as read from JSONL grades like the int 449: exact, so 449.0 earns nothing.
     assert _episode(answer, f"\\boxed{{449}}{END}")[1].reward == 1.0
     assert _episode(answer, f"\\boxed{{449.0}}{END}")[1].reward == 0.0
+
+
+def test_task_reference_grades_benchmark_answers_by_value():
+    assert task_reference(Task("aime2025-1", "q", 449, {"benchmark": "aime2025"})) == "449"  # text: by value
+    assert task_reference(Task("hmmt-1", "q", " \\frac{3}{4} ", {"benchmark": "hmmt"})) == "\\frac{3}{4}"
+    assert task_reference(Task("t-1", "q", "449")) == 449  # not a benchmark's: an exact integer
+    assert task_reference(Task("t-2", "q", 0.75)) == 0.75
+
+
+def test_tir_math_grades_a_benchmark_integer_by_value():
+    aime = {"benchmark": "aime2025"}
+    # 449.0 = 449 and 1{,}000 = 1000 for a benchmark's answer; the same boxes earn nothing on a synthetic task
+    assert _episode(449, f"\\boxed{{449.0}}{END}", aime)[1].reward == 1.0
+    assert _episode(1000, f"\\boxed{{1{{,}}000}}{END}", aime)[1].reward == 1.0
+    assert _episode(449, f"\\boxed{{448}}{END}", aime)[1].reward == 0.0
+    assert _episode(449, f"\\boxed{{449.0}}{END}")[1].reward == 0.0
+
+
+def test_tir_math_grades_with_math_verify_off_the_main_thread():
+    # sqrt(8) = 2 sqrt(2) needs math-verify; the episode grades in a worker thread of the event loop, where
+    # math-verify's own signal-based limits would raise
+    hmmt = {"benchmark": "hmmt"}
+    right = _episode("2\\sqrt{2}", f"so \\boxed{{\\sqrt{{8}}}}{END}", hmmt)[1]
+    assert (right.reward, right.info["correct"]) == (1.0, True)
+    assert _episode("2\\sqrt{2}", f"so \\boxed{{\\sqrt{{6}}}}{END}", hmmt)[1].reward == 0.0  # sqrt(6) != sqrt(8)
