@@ -58,6 +58,7 @@ class FaultProxy:
         self._server: ThreadingHTTPServer | None = None
         self._connections: set[socket.socket] = set()
         self._stop_countdown: tuple[int, float] | None = None
+        self._away_until = 0.0  # a request reaching the proxy before this (monotonic) is closed unanswered
         self.mode("pass")
 
     # -- control -----------------------------------------------------------------------------------------------
@@ -137,7 +138,8 @@ class FaultProxy:
         """Let the next `requests` requests through as the mode says, then go away for `for_s` seconds: the
         request after them is closed without an answer while the proxy `stop`s, later ones are refused until it
         listens again. Decided in the request path, so the outage starts at exactly that request however fast
-        the client is."""
+        the client is. A request that still reaches the proxy before its socket is closed (the stop runs on a
+        thread; a loaded machine may delay it) is closed unanswered too, until `for_s` has passed."""
         with self._lock:
             self._stop_countdown = (requests, for_s)
 
@@ -152,10 +154,14 @@ class FaultProxy:
     def _decide(self, method: str, path: str) -> str:
         """The outcome of one request under the current mode (and the mode's countdown)."""
         with self._lock:
+            if time.monotonic() < self._away_until:
+                self.log.append((method, path, "down"))
+                return "down"
             if self._stop_countdown is not None:
                 left, for_s = self._stop_countdown
                 if left <= 0:
                     self._stop_countdown = None
+                    self._away_until = time.monotonic() + for_s
                     threading.Thread(target=self.stop, args=(for_s,), daemon=True).start()
                     self.log.append((method, path, "down"))
                     return "down"

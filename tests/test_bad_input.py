@@ -112,7 +112,10 @@ CLI_CASES = [
     ),
     (["sweep", "--seeds", "2", "--first-seed", "-1"], "argument --first-seed: must be >= 0, got -1"),
     (["train", "--home", "{root}/home", "--algo", "bogus"], "config error: train.algo: Input should be 'sao'"),
-    (["eval", "--home", "{root}/home", "--env", "bogus"], "config error: env.name: Input should be 'tir_math'"),
+    (
+        ["eval", "--home", "{root}/home", "--env", "bogus"],
+        "env.name: no environment 'bogus' in the 'sao.environments' entry-point group",
+    ),
     (["distill", "--home", "{root}/home", "--teacher", "ftp://x"], "config error: distill.teacher: must be"),
     (
         ["distill", "--home", "{root}/home", "--teacher", "http://127.0.0.1:9/v1"],

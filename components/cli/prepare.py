@@ -10,6 +10,7 @@ from typing import NamedTuple
 from transformers.utils import logging as hf_logging
 
 from components.config import Config, load_config
+from components.envs.registry import entrypoint_of, load_factory
 from components.stages.home import default_home
 
 
@@ -21,8 +22,11 @@ class Prepared(NamedTuple):
 
 
 def prepare(args: argparse.Namespace) -> Prepared:
-    """The command's config, and its home (`--home`, else ./.sao or $SAO_HOME): refused when not a directory."""
+    """The command's config, and its home (`--home`, else ./.sao or $SAO_HOME): refused when not a directory. The
+    environment the config names must resolve to a factory (a registered `env.name` or an importable
+    `env.entrypoint`) before any work: a misspelt name is one line, not an error from a later stage."""
     cfg = load_config(args.preset, args.overrides)
+    load_factory(entrypoint_of(cfg))
     hf_logging.disable_progress_bar()  # one concise line per step is our progress display
     home = args.home or default_home()
     if home.exists() and not home.is_dir():

@@ -21,14 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from components.contracts.chat import ModelTurn, Prompt
 from components.contracts.task import Task
 from components.contracts.trace import Trace
-
-if TYPE_CHECKING:
-    from components.config import Config
 
 
 @dataclass(frozen=True)
@@ -79,8 +76,9 @@ def no_hook(step: int) -> tuple[dict[str, float], str | None]:
 class EnvContext:
     """What a factory that takes a second argument is given besides its options."""
 
-    config: Config
-    """The run's whole config (read it, never change it): seeds, tool time-outs, `env.tasks`, the model."""
+    config: Any
+    """The run's whole `components.config.Config` (typed Any: contracts import no other package; read it, never
+    change it): seeds, tool time-outs, `env.tasks`, the model."""
     log: Callable[[str], None] = print
     """Where to say something worth a line (a degraded setting, a downloaded-nothing warning)."""
 
