@@ -34,6 +34,11 @@ class ChatFormat:
     markup: tuple[str, ...]
     """The format's structural strings (turn, call, response, reasoning and end tags): text or code holding one
     would be read as structure (the data gate's `calls_balanced`)."""
+    has_system: bool = True
+    """The prompt carries a system prompt (`Prompt.system`); the marker format has none and drops it."""
+    builtin_tools: tuple[str, ...] | None = None
+    """The names of the only tools the format can call, when its prompt carries no tool schemas (the marker
+    format: `python`, implied); None when the prompt renders the schemas it is given."""
 
     def prompt_text(self, prompt: Prompt) -> str:
         """What an episode starts from: system prompt and tool schemas where the format takes them, the user turn
@@ -52,6 +57,11 @@ class ChatFormat:
 
     def parse(self, text: str, truncated: bool) -> ModelTurn:
         """One sampled turn (decoded with its special tokens) as reasoning, content and a tool call or answer."""
+        raise NotImplementedError
+
+    def turn_text(self, turn: ModelTurn) -> str:
+        """What a model writes for `turn`, its end token included: the inverse of `parse` (a chat request's
+        earlier assistant messages, with any tool call). A call the format cannot write raises a ValueError."""
         raise NotImplementedError
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:

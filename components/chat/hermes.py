@@ -120,7 +120,20 @@ class HermesFormat(ChatFormat):
 
     def action_text(self, turn: Turn) -> str:
         """The template's render of the assistant message alone, up to and including its `<|im_end|>`."""
-        full = self.render([_STUB_USER, assistant_message(turn)])
+        return self._assistant_text(assistant_message(turn))
+
+    def turn_text(self, turn: ModelTurn) -> str:
+        """The template's render of `turn` as an assistant message, any tool call with it (as `action_text`)."""
+        message: dict[str, Any] = {"role": "assistant", "content": turn.content}
+        if turn.reasoning:
+            message["reasoning_content"] = turn.reasoning
+        if turn.call is not None:
+            call = {"name": turn.call.name, "arguments": turn.call.arguments}
+            message["tool_calls"] = [{"type": "function", "function": call}]
+        return self._assistant_text(message)
+
+    def _assistant_text(self, message: dict[str, Any]) -> str:
+        full = self.render([_STUB_USER, message])
         if not full.startswith(self._turn_prefix):
             raise FormatError("the chat template does not render an assistant turn after its generation prompt")
         text = full[len(self._turn_prefix) :]

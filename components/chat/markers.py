@@ -33,6 +33,8 @@ TOKENS = (USER, ASSISTANT, CALL, CALL_END, OUTPUT, OUTPUT_END, END)
 class MarkerFormat(ChatFormat):
     name = "markers"
     markup = TOKENS
+    has_system = False
+    builtin_tools = ("python",)
 
     def __init__(self, tokenizer, where: str = "the tokenizer") -> None:
         ids = require_tokens(tokenizer, TOKENS, self.name, where)
@@ -54,6 +56,18 @@ class MarkerFormat(ChatFormat):
         if turn.tool_code is not None:
             return tool_call_text(turn.content, turn.tool_code)
         return answer_text(turn.content)
+
+    def turn_text(self, turn: ModelTurn) -> str:
+        """As `action_text`: a call must be the python tool's, with a string `code` and nothing else."""
+        if turn.call is None:
+            return answer_text(turn.content)
+        code = turn.call.arguments.get("code")
+        if turn.call.name != "python" or set(turn.call.arguments) != {"code"} or not isinstance(code, str):
+            raise ValueError(
+                'the markers chat format calls only the python tool, with arguments {"code": <string>}; got '
+                f"{turn.call.name!r} with {sorted(turn.call.arguments)}"
+            )
+        return tool_call_text(turn.content, code)
 
 
 def parse_turn(text: str, truncated: bool) -> ModelTurn:

@@ -8,8 +8,8 @@ can reach the port could otherwise load any weights they like. So:
 - `weights_token` (`SAO_WEIGHTS_TOKEN`): every route under `/v1/weights` requires `Authorization: Bearer
   <token>`; a request without it, or with another, is refused with 401 and changes nothing.
 - `api_key` (`SAO_API_KEY`, as vLLM's `--api-key` guards its routes): every other route under `/v1`
-  (`/v1/completions`, `/v1/models`, and any added later) requires it when one is set. `/health` and
-  `/metrics` stay open (probes and Prometheus).
+  (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, and any added later) requires it when one is set.
+  `/health` and `/metrics` stay open (probes and Prometheus).
 - `publish_root` (`sao engine serve --publish-root`): a path posted to `/v1/weights` must resolve inside
   it (symlinks and `..` followed), else 403, whether or not the path exists.
 

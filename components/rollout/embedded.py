@@ -33,6 +33,7 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,8 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     text: str = ""
+    on_token: Callable[[int, float, int], None] | None = None
+    """Told each token as it is sampled (a streamed response); runs on the engine's thread and must not raise."""
 
     @property
     def context(self) -> list[int]:
@@ -151,8 +154,10 @@ class EmbeddedEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    def submit(self, request: SamplingRequest) -> Future:
-        """Queue a request; the future resolves to a `SamplingResult`. Invalid requests raise ValueError now."""
+    def submit(self, request: SamplingRequest, on_token: Callable[[int, float, int], None] | None = None) -> Future:
+        """Queue a request; the future resolves to a `SamplingResult`. Invalid requests raise ValueError now.
+        `on_token(token id, log-prob, version)`, when given, is called for each token as it is sampled, before the
+        future resolves (on the engine's thread: it must be quick and must not raise)."""
         n_prompt = len(request.prompt_ids)
         if n_prompt + request.max_tokens > self.max_model_len:
             raise ValueError(
@@ -165,7 +170,7 @@ class EmbeddedEngine:
         if request.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need an engine with a tokenizer")
         seed = request.seed if request.seed is not None else random.getrandbits(63)
-        seq = _Sequence(request, Future(), torch.Generator().manual_seed(seed))
+        seq = _Sequence(request, Future(), torch.Generator().manual_seed(seed), on_token=on_token)
         with self._cond:
             if self._stopped:
                 raise RuntimeError("engine is shut down")
@@ -352,6 +357,8 @@ class EmbeddedEngine:
             seq.generated.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self.version)
+            if seq.on_token is not None:
+                seq.on_token(token, logprob, self.version)
             reason = self._finish_reason(seq, token)
             if reason is None:
                 keep.append(row)

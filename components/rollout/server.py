@@ -3,6 +3,9 @@
 - `POST /v1/completions`. The prompt is a list of token ids (or a string, tokenised by the server). The
   response has vLLM's shape: `choices[0].token_ids`, `choices[0].logprobs.token_logprobs` and
   `choices[0].finish_reason`, plus a per-token `choices[0].versions` list.
+- `POST /v1/chat/completions`: OpenAI's chat API (messages, tools, log-probs, streaming) rendered and parsed by
+  the model's chat format, with the prompt's and the completion's token ids and the versions
+  (components/rollout/chat_api.py).
 - `GET /v1/models`.
 - `GET /health`: `{"status", "version", "path", "in_flight"}`; `path` is that of the last weights loaded
   through `/v1/weights` (null for the starting weights), so a resumed trainer can tell its own crashed
@@ -38,36 +41,22 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 
+from components.chat import ChatFormat, FormatError, chat_format
 from components.models import load_policy, load_tokenizer
 from components.rollout.access import OPEN, Access, bearer_matches
+from components.rollout.chat_api import add_chat_route
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.engine_process import EngineProcess
-from components.rollout.protocol import SamplingRequest, SamplingResult
+from components.rollout.protocol import SamplingResult
+from components.rollout.sampling import BadRequest, CompletionRequest, sample, sampling_request
 from components.rollout.transfer import GroupMismatch, GroupRequest, Receiver, ReceiveRequest
 from components.tracking.prometheus import EngineMetrics
 
 MAX_BODY_BYTES = 16 * 2**20
 """Largest request body accepted: a prompt of 1M token ids as JSON is ~7 MiB."""
-
-
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    prompt: list[StrictInt] | str
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, allow_inf_nan=False)
-    top_k: int = -1
-    n: int = 1
-    logprobs: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    seed: int | None = None
-    return_token_ids: bool = False
 
 
 class WeightsRequest(BaseModel):
@@ -77,12 +66,6 @@ class WeightsRequest(BaseModel):
     version: int = Field(ge=0)
     rewind: bool = False
     """Accept a version not above the one served: only a resumed trainer sends it (components/rollout/backends.py)."""
-
-
-class BadRequest(Exception):
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _error(status: int, message: str, param: str | None, kind: str = "BadRequestError") -> JSONResponse:
@@ -106,33 +89,11 @@ def _unauthorized(access: Access, request: Request) -> JSONResponse | None:
     return response
 
 
-def sampling_request(body: CompletionRequest, model_name: str, tokenizer=None) -> SamplingRequest:
-    """The engine request a parsed completion body asks for; `BadRequest` names the field it refuses."""
-    if body.model is not None and body.model != model_name:
-        raise BadRequest("model", f"model: {body.model!r} is not served here (serving {model_name!r})")
-    if body.n != 1:
-        raise BadRequest("n", "n: only n=1 is supported (one rollout per prompt)")
-    if body.top_p != 1.0 or body.top_k not in (-1, 0):
-        raise BadRequest(
-            "top_p" if body.top_p != 1.0 else "top_k",
-            "top_p/top_k: truncated sampling is refused during RL (the IS ratio needs the full distribution)",
-        )
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise BadRequest("prompt", "prompt: this engine has no tokenizer; send token ids")
-        prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    try:
-        return SamplingRequest(
-            list(prompt), body.max_tokens, body.temperature, tuple(body.stop_token_ids or ()), stop, body.seed
-        )
-    except ValueError as exc:
-        raise BadRequest(str(exc).split(":", 1)[0], str(exc)) from exc
-
-
-def create_app(engine: EmbeddedEngine, model_name: str, access: Access = OPEN) -> FastAPI:
-    """A FastAPI app serving `engine` to the callers `access` lets in; the caller starts and stops the engine."""
+def create_app(
+    engine: EmbeddedEngine, model_name: str, access: Access = OPEN, chat: ChatFormat | None = None
+) -> FastAPI:
+    """A FastAPI app serving `engine` to the callers `access` lets in; the caller starts and stops the engine.
+    The chat route speaks `chat`, by default the format the engine's tokenizer defines (`chat_format`)."""
     app = FastAPI(title="sao embedded engine")
     served = EngineMetrics(engine, model_name)  # its own registry: several apps can live in one process
     receiver = Receiver(engine)
@@ -140,8 +101,19 @@ def create_app(engine: EmbeddedEngine, model_name: str, access: Access = OPEN) -
     _add_error_handlers(app)
     _add_status_routes(app, engine, model_name, served, receiver)
     _add_completion_route(app, engine, model_name, served)
+    add_chat_route(app, engine, model_name, served, chat or _detected_format(engine))
     _add_weight_routes(app, engine, access, receiver)
     return app
+
+
+def _detected_format(engine: EmbeddedEngine) -> ChatFormat | FormatError:
+    """The chat format of the engine's tokenizer, or why there is none (the chat route then says so)."""
+    if engine.tokenizer is None:
+        return FormatError("the engine has no tokenizer")
+    try:
+        return chat_format(engine.tokenizer)
+    except FormatError as exc:
+        return exc
 
 
 def _add_guards(app: FastAPI, access: Access) -> None:
@@ -221,11 +193,7 @@ def _add_completion_route(app: FastAPI, engine: EmbeddedEngine, model_name: str,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> dict:
         request = sampling_request(body, model_name, engine.tokenizer)
-        try:
-            result = await engine.generate(request)  # the engine checks the context length and the vocabulary
-        except ValueError as exc:
-            raise BadRequest(str(exc).split(":", 1)[0], str(exc)) from exc
-        served.request_done()
+        result = await sample(engine, served, request)  # the engine checks the context length and the vocabulary
         return _completion(body, result, model_name, engine.tokenizer)
 
 
