@@ -301,6 +301,13 @@ COMMANDS = (
             ),
             flag("--resume", action="store_true", help="continue from the newest complete checkpoint"),
             flag(
+                "--policy",
+                default=None,
+                metavar="DIR",
+                help="start from this HF model directory instead of the SFT stage's policy (sets sft.policy)",
+                sets="sft.policy",
+            ),
+            flag(
                 "--rollback-to",
                 type=NON_NEGATIVE,
                 default=None,

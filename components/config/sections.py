@@ -24,6 +24,7 @@ from components.config.fields import (
     require,
     section,
 )
+from components.config.reasoning_gym_uri import task_location
 
 ENV_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 """What `env.name` may be: it goes into metric keys and registered model names."""
@@ -103,6 +104,10 @@ class TaskConfig:
 
 @section("sft")
 class SFTConfig:
+    policy: str = ""
+    """An HF model directory to use as the SFT policy instead of training one (no distill, no SFT): RL, value
+    pretraining and evaluation start from it, e.g. a policy trained elsewhere for an environment without a
+    teacher of its own (`sao train --policy DIR`). Empty: the SFT stage trains (or reuses) its own."""
     steps: PositiveInt = 1000
     """Optimizer steps."""
     batch_size: PositiveInt = 64
@@ -440,10 +445,13 @@ class EnvConfig:
     options: dict[str, Any] = field(default_factory=dict)
     """`[env.options]`: a free table handed to the factory as its `options` (`--set env.options.size=100`)."""
     tasks: str = ""
-    """Training problem set: empty = the environment's built-in set; else a local JSONL/Parquet path or an
-    `s3://bucket/key` URI."""
+    """Training problem set: empty = the environment's built-in set; else a local JSONL/Parquet path, an
+    `s3://bucket/key` URI, or a reasoning-gym dataset with its options,
+    `reasoning-gym:<dataset>?size=2000&seed=3&<option>=<value>` (components/config/reasoning_gym_uri.py; values
+    are TOML; graded by the dataset's `score_answer` in tir_math)."""
     eval_tasks: str = ""
-    """Held-out problem set, same forms; empty = the environment's built-in held-out set."""
+    """Held-out problem set, same forms; empty = the environment's built-in held-out set, or beside a reasoning-gym
+    `tasks` the same dataset and options held out (`split=eval`: never a training question)."""
     judge: str = "lexical"
     """Style only: `lexical` (embedded, deterministic) or the base URL (http:// or https://) of an
     OpenAI-compatible chat endpoint that scores style."""
@@ -471,8 +479,8 @@ class EnvConfig:
             "env.name",
             f"must be letters, digits, '_', '-' or '.' (it names metrics and models), got {self.name!r}",
         )
-        check_location(self.tasks, "env.tasks", "key")
-        check_location(self.eval_tasks, "env.eval_tasks", "key")
+        object.__setattr__(self, "tasks", task_location(self.tasks, "env.tasks", "train"))
+        object.__setattr__(self, "eval_tasks", task_location(self.eval_tasks, "env.eval_tasks", "eval", self.tasks))
         judge_url = is_http_url(self.judge)
         require(
             self.judge == "lexical" or judge_url,

@@ -5,6 +5,8 @@ stable ids (default `<file stem>-<row>`, the row counted from 0 among non-blank 
 goes to `Task.metadata`. A row with a missing or empty prompt or answer is an error naming the row and the
 field: a bad problem set is never silently shortened.
 
+A `reasoning-gym:<dataset>?...` location is a generated set instead (components/data/reasoning_gym_tasks.py).
+
 S3 objects are read through the artifact store's S3 client (components/storage/stores.py `read_uri`: retries,
 bounded timeouts; boto3 imported only for `s3://` URIs). The endpoint comes from `AWS_ENDPOINT_URL_S3` or
 `AWS_ENDPOINT_URL` when set (MinIO, moto, ...), credentials from the usual boto3 chain.
@@ -20,7 +22,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from components.config.reasoning_gym_uri import is_reasoning_gym
 from components.contracts.task import Task
+from components.data.reasoning_gym_tasks import gym_tasks
 from components.storage import read_uri
 
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -96,7 +100,8 @@ def load_tasks(
     """Load a problem set as tasks.
 
     Args:
-        uri: local path or `s3://bucket/key`; `.jsonl`/`.ndjson` or `.parquet`/`.pq`.
+        uri: local path or `s3://bucket/key`; `.jsonl`/`.ndjson` or `.parquet`/`.pq`; or a
+            `reasoning-gym:` URI (the three field names do not apply: its tasks are the dataset's entries).
         prompt_field: column holding the prompt (a non-empty string).
         answer_field: column holding the reference answer (any non-empty value); None for sets without
             answers (e.g. style prompts judged by a model).
@@ -114,6 +119,8 @@ def load_tasks(
     uri = str(uri)
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
+    if is_reasoning_gym(uri):
+        return gym_tasks(uri, limit, max_prompt_chars)
     rows = read_rows(uri)
     if not rows:
         raise ValueError(f"{uri}: no rows (an empty problem set)")

@@ -2,7 +2,9 @@
 output comes back as an observation. An exactly correct `\\boxed{}` answer earns reward 1.
 
 The synthetic arithmetic set (components.data.tasks) is the embedded data. Real problem sets (JSONL or
-Parquet with problem and answer columns) load through `components.data.problem_sets.load_tasks`.
+Parquet with problem and answer columns) load through `components.data.problem_sets.load_tasks`. Tasks from a
+reasoning-gym dataset are scored by the dataset's own `score_answer` on the boxed answer (a reward in [0, 1],
+solved at `success_threshold`); every other task by `components.envs.grading`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import asyncio
 from components.contracts.chat import ModelTurn, Prompt
 from components.contracts.environment import StepResult
 from components.contracts.task import Task
+from components.data.reasoning_gym_tasks import gym_score, is_gym_task
 from components.data.tasks import Problem
-from components.envs.grading import grade_answer, task_reference
+from components.envs.grading import extract_boxed, grade_answer, task_reference
 from components.envs.latency import NO_LATENCY, ToolLatency
 from components.envs.python_tool import PythonTool
 from components.envs.tool_calls import TOOLS, MalformedCalls, call_problem, check_mode, malformed_step
@@ -65,5 +68,12 @@ class TIRMathEpisode:
             output = await asyncio.to_thread(self.env.tool, turn.call.arguments["code"])
             return StepResult(output, False)
         # in a thread: math-verify may take up to its deadline on an odd answer, and the loop runs other episodes
-        correct = turn.ended and await asyncio.to_thread(grade_answer, turn.content, task_reference(self.task))
-        return StepResult(None, True, float(correct), "stop", {"correct": correct, "tool_calls": self.tool_calls})
+        reward = await asyncio.to_thread(self._grade, turn.content) if turn.ended else 0.0
+        correct = reward >= self.env.success_threshold
+        return StepResult(None, True, reward, "stop", {"correct": correct, "tool_calls": self.tool_calls})
+
+    def _grade(self, text: str) -> float:
+        if is_gym_task(self.task):
+            boxed = extract_boxed(text)
+            return gym_score(self.task, None if boxed is None else boxed.strip())
+        return float(grade_answer(text, task_reference(self.task)))

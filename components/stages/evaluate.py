@@ -23,8 +23,8 @@ from components.eval.benchmarks import load_benchmark
 from components.eval.evaluate import EvalReport, evaluate
 from components.models import load_chat, load_policy, load_tokenizer, save_model_dir
 from components.rollout.embedded import EmbeddedEngine
-from components.stages.home import Log, existing_sft
-from components.stages.recipes import eval_task, sft_key, sft_recipe
+from components.stages.home import Log, find_sft
+from components.stages.recipes import eval_task
 from components.storage import atomic_dir, is_complete, weights_fingerprint, write_json
 from components.tracking.registry import Promotion, promote
 from components.training.engines.engine import read_module_state
@@ -49,7 +49,7 @@ def model_to_score(
         return Path(model), None, Path(model).name
     store = checkpoint_store(cfg, home)
     step = checkpoint_step if checkpoint_step is not None else store.latest_step()
-    sft_dir = existing_sft(cfg.store, home, sft_key(cfg), sft_recipe(cfg), log)
+    sft_dir = find_sft(cfg, home, log)
     if sft_dir is None:
         raise FileNotFoundError(
             f"eval: no complete SFT policy of this config in {home} or its store (`sao sft` "

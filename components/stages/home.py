@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from components.config import StoreConfig
+from components.config import Config, StoreConfig
 from components.storage import (
     ArtifactStore,
     is_complete,
@@ -96,3 +96,21 @@ def existing_sft(sc: StoreConfig, home: Path, key: str, recipe: dict, log: Log =
         log(f"sft: the policy at {out} was trained with another config")
         return None
     return out
+
+
+def given_policy(cfg: Config) -> Path:
+    """The HF model directory `sft.policy` names, checked."""
+    given = Path(cfg.sft.policy)
+    if not (given / "config.json").is_file():
+        raise ValueError(f"sft.policy: {given} is not an HF model directory (no config.json)")
+    return given
+
+
+def find_sft(cfg: Config, home: Path, log: Log = print) -> Path | None:
+    """The SFT policy of this config without training one: `sft.policy` when set, else the complete policy of
+    this recipe in the home or its store, else None."""
+    if cfg.sft.policy:
+        return given_policy(cfg)
+    from components.stages.recipes import sft_key, sft_recipe  # recipes imports training code: only when needed
+
+    return existing_sft(cfg.store, home, sft_key(cfg), sft_recipe(cfg), log)

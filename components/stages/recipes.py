@@ -49,7 +49,10 @@ def data_recipe(cfg: Config) -> dict:
         for k, v in to_dict(cfg.task).items()
         if k in SFT_TASK_FIELDS and (k not in _RECIPE_DEFAULTS or v != _RECIPE_DEFAULTS[k])
     }
-    recipe: dict = {"env": {"name": cfg.env.name, "tasks": cfg.env.tasks}, "task": task}
+    env: dict = {"name": cfg.env.name, "tasks": cfg.env.tasks}
+    if cfg.env.entrypoint:  # a factory's datasets depend on it and its options; built-ins keep their keys
+        env.update(entrypoint=cfg.env.entrypoint, options=cfg.env.options)
+    recipe: dict = {"env": env, "task": task}
     if cfg.distill.teacher != "programmatic":  # the embedded default keeps the keys it always had
         d = cfg.distill
         recipe["teacher"] = {

@@ -25,7 +25,7 @@ from components.envs.registry import env_tools
 from components.models import build_policy, save_model_dir, start_chat
 from components.stages.distill import run_distill
 from components.stages.evaluate import run_eval
-from components.stages.home import SFT_RECIPE_FILE, Log, existing_sft, publish
+from components.stages.home import SFT_RECIPE_FILE, Log, existing_sft, given_policy, publish
 from components.stages.recipes import eval_task, sft_key, sft_recipe
 from components.storage import atomic_dir, weights_fingerprint, write_json
 from components.training.engines.collective import SOLO, Collective, from_environment, launched_world_size, rank_cores
@@ -37,9 +37,14 @@ from components.training.sft import train_sft
 
 def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> Path:
     """Train the SFT policy from scratch (or from `model.path`) and save it as an HF model directory, or reuse the
-    complete one of this recipe (`force`: retrain). Under torchrun this is rank 0's part: it tells the other ranks
+    complete one of this recipe (`force`: retrain), or take the directory `sft.policy` names as it is. Under torchrun this is rank 0's part: it tells the other ranks
     (`join_sft`) what happens, and with `sft.backend = "deepspeed"` every rank trains its rows of each batch."""
     comm = world()
+    if cfg.sft.policy:
+        given = given_policy(cfg)
+        log(f"sft: starting from the given policy {given} (sft.policy: no distill, no SFT)")
+        comm.broadcast(("done", str(given)))
+        return given
     key, recipe = sft_key(cfg), sft_recipe(cfg)
     found = None if force else existing_sft(cfg.store, home, key, recipe, log)
     if found is not None:
