@@ -228,7 +228,7 @@ def sft_traces(cfg: Config) -> list[Trace]:
     if setup.teacher is None:
         raise EnvFactoryError(
             f"distill.teacher: the environment {cfg.env.name!r} ({entrypoint_of(cfg)}) has no programmatic "
-            "teacher; distil its traces from an endpoint (sao distill --teacher URL --teacher-model NAME) or "
-            "start RL from an existing SFT policy"
+            "teacher; start RL from a policy you have (sao train --policy DIR), or distil traces from an endpoint "
+            "(sao distill --teacher URL --teacher-model NAME: environments offering the Python tool alone)"
         )
     return setup.teacher()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from components.config import Config
+from components.contracts.chat import PYTHON_TOOL
 from components.contracts.task import Task
 from components.contracts.trace import Trace
 from components.data.gates import check_traces
@@ -51,12 +52,22 @@ class Distilled:
 
 
 def teacher_tasks(cfg: Config) -> list[Task]:
-    """The problems an endpoint teacher solves: `env.tasks` when set, else the synthetic training split."""
+    """The problems an endpoint teacher solves: `env.tasks` when set, else tir_math's synthetic training split.
+
+    The teacher client drives the Python tool and grades the final `\\boxed{}` answer against the task's reference,
+    so it distils environments whose episodes offer that tool alone: tir_math, and any other one (e.g.
+    reasoning_gym_tir) on an `env.tasks` set with reference answers."""
     if cfg.env.name != "tir_math":
-        raise ValueError(
-            f"distill.teacher: an endpoint teacher distils tir_math problems; env.name={cfg.env.name!r} "
-            f"uses distill.teacher='programmatic'"
-        )
+        tools = env_tools(cfg)
+        if tools != (PYTHON_TOOL,) or not cfg.env.tasks:
+            offered = [schema.get("function", {}).get("name") for schema in tools]
+            raise ValueError(
+                f"distill.teacher: an endpoint teacher solves problems with the Python tool and is graded on their "
+                f"reference answers; the environment {cfg.env.name!r} offers tools {offered}"
+                + ("" if cfg.env.tasks else " and env.tasks names no problem set")
+                + ": use its programmatic teacher (distill.teacher = 'programmatic') or start RL from a policy "
+                "(sao train --policy DIR)"
+            )
     if cfg.env.tasks:
         return load_tasks(cfg.env.tasks)
     t = cfg.task

@@ -12,6 +12,7 @@ from components.data.problem_sets import load_tasks
 from components.envs.python_tool import PythonTool
 from components.envs.reasoning_gym_tir import gym_trace, gym_traces, integer_value
 from components.envs.registry import build_env, sft_traces
+from components.stages.distill import teacher_tasks
 
 THREE_TERMS = "min_terms=3&max_terms=3&min_digits=2&max_digits=2&operators=['+','*']&whitespace=no_space"
 
@@ -100,3 +101,17 @@ def test_the_factory_is_tir_math_with_this_teacher():
     assert all(len(t.turns) == 4 for t in traces)  # mental_max 0: every answer through the tool
     with pytest.raises(ValueError, match="reasoning_gym_tir needs a reasoning-gym"):
         build_env(load_config("tiny-cpu", ['env.entrypoint="components.envs.reasoning_gym_tir:factory"']), print)
+
+
+def test_an_endpoint_teacher_solves_the_set_of_a_python_tool_environment_and_refuses_others():
+    cfg = load_config(
+        "tiny-cpu",
+        [
+            'env.entrypoint="components.envs.reasoning_gym_tir:factory"',
+            f'env.tasks="reasoning-gym:basic_arithmetic?size=12&{THREE_TERMS}"',
+        ],
+    )
+    tasks = teacher_tasks(cfg)
+    assert [t.task_id for t in tasks] == [t.task_id for t in load_tasks(cfg.env.tasks)] and len(tasks) == 12
+    with pytest.raises(ValueError, match=r"environment 'style' offers tools \[\].*sao train --policy DIR"):
+        teacher_tasks(load_config("tiny-cpu", ['env.name="style"']))
