@@ -19,3 +19,14 @@ def trajectory(**changes) -> Trajectory:
         timings=Timings(queued=0.0),
     )
     return Trajectory(**{**base, **changes})
+
+
+def segments(trajectory: Trajectory) -> list[tuple[int, list[int]]]:
+    """A trajectory's token ids as (action_mask, ids) runs: the prompt, each action, each observation."""
+    runs: list[tuple[int, list[int]]] = []
+    for token, m in zip(trajectory.token_ids, trajectory.action_mask):
+        if runs and runs[-1][0] == m:
+            runs[-1][1].append(token)
+        else:
+            runs.append((m, [token]))
+    return runs

@@ -21,17 +21,7 @@ from components.models import token_logprobs
 from components.rollout.client import EngineClient
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.server import ServerThread, create_app
-
-
-def _segments(trajectory):
-    """Split token ids into (is_action, ids) runs."""
-    runs = []
-    for token, m in zip(trajectory.token_ids, trajectory.action_mask):
-        if runs and runs[-1][0] == m:
-            runs[-1][1].append(token)
-        else:
-            runs.append((m, [token]))
-    return runs
+from tests.factories import segments
 
 
 def test_trajectory_invariants_on_real_runs(engine, sft_policy, tmp_path):
@@ -44,7 +34,7 @@ def test_trajectory_invariants_on_real_runs(engine, sft_policy, tmp_path):
     with_tools = 0
     for traj in trajectories:
         task = by_id[traj.prompt_id]
-        runs = _segments(traj)
+        runs = segments(traj)
         # The prompt, then actions and observations; decoding each run reproduces what the episode exchanged.
         assert tokenizer.decode(runs[0][1]) == prompt_text(task.prompt) and runs[0][0] == 0
         for (_, prev), (is_action, ids) in zip(runs[1:], runs[2:]):

@@ -26,6 +26,7 @@ from components.models import token_logprobs
 from components.tracking import NullTracker
 from components.training.rl.trainer import train
 from tests.envs import vf_calculator
+from tests.factories import segments
 
 ENTRYPOINT = "components.envs.verifiers_env:factory"
 
@@ -41,17 +42,6 @@ def vf_config(module: str = "tests.envs.vf_calculator", *overrides: str):
 def calculator():
     """The calculator environment's setup: 16 training rows, 8 eval rows."""
     return build_env(vf_config("tests.envs.vf_calculator", "env.options.args.num_train=16"), log=lambda _: None)
-
-
-def segments(trajectory) -> list[tuple[int, list[int]]]:
-    """(action_mask, ids) runs of a trajectory."""
-    runs: list[tuple[int, list[int]]] = []
-    for token, m in zip(trajectory.token_ids, trajectory.action_mask):
-        if runs and runs[-1][0] == m:
-            runs[-1][1].append(token)
-        else:
-            runs.append((m, [token]))
-    return runs
 
 
 def calculator_output(code: str) -> str:
