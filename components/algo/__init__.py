@@ -9,7 +9,9 @@ from components.algo.baselines import (
 from components.algo.gae import (
     discounted_reverse_cumsum,
     gae,
+    gae_by_row,
     gae_reference,
+    length_adaptive_lambda,
     timestep_mask,
 )
 from components.algo.losses import (
@@ -38,8 +40,10 @@ __all__ = [
     "entropy_from_logits",
     "explained_variance",
     "gae",
+    "gae_by_row",
     "gae_reference",
     "grpo_advantages",
+    "length_adaptive_lambda",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -80,6 +80,39 @@ def gae(
     return advantages, returns
 
 
+def length_adaptive_lambda(action_mask: Tensor, alpha: float) -> Tensor:
+    """VAPO's length-adaptive lambda, one per row: `1 - 1 / (alpha * l)` with `l` the row's action tokens, clamped
+    to [0, 1] (a row shorter than `1 / alpha` gets 0, one without action tokens 0). `(B,)` float64."""
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    length = action_mask.bool().sum(dim=1).to(torch.float64)
+    lam = 1.0 - 1.0 / (alpha * length.clamp(min=1.0))
+    return torch.where(length > 0, lam, torch.zeros_like(lam)).clamp(0.0, 1.0)
+
+
+def gae_by_row(
+    rewards: Tensor,
+    values: Tensor,
+    action_mask: Tensor,
+    gamma: float,
+    lams: Tensor,
+    skip_observations: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """`gae` with a lambda per row (`lams`, `(B,)`): the rows sharing a lambda go through `gae` together, so each row
+    gets exactly what `gae` gives it alone at its lambda."""
+    if lams.shape != rewards.shape[:1]:
+        raise ValueError(f"lams shape {tuple(lams.shape)} != ({rewards.shape[0]},): one lambda per row")
+    dtype = _compute_dtype(values)
+    advantages = torch.zeros(rewards.shape, dtype=dtype, device=values.device)
+    returns = torch.zeros_like(advantages)
+    for lam in lams.unique().tolist():
+        rows = lams == lam
+        advantages[rows], returns[rows] = gae(
+            rewards[rows], values[rows], action_mask[rows], gamma, lam, skip_observations
+        )
+    return advantages, returns
+
+
 def gae_reference(
     rewards: Tensor,
     values: Tensor,

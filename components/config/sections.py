@@ -157,6 +157,14 @@ class AlgoConfig:
     """Clip range of the value loss."""
     normalize_advantages: bool = False
     """Whiten advantages per mini-batch (off for SAO)."""
+    whiten_below_ev: float | None = None
+    """Whiten the policy's advantages on a step whose updated critic explains less than this share of the returns'
+    variance (explained variance against the lam_critic returns; the logged `critic/explained_variance` when
+    lam_critic = 1), as Lego-RL's SAO port does while its critic is poor; None: only `normalize_advantages`
+    decides. Logged as `policy/advantages_whitened`."""
+    lam_length_alpha: NonNegativeFloat = 0.0
+    """VAPO's length-adaptive lambda for the policy: each trajectory's lam = 1 - 1 / (alpha * l), l its action tokens,
+    clamped to [0, 1] (alpha 0.05 in VAPO: long answers get lam near 1, less bias). 0: `lam_policy` for every row."""
     skip_observations: bool = True
     """Skip-observation GAE in RL (SAO's): a turn's last action token bootstraps from the next turn's first, over
     the tool's output. False steps GAE through every token between the first and last action token, observations
@@ -300,6 +308,17 @@ class TrainConfig:
     Scale it with the model: a 30B model's per-parameter gradients are orders of magnitude smaller."""
     grad_clip: float = 1.0
     """Global gradient-norm clip for both models."""
+    critic_grad_clip: PositiveFloat | None = None
+    """The critic's own gradient-norm clip (RL and value pretraining); None: `grad_clip`. Lego-RL's SAO port measured
+    critic gradient norms of 7-68 on a 35B MoE and clipped at 10 instead of 1."""
+    critic_warmup_steps: NonNegativeInt = 0
+    """The first steps update the critic only (its K updates; the policy's weights and version stay), as the public
+    SAO ports warm up on top of a pretrained critic. Needs an algorithm with a critic."""
+    max_token_lag: NonNegativeInt | None = None
+    """Evict a finished trajectory whose oldest sampled token is more than this many versions behind the policy
+    when its batch is formed (unirl's rule); its admission slot is given back and another episode starts. Counted
+    in `rollout/evicted`. None: every finished trajectory trains (eviction biases training toward short, fast
+    rollouts: the buffer's docstring). Single-rollout algorithms only."""
     warmup_steps: NonNegativeInt = 0
     """Linear learning-rate warm-up of both models over the first steps (0: none)."""
     min_lr_ratio: Annotated[float, Field(gt=0, le=1)] = 1.0
@@ -363,6 +382,16 @@ class TrainConfig:
             f"needs train.backend = 'deepspeed', got {self.backend!r}",
         )
         require(self.sync or not self.sync_lag, "train.sync_lag", "needs train.sync = true (async runs lag anyway)")
+        require(
+            not self.critic_warmup_steps or self.algo not in ("sao-running-mean", "grpo", "grpo-dis"),
+            "train.critic_warmup_steps",
+            f"needs an algorithm with a critic, got train.algo = {self.algo!r}",
+        )
+        require(
+            self.max_token_lag is None or self.algo not in ("grpo", "grpo-dis"),
+            "train.max_token_lag",
+            f"evicts single rollouts; {self.algo!r} trains whole groups",
+        )
         if self.algo in ("grpo", "grpo-dis"):
             require(
                 self.batch_size % self.group_size == 0,

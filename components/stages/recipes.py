@@ -19,6 +19,7 @@ from pathlib import Path
 
 from components.config import Config, to_dict
 from components.storage import weights_fingerprint
+from components.training.engines.settings import critic_grad_clip
 from components.training.rl.algorithms import ALGORITHMS
 
 SFT_TASK_FIELDS = ("kinds", "operand_max", "train_size", "seed", "teacher_mental_max", "teacher_mental_frac")
@@ -98,7 +99,7 @@ def value_pretrain_recipe(cfg: Config, sft_dir: Path) -> dict:
         "freeze_attention": ALGORITHMS[tc.algo].freeze_critic_attention,
         "lr": cfg.value_pretrain.lr or tc.critic_lr,
         "weight_decay": tc.weight_decay,
-        "grad_clip": tc.grad_clip,
+        "grad_clip": critic_grad_clip(tc),  # the same keys (and hash) as before critic_grad_clip existed
         "adam_beta2": tc.adam_beta2,
         "task_seed": prompt_config(cfg).train.task_seed,
     }

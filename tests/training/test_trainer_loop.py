@@ -3,8 +3,10 @@
 import threading
 
 import pytest
+import torch
 
 from components.envs.registry import build_env
+from components.models import load_policy
 from components.tracking import DiskTracker, NullTracker
 from components.training.engines.engine import read_module_state
 from components.training.rl.trainer import train
@@ -335,3 +337,33 @@ def test_the_guard_never_rolls_back_across_a_preference_flip(tmp_path, tiny_cfg,
     log = []
     train_env(cfg, sft_dir, tmp_path / "b", NullTracker(), log=log.append, detector=_FireAt(3, onset=2))
     assert any("no checkpoint between steps 2 and 2 to roll back to; stopping" in line for line in log)
+
+
+def test_the_safeguards_run_in_the_loop(tmp_path, tiny_cfg, sft_dir):
+    # Every safeguard on at once (docs/design.md section 2): two warm-up steps train the critic only, so the weights
+    # the loop publishes at version 2 are still the SFT policy's; eviction is counted on every row.
+    from dataclasses import replace
+
+    cfg = _cfg(tiny_cfg, max_steps=3, critic_warmup_steps=2, max_token_lag=1, critic_grad_clip=10.0)
+    cfg = replace(cfg, algo=replace(cfg.algo, whiten_below_ev=0.5, lam_length_alpha=0.05))
+    published = {}
+
+    def snapshot(trainer):
+        return {k: v.detach().clone() for k, v in trainer.parts.learner.policy.module.state_dict().items()}
+
+    result = train_env(
+        cfg,
+        sft_dir,
+        tmp_path,
+        NullTracker(),
+        log=lambda _: None,
+        on_step=[lambda trainer, batch, row: published.setdefault(trainer.step, snapshot(trainer))],
+    )
+    warm, trained = result.history[:2], result.history[2]
+    assert all("critic/loss" in row and "policy/loss" not in row for row in warm)
+    assert "policy/loss" in trained and trained["policy/advantages_whitened"] in (0.0, 1.0)
+    assert all(row["rollout/evicted"] >= 0 for row in result.history)
+    sft = load_policy(sft_dir).state_dict()
+    assert sft.keys() == published[2].keys()
+    assert all(torch.equal(published[2][name], sft[name]) for name in sft)
+    assert any(not torch.equal(published[3][name], sft[name]) for name in sft)

@@ -46,14 +46,14 @@ class EngineSettings:
         )
 
     @classmethod
-    def rl(cls, tc: TrainConfig, lr: float) -> EngineSettings:
-        """RL's policy (`lr` = train.policy_lr) or critic (train.critic_lr)."""
+    def rl(cls, tc: TrainConfig, lr: float, critic: bool = False) -> EngineSettings:
+        """RL's policy (`lr` = train.policy_lr) or `critic` (train.critic_lr; its own clip, `critic_grad_clip`)."""
         return cls.on_train_hardware(
             tc,
             tc.backend,
             lr,
             weight_decay=tc.weight_decay,
-            grad_clip=tc.grad_clip,
+            grad_clip=critic_grad_clip(tc) if critic else tc.grad_clip,
             beta2=tc.adam_beta2,
             eps=tc.adam_eps,
         )
@@ -73,7 +73,7 @@ class EngineSettings:
             vp.backend,
             vp.lr or tc.critic_lr,
             weight_decay=tc.weight_decay,
-            grad_clip=tc.grad_clip,
+            grad_clip=critic_grad_clip(tc),
             beta2=tc.adam_beta2,
         )
 
@@ -82,3 +82,8 @@ class EngineSettings:
         if self.backend != "deepspeed":
             return None
         return resolve_deepspeed_config(self)
+
+
+def critic_grad_clip(tc: TrainConfig) -> float:
+    """The critic's gradient-norm clip: `train.critic_grad_clip`, else `train.grad_clip`."""
+    return tc.grad_clip if tc.critic_grad_clip is None else tc.critic_grad_clip

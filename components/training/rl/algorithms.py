@@ -77,6 +77,10 @@ class AlgoSettings:
     """Padded tokens per forward/backward pass on each rank (0: a rank's rows in one pass; engines/micro.py)."""
     skip_observations: bool = True
     """Skip-observation GAE (False: the ablation that steps through observation tokens; algo/gae.py)."""
+    whiten_below_ev: float | None = None
+    """Whiten the policy's advantages while the updated critic's explained variance is below this (None: never)."""
+    lam_length_alpha: float = 0.0
+    """VAPO's length-adaptive lambda for the policy (`algo.gae.length_adaptive_lambda`); 0: `lam_policy`."""
     advantage: Advantage = "gae"
     """The algorithm's advantage estimator (`Algorithm.advantage`)."""
     loss: Loss = "dis"
@@ -100,6 +104,8 @@ def settings_from(cfg: Config) -> AlgoSettings:
         group_size=cfg.train.group_size if algorithm.grouped else 1,
         micro_batch_tokens=cfg.train.micro_batch_tokens,
         skip_observations=cfg.algo.skip_observations,
+        whiten_below_ev=cfg.algo.whiten_below_ev,
+        lam_length_alpha=cfg.algo.lam_length_alpha,
         advantage=algorithm.advantage,
         loss=algorithm.loss,
     )

@@ -15,6 +15,11 @@ Staleness is bounded by admission, never by dropping finished work: finished tra
 
 In grouped mode (GRPO) trajectories are released only as whole groups of `group_size`: the barrier that
 SAO removes.
+
+`max_token_lag` (`train.max_token_lag`, off by default) is the one exception to keeping finished work, as an
+option: a trajectory whose oldest sampled token is more than that many versions behind the version being trained
+when a batch is taken is evicted (unirl's rule), its admission slot given back so another episode starts, and
+counted in `evicted` (`rollout/evicted`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class TrajectoryBuffer:
         group_size: int = 1,
         rule: AdmissionRule = "capacity",
         version: int = 0,
+        max_token_lag: int | None = None,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
@@ -45,6 +51,10 @@ class TrajectoryBuffer:
             raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
         if rule not in ADMISSION_RULES:
             raise ValueError(f"rule: must be one of {ADMISSION_RULES}, got {rule!r}")
+        if max_token_lag is not None and (max_token_lag < 0 or group_size != 1):
+            raise ValueError(f"max_token_lag: must be >= 0 and single rollouts (group_size 1), got {max_token_lag}")
+        self.max_token_lag = max_token_lag
+        self.evicted = 0
         self.max_staleness, self.batch_size, self.group_size, self.rule = max_staleness, batch_size, group_size, rule
         self.version = version
         self.started = version * batch_size  # a resumed run has trained on exactly this many
@@ -101,11 +111,24 @@ class TrajectoryBuffer:
             self._cond.notify_all()
 
     async def take(self, n: int) -> list[Trajectory]:
-        """The next `n` finished trajectories in arrival order (whole groups in grouped mode)."""
+        """The next `n` finished trajectories in arrival order (whole groups in grouped mode), those `max_token_lag`
+        evicts left out."""
         async with self._cond:
-            await self._cond.wait_for(lambda: len(self._ready) >= n)
+            await self._cond.wait_for(lambda: self._evict() >= n)
             batch, self._ready = self._ready[:n], self._ready[n:]
             return batch
+
+    def _evict(self) -> int:
+        """Evict the waiting trajectories whose oldest token is more than `max_token_lag` versions behind (the lock
+        held); returns how many wait."""
+        if self.max_token_lag is not None:
+            floor = self.version - self.max_token_lag
+            kept = [t for t in self._ready if oldest_version(t, self.version) >= floor]
+            gone = len(self._ready) - len(kept)
+            if gone:
+                self._ready, self.started, self.evicted = kept, self.started - gone, self.evicted + gone
+                self._cond.notify_all()  # their slots are free: admission may start others
+        return len(self._ready)
 
     async def set_version(self, version: int) -> None:
         async with self._cond:
@@ -129,6 +152,11 @@ class TrajectoryBuffer:
 
     def start_version_counts(self) -> Counter:
         return Counter(self._start_versions.values())
+
+
+def oldest_version(trajectory: Trajectory, default: int) -> int:
+    """The version that sampled the trajectory's oldest token (`default` when it sampled none)."""
+    return min((v for v in trajectory.versions if v is not None), default=default)
 
 
 def group_key(task_id: str) -> str:

@@ -25,6 +25,7 @@ filesystem every node mounts (a rank that cannot see it fails the checkpoint nam
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -70,7 +71,10 @@ class Learner:
         self.sft_dir = Path(sft_dir)
         self.state: dict = {}  # the algorithm's own state (the running-mean baseline), the same on every rank
         self.device = local_device()
-        settings = {"policy": EngineSettings.rl(tc, tc.policy_lr), "critic": EngineSettings.rl(tc, tc.critic_lr)}
+        settings = {
+            "policy": EngineSettings.rl(tc, tc.policy_lr),
+            "critic": EngineSettings.rl(tc, tc.critic_lr, critic=True),
+        }
         configs = {name: s.deepspeed() for name, s in settings.items()}
         self.dtype = train_dtype(configs["policy"])
         apart = self._apart(tc)
@@ -108,7 +112,8 @@ class Learner:
                 f"train.critic_ranks: {tc.critic_ranks} places a critic on ranks of its own, which needs an algorithm "
                 f"with a critic and the deepspeed backend (train.algo = {tc.algo!r}, train.backend = {tc.backend!r})"
             )
-        stage = (EngineSettings.rl(tc, tc.critic_lr).deepspeed() or {})["zero_optimization"].get("stage", 0)
+        critic_config = EngineSettings.rl(tc, tc.critic_lr, critic=True).deepspeed() or {}
+        stage = critic_config["zero_optimization"].get("stage", 0)
         if stage == 3:
             raise ValueError(
                 f"train.critic_ranks: {tc.critic_ranks} needs ZeRO stage 0-2, got 3: DeepSpeed 0.19's ZeRO-3 checks "
@@ -124,10 +129,13 @@ class Learner:
 
     # ---- rank 0 --------------------------------------------------------------------------------------------
 
-    def step(self, batch: dict[str, torch.Tensor], lr_scale: float = 1.0) -> dict:
+    def step(self, batch: dict[str, torch.Tensor], lr_scale: float = 1.0, update_policy: bool = True) -> dict:
         """One algorithm step on the whole batch (each rank takes its rows), both learning rates at `lr_scale`
-        times the configured ones. Returns whole-batch metrics."""
+        times the configured ones; `update_policy=False` updates the critic only (its warm-up). Returns
+        whole-batch metrics."""
         work = self.placement.work(batch, lr_scale, self.settings.group_size)
+        if not update_policy:
+            work = [dataclasses.replace(w, update_policy=False) for w in work]
         if not self.comm.distributed:
             return self._step(work[0])
         return self._step(self.comm.scatter([Message("step", w) for w in work]).payload)
@@ -220,7 +228,9 @@ class Learner:
         for engine in (self.policy, self.critic):
             if engine is not None:
                 engine.set_lr_scale(work.lr_scale)
-        metrics = train_step(self.policy, self.critic, rows, self.settings, self.state, self.placement, whole)
+        metrics = train_step(
+            self.policy, self.critic, rows, self.settings, self.state, self.placement, whole, work.update_policy
+        )
         return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
 
     def _handle(self, kind: str, directory: Path) -> str:

@@ -125,7 +125,9 @@ def build_parts(
     guard.floor = start.step  # the guard never returns to weights from before the run's start
     rollouts = open_rollouts(cfg.rollout, learner.serving_module(), tokenizer, home, start.step, engine_threads, log)
     group = learner.settings.group_size
-    buffer = TrajectoryBuffer(tc.max_staleness, tc.batch_size, group, tc.admission, version=start.step)
+    buffer = TrajectoryBuffer(
+        tc.max_staleness, tc.batch_size, group, tc.admission, version=start.step, max_token_lag=tc.max_token_lag
+    )
     runner = AgentRunner(
         rollouts.engine, chat, setup.env, episode_limits(cfg), cfg.rollout.concurrency, seed=cfg.task.seed + start.step
     )

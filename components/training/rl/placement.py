@@ -53,6 +53,8 @@ class StepWork:
     """Both learning rates at this times the configured ones."""
     whole: dict[str, Tensor] | None = None
     """The whole batch, on rank 0 of an `Apart` placement (it computes the whole batch's advantages); else None."""
+    update_policy: bool = True
+    """False during `train.critic_warmup_steps`: the critic's K updates only."""
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class ReplayBatches:
 
     def __init__(self, steps: list[RecordedStep], strict: bool, version: int = 0) -> None:
         self.pending, self.strict, self.version = list(steps), strict, version
-        self.discarded = 0
+        self.discarded = self.evicted = 0  # a replay drops and evicts nothing: its batches are the run's
         self.current: RecordedStep | None = None
 
     async def take(self, n: int) -> list[Trajectory]:

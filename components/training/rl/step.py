@@ -35,8 +35,11 @@ from torch import Tensor
 from components.algo import (
     RunningMeanBaseline,
     broadcast_sequence_advantages,
+    explained_variance,
     gae,
+    gae_by_row,
     grpo_advantages,
+    length_adaptive_lambda,
     normalize_advantages,
 )
 from components.training.engines.collective import SOLO, Collective, global_moments
@@ -65,14 +68,17 @@ def train_step(
     state: dict,
     where: Placement = TOGETHER,
     whole: dict[str, Tensor] | None = None,
+    update_policy: bool = True,
 ) -> dict:
     """One step on this rank's `rows` (`to_tensors`' dict of `(B, T)` tensors); updates the engines this rank holds in
     place and returns the step's detached metrics (docs/design.md section 6; on rank 0, whole-batch ones). `state` is
-    the algorithm's own (the running-mean baseline); `whole` the whole batch on rank 0 of an `Apart` placement."""
+    the algorithm's own (the running-mean baseline); `whole` the whole batch on rank 0 of an `Apart` placement.
+    `update_policy=False` (the critic's warm-up) runs the critic's K updates and the advantages, not the policy's
+    update: its weights stay as they are."""
     if not inputs_finite(rows, where.world):
-        return where.skipped(skip_updates(policy, critic, s, where))
-    estimate = ESTIMATORS[s.advantage](policy, critic, rows, whole, s, state, where)
-    if estimate.advantages is None:
+        return where.skipped(skip_updates(policy, critic, s, where, update_policy))
+    estimate = ESTIMATORS[s.advantage](policy if update_policy else None, critic, rows, whole, s, state, where)
+    if estimate.advantages is None or not update_policy:
         return estimate.metrics
     return {**estimate.metrics, **policy_update(policy, rows, estimate.advantages, s, where.group, estimate.begun)}
 
@@ -87,22 +93,46 @@ def critic_advantages(
             values, metrics = critic_updates(critic, rows, s, s.critic_updates, where.group)
         if where.reports_critic_skips:
             metrics["trainer/critic_skipped_steps"] = torch.tensor(float(critic.skipped_steps))
-    elif where.overlap:  # during the critic's K updates on its own ranks
+    elif where.overlap and policy is not None:  # during the critic's K updates on its own ranks (not in warm-up)
         begun = PolicyPasses(policy, rows, s, where.group)
-    advantages, metrics = where.exchange(
-        rows, whole, values, metrics, lambda batch, v, comm: policy_advantages(batch, v, s, comm)
-    )
+    whitened: list[bool] = []  # decided where the advantages are estimated (rank 0 of an Apart placement)
+
+    def estimate(batch: dict[str, Tensor], v: Tensor, comm: Collective) -> Tensor:
+        whitened.append(whitens(batch, v, s, comm))
+        return policy_advantages(batch, v, s, whitened[-1], comm)
+
+    advantages, metrics = where.exchange(rows, whole, values, metrics, estimate)
+    if whitened and s.whiten_below_ev is not None:
+        metrics = {**metrics, "policy/advantages_whitened": torch.tensor(float(whitened[-1]))}
     return Estimate(advantages, metrics, begun)
 
 
-def policy_advantages(batch: dict[str, Tensor], values: Tensor, s: AlgoSettings, comm: Collective = SOLO) -> Tensor:
-    """The policy's advantages from the updated critic's `(B, T)` values: skip-observation GAE at `lam_policy`,
-    whitened over every rank's action tokens when `normalize_advantages`."""
+def policy_advantages(
+    batch: dict[str, Tensor], values: Tensor, s: AlgoSettings, whiten: bool = False, comm: Collective = SOLO
+) -> Tensor:
+    """The policy's advantages from the updated critic's `(B, T)` values: skip-observation GAE at `lam_policy` (or
+    each row's length-adaptive lambda, `lam_length_alpha`), whitened over every rank's action tokens when `whiten`
+    (`whitens` decides)."""
     act = batch["action_mask"]
-    advantages, _ = gae(batch["rewards"], values, act, s.gamma, s.lam_policy, s.skip_observations)
-    if s.normalize_advantages:
+    if s.lam_length_alpha > 0:
+        lams = length_adaptive_lambda(act, s.lam_length_alpha)
+        advantages, _ = gae_by_row(batch["rewards"], values, act, s.gamma, lams, s.skip_observations)
+    else:
+        advantages, _ = gae(batch["rewards"], values, act, s.gamma, s.lam_policy, s.skip_observations)
+    if whiten:
         advantages = normalize_advantages(advantages, act, moments=lambda x, m: global_moments(x, m, comm))
     return advantages
+
+
+def whitens(batch: dict[str, Tensor], values: Tensor, s: AlgoSettings, comm: Collective = SOLO) -> bool:
+    """`normalize_advantages`, or (`whiten_below_ev`) the updated critic's explained variance of the `lam_critic`
+    returns over every rank's action tokens below the threshold (the same on every rank)."""
+    if s.normalize_advantages or s.whiten_below_ev is None:
+        return s.normalize_advantages
+    act = batch["action_mask"]
+    returns = gae(batch["rewards"], values, act, s.gamma, s.lam_critic, s.skip_observations)[1]
+    ev = explained_variance(values, returns, act, var=lambda x, mask: global_moments(x, mask, comm)[1])
+    return bool(ev < s.whiten_below_ev)
 
 
 def running_mean_advantages(
@@ -145,11 +175,11 @@ def inputs_finite(batch: dict[str, Tensor], comm: Collective = SOLO) -> bool:
     return comm.all_true(bool(rewards_ok & torch.isfinite(batch["rollout_logprobs"][acting]).all()))
 
 
-def skip_updates(policy, critic, s: AlgoSettings, where: Placement) -> dict:
-    """Skip (and count) every update of the step on the engines this rank holds: the policy's, and the critic's K
-    (`algo.critic_updates`)."""
+def skip_updates(policy, critic, s: AlgoSettings, where: Placement, update_policy: bool = True) -> dict:
+    """Skip (and count) every update of the step on the engines this rank holds: the policy's (when the step would
+    have updated it), and the critic's K (`algo.critic_updates`)."""
     metrics = {}
-    if where.holds_policy:
+    if where.holds_policy and update_policy:
         metrics["policy/grad_norm"] = policy.skip_update()
     if where.holds_critic and critic is not None:
         metrics["critic/grad_norm"] = [critic.skip_update() for _ in range(s.critic_updates)][-1]

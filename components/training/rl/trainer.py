@@ -250,15 +250,18 @@ class Trainer:
         tensors = to_tensors(batch, p.tokenizer.pad_token_id)
         self.scale = p.guard.lr_scale * lr_scale(self.tc, self.step)
         loop = asyncio.get_running_loop()
-        metrics = await loop.run_in_executor(self._learner_thread, self._learner_step, tensors, self.scale)
+        update_policy = self.step >= self.tc.critic_warmup_steps  # the critic's warm-up: its updates only
+        metrics = await loop.run_in_executor(
+            self._learner_thread, self._learner_step, tensors, self.scale, update_policy
+        )
         fault_point("trainer.step")  # the weights moved, the version is not yet counted nor published
         self.step += 1
         self.cursor = max(t.metadata.get("cursor", 0) for t in batch) + 1
         return metrics, time.perf_counter() - began
 
-    def _learner_step(self, tensors: dict, scale: float) -> dict:
+    def _learner_step(self, tensors: dict, scale: float, update_policy: bool = True) -> dict:
         self.learner_thread_id = threading.get_native_id()
-        return self.parts.learner.step(tensors, scale)
+        return self.parts.learner.step(tensors, scale, update_policy)
 
     async def _weights(self, copy: bool) -> dict:
         """The policy's weights for the engines, gathered on the learner's thread: under ZeRO-3 every rank joins the
@@ -301,6 +304,7 @@ class Trainer:
                 "trainer/checkpoint_failures": float(p.checkpoints.failed),
                 **p.rollouts.metrics(),
                 "rollout/episodes_dropped": float(p.buffer.discarded),
+                **({"rollout/evicted": float(p.buffer.evicted)} if self.tc.max_token_lag is not None else {}),
             }
         )
         self.history.append(row)
