@@ -292,6 +292,10 @@ class TrainConfig:
     asynchronous policy lag (the learning-curve regression test uses it). Not carried across a resume."""
     group_size: PositiveInt = 8
     """GRPO group size N (grpo, grpo-dis)."""
+    group_filter: Literal["off", "drop-uniform"] = "off"
+    """Grouped algorithms (GRPO): `drop-uniform` drops a finished group whose rewards are all equal (its advantages
+    are exactly 0: no signal) and starts other prompts in its place, as DAPO's dynamic sampling does, so that every
+    step updates the policy; counted in `rollout/groups_dropped`. `off`: every group trains."""
     policy_lr: PositiveFloat = 3e-4
     """Policy AdamW learning rate (tiny-cpu: 1e-4 barely moved in 100 steps, 2e-3 collapsed)."""
     critic_lr: PositiveFloat = 1e-3
@@ -386,6 +390,11 @@ class TrainConfig:
             not self.critic_warmup_steps or self.algo not in ("sao-running-mean", "grpo", "grpo-dis"),
             "train.critic_warmup_steps",
             f"needs an algorithm with a critic, got train.algo = {self.algo!r}",
+        )
+        require(
+            self.group_filter == "off" or self.algo in ("grpo", "grpo-dis"),
+            "train.group_filter",
+            f"filters GRPO's groups; {self.algo!r} samples each prompt once",
         )
         require(
             self.max_token_lag is None or self.algo not in ("grpo", "grpo-dis"),

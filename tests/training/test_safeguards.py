@@ -136,3 +136,25 @@ def test_a_trajectory_older_than_the_lag_is_evicted_and_its_slot_given_back():
     assert buffer.evicted == 1 and buffer.started == started - 1
     with pytest.raises(ValueError, match="max_token_lag"):
         TrajectoryBuffer(2, 8, group_size=4, max_token_lag=1)
+
+
+def test_a_group_without_signal_is_dropped_and_its_slots_given_back():
+    # Groups of 2: rewards (1, 1) and (0, 0) carry no signal (GRPO's advantages are 0), (1, 0) does.
+    async def scenario(drop):
+        buffer = TrajectoryBuffer(max_staleness=8, batch_size=2, group_size=2, drop_uniform_groups=drop)
+        rewards = {"a": (1.0, 1.0), "b": (0.0, 0.0), "c": (1.0, 0.0)}
+        for prompt in rewards:
+            for g in range(2):
+                await buffer.admit(Task(f"{prompt}#g{g}", "q", 0))
+        started = buffer.started
+        for prompt, pair in rewards.items():
+            for g, reward in enumerate(pair):
+                await buffer.put(trajectory(prompt_id=f"{prompt}#g{g}", reward=reward))
+        return [t.prompt_id for t in await buffer.take(2)], buffer, started
+
+    kept, buffer, started = asyncio.run(scenario(drop=True))
+    assert kept == ["c#g0", "c#g1"] and buffer.groups_dropped == 2 and buffer.started == started - 4
+    kept, buffer, _ = asyncio.run(scenario(drop=False))
+    assert kept == ["a#g0", "a#g1"] and buffer.groups_dropped == 0
+    with pytest.raises(ConfigError, match="train.group_filter: filters GRPO's groups"):
+        load_config("tiny-cpu", ['train.group_filter="drop-uniform"'])

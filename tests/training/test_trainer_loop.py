@@ -367,3 +367,21 @@ def test_the_safeguards_run_in_the_loop(tmp_path, tiny_cfg, sft_dir):
     assert sft.keys() == published[2].keys()
     assert all(torch.equal(published[2][name], sft[name]) for name in sft)
     assert any(not torch.equal(published[3][name], sft[name]) for name in sft)
+
+
+def test_grpo_with_the_group_filter_trains_only_groups_with_signal(tmp_path, tiny_cfg, sft_dir):
+    cfg = _cfg(tiny_cfg, algo="grpo", sync=True, max_steps=2, group_size=2, checkpoint_every=0)
+    from dataclasses import replace
+
+    cfg = replace(cfg, train=replace(cfg.train, group_filter="drop-uniform"))
+    groups = []
+    result = train_env(
+        cfg, sft_dir, tmp_path, NullTracker(), log=lambda _: None, on_step=[lambda t, batch, row: groups.append(batch)]
+    )
+    assert result.version == 2 and "rollout/groups_dropped" in result.history[-1]
+    for batch in groups:
+        rewards = {}
+        for t in batch:
+            rewards.setdefault(t.prompt_id.split("#g")[0], set()).add(t.reward)
+        assert all(len(r) == 2 for r in rewards.values()), rewards  # each group's two rewards differ
+    assert all(row["adv/std"] > 0 for row in result.history)

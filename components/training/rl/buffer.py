@@ -19,7 +19,9 @@ SAO removes.
 `max_token_lag` (`train.max_token_lag`, off by default) is the one exception to keeping finished work, as an
 option: a trajectory whose oldest sampled token is more than that many versions behind the version being trained
 when a batch is taken is evicted (unirl's rule), its admission slot given back so another episode starts, and
-counted in `evicted` (`rollout/evicted`).
+counted in `evicted` (`rollout/evicted`). `drop_uniform_groups` (`train.group_filter = "drop-uniform"`) drops a
+finished group whose rewards are all equal (GRPO's advantages are 0 for it) and gives its slots back, counted in
+`groups_dropped` (`rollout/groups_dropped`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class TrajectoryBuffer:
         rule: AdmissionRule = "capacity",
         version: int = 0,
         max_token_lag: int | None = None,
+        drop_uniform_groups: bool = False,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
@@ -55,6 +58,7 @@ class TrajectoryBuffer:
             raise ValueError(f"max_token_lag: must be >= 0 and single rollouts (group_size 1), got {max_token_lag}")
         self.max_token_lag = max_token_lag
         self.evicted = 0
+        self.drop_uniform_groups, self.groups_dropped = drop_uniform_groups, 0
         self.max_staleness, self.batch_size, self.group_size, self.rule = max_staleness, batch_size, group_size, rule
         self.version = version
         self.started = version * batch_size  # a resumed run has trained on exactly this many
@@ -95,7 +99,12 @@ class TrajectoryBuffer:
                 group = self._groups.setdefault(group_key(trajectory.prompt_id), [])
                 group.append(trajectory)
                 if len(group) == self.group_size:
-                    self._ready.extend(self._groups.pop(group_key(trajectory.prompt_id)))
+                    members = self._groups.pop(group_key(trajectory.prompt_id))
+                    if self.drop_uniform_groups and len({t.reward for t in members}) == 1:
+                        self.started -= self.group_size  # no signal: its slots go to other prompts
+                        self.groups_dropped += 1
+                    else:
+                        self._ready.extend(members)
             self._cond.notify_all()
 
     async def discard(self, trajectory: Trajectory) -> None:

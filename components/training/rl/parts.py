@@ -126,7 +126,13 @@ def build_parts(
     rollouts = open_rollouts(cfg.rollout, learner.serving_module(), tokenizer, home, start.step, engine_threads, log)
     group = learner.settings.group_size
     buffer = TrajectoryBuffer(
-        tc.max_staleness, tc.batch_size, group, tc.admission, version=start.step, max_token_lag=tc.max_token_lag
+        tc.max_staleness,
+        tc.batch_size,
+        group,
+        tc.admission,
+        version=start.step,
+        max_token_lag=tc.max_token_lag,
+        drop_uniform_groups=tc.group_filter == "drop-uniform",
     )
     runner = AgentRunner(
         rollouts.engine, chat, setup.env, episode_limits(cfg), cfg.rollout.concurrency, seed=cfg.task.seed + start.step

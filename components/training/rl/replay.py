@@ -47,7 +47,8 @@ class ReplayBatches:
 
     def __init__(self, steps: list[RecordedStep], strict: bool, version: int = 0) -> None:
         self.pending, self.strict, self.version = list(steps), strict, version
-        self.discarded = self.evicted = 0  # a replay drops and evicts nothing: its batches are the run's
+        # a replay drops and evicts nothing: its batches are the run's
+        self.discarded = self.evicted = self.groups_dropped = 0
         self.current: RecordedStep | None = None
 
     async def take(self, n: int) -> list[Trajectory]:

@@ -305,6 +305,7 @@ class Trainer:
                 **p.rollouts.metrics(),
                 "rollout/episodes_dropped": float(p.buffer.discarded),
                 **({"rollout/evicted": float(p.buffer.evicted)} if self.tc.max_token_lag is not None else {}),
+                **({"rollout/groups_dropped": float(p.buffer.groups_dropped)} if self.tc.group_filter != "off" else {}),
             }
         )
         self.history.append(row)
