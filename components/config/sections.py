@@ -204,6 +204,10 @@ class RolloutConfig:
     """Lognormal sigma of the simulated tool latency."""
     max_batch: PositiveInt = 64
     """Sequences the embedded engine decodes together at most."""
+    engine_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The embedded engine's compute dtype (`rollout.backend = "embedded"`; `sao engine serve --dtype` for servers).
+    bfloat16 samples as a bf16 GPU engine does while the trainer stays in its own dtype: the sampler-trainer
+    mismatch DIS exists for, measured as `rollout/mismatch_kl`. Log-probs are taken in float32 from its logits."""
     engine_threads: NonNegativeInt = 0
     """torch CPU threads of the embedded engine. 0: half the cores, in both modes (in async mode the trainer gets
     the rest: sharing cores between OpenMP teams stalls both; in sync mode the rest serve the tool calls)."""

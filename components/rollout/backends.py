@@ -87,10 +87,16 @@ class EmbeddedRollouts:
     """The embedded engine in this process, on a private copy of `module` (it loads weights in place)."""
 
     def __init__(
-        self, module: nn.Module, tokenizer, max_batch: int, version: int = 0, threads: int | None = None
+        self,
+        module: nn.Module,
+        tokenizer,
+        max_batch: int,
+        version: int = 0,
+        threads: int | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.engine = EmbeddedEngine(
-            copy.deepcopy(module), tokenizer, max_batch=max_batch, version=version, threads=threads
+            copy.deepcopy(module).to(dtype), tokenizer, max_batch=max_batch, version=version, threads=threads
         ).start()
         self.version = version
 
@@ -429,7 +435,9 @@ def open_rollouts(
     """Where episodes are generated (`rollout.backend`): the embedded engine on a copy of `module` in this
     process, or the `rollout.urls` servers, which load each version from `rollout.publish_dir`."""
     backends: dict[str, Callable[[], Rollouts]] = {
-        "embedded": lambda: EmbeddedRollouts(module, tokenizer, rc.max_batch, version, engine_threads),
+        "embedded": lambda: EmbeddedRollouts(
+            module, tokenizer, rc.max_batch, version, engine_threads, getattr(torch, rc.engine_dtype)
+        ),
         "http": lambda: HttpRollouts(
             rc,
             module,

@@ -341,7 +341,7 @@ class EmbeddedEngine:
         whatever else is in the batch), then one vectorised search over the cumulative distribution.
         """
         temps = torch.tensor([s.request.temperature or 1.0 for s in self._active]).to(logits.device)
-        logprobs = F.log_softmax(logits / temps[:, None], dim=-1)
+        logprobs = F.log_softmax(logits.float() / temps[:, None], dim=-1)  # float32 from any dtype's logits, as vLLM
         cdf = logprobs.exp().cumsum(dim=-1)
         draws = torch.stack([torch.rand((), generator=s.generator) for s in self._active]).to(logits.device)
         # right=True picks i with cdf[i-1] <= u < cdf[i]: probability p_i, never a zero-probability token.

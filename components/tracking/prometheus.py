@@ -60,6 +60,10 @@ TRAINER_METRICS = (
     "rollout/probe_median_abs_diff",
     "rollout/probe_max_abs_diff",
     "rollout/probe_failures",
+    "rollout/mismatch_kl",
+    "rollout/evicted",
+    "rollout/groups_dropped",
+    "policy/advantages_whitened",
     "env/preference",
 )
 """Metric names (as logged) exported one-to-one as `sao_<name with / as _>` gauges."""

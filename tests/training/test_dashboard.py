@@ -68,7 +68,14 @@ def test_every_dashboard_series_is_scraped_from_a_real_run(tmp_path, tiny_cfg, s
                 tiny_cfg,
                 task=replace(tiny_cfg.task, eval_size=4),
                 train=replace(
-                    tiny_cfg.train, backend="torch", batch_size=4, max_steps=2, checkpoint_every=1, threads=1
+                    # sync: each batch is sampled at the version it trains, so rollout/mismatch_kl is logged
+                    tiny_cfg.train,
+                    backend="torch",
+                    batch_size=4,
+                    max_steps=2,
+                    checkpoint_every=1,
+                    threads=1,
+                    sync=True,
                 ),
                 rollout=replace(tiny_cfg.rollout, concurrency=4, backend="http", urls=(engine_url,)),
                 tracking=replace(tiny_cfg.tracking, backend="disk", prometheus_port=port),

@@ -13,10 +13,12 @@ from components.config import ConfigError, load_config
 from components.contracts.task import Task
 from components.contracts.trajectory import to_tensors
 from components.models import ValueModel, freeze_attention
+from components.training.engines.collective import SOLO
 from components.training.engines.engine import TorchEngine
 from components.training.engines.settings import EngineSettings
 from components.training.rl.algorithms import settings_from
 from components.training.rl.buffer import TrajectoryBuffer
+from components.training.rl.passes import Mismatch
 from components.training.rl.step import policy_advantages, train_step, whitens
 from tests.factories import trajectory
 
@@ -158,3 +160,21 @@ def test_a_group_without_signal_is_dropped_and_its_slots_given_back():
     assert kept == ["a#g0", "a#g1"] and buffer.groups_dropped == 0
     with pytest.raises(ConfigError, match="train.group_filter: filters GRPO's groups"):
         load_config("tiny-cpu", ['train.group_filter="drop-uniform"'])
+
+
+def test_the_mismatch_is_k3_over_the_tokens_sampled_at_the_version_trained():
+    # Action tokens 1-3; tokens 1 and 2 sampled at version 3 (the one trained), token 3 at version 2 (stale: its
+    # difference is lag, not mismatch). Token 1: trainer p = 0.5, engine p = 0.25, r = 2, k3 = 2 - 1 - ln 2 =
+    # 0.3068528; token 2: r = 1, k3 = 0. Mean over the two: 0.1534264.
+    logprobs = torch.log(torch.tensor([[0.9, 0.5, 0.25, 0.5]]))
+    mb = {
+        "action_mask": torch.tensor([[0, 1, 1, 1]]),
+        "versions": torch.tensor([[-1, 3, 3, 2]]),
+        "rollout_logprobs": torch.log(torch.tensor([[1.0, 0.25, 0.25, 0.01]])),
+    }
+    mismatch = Mismatch(3)
+    mismatch.add(logprobs, mb)
+    assert float(mismatch.result(SOLO)["rollout/mismatch_kl"]) == pytest.approx(0.1534264, abs=1e-6)
+    later = Mismatch(4)  # every token stale: nothing to measure
+    later.add(logprobs, mb)
+    assert later.result(SOLO) == {} and Mismatch(-1).result(SOLO) == {}

@@ -129,13 +129,14 @@ class Learner:
 
     # ---- rank 0 --------------------------------------------------------------------------------------------
 
-    def step(self, batch: dict[str, torch.Tensor], lr_scale: float = 1.0, update_policy: bool = True) -> dict:
+    def step(
+        self, batch: dict[str, torch.Tensor], lr_scale: float = 1.0, update_policy: bool = True, version: int = -1
+    ) -> dict:
         """One algorithm step on the whole batch (each rank takes its rows), both learning rates at `lr_scale`
-        times the configured ones; `update_policy=False` updates the critic only (its warm-up). Returns
-        whole-batch metrics."""
+        times the configured ones; `update_policy=False` updates the critic only (its warm-up); `version` is the
+        policy version being trained (`rollout/mismatch_kl`). Returns whole-batch metrics."""
         work = self.placement.work(batch, lr_scale, self.settings.group_size)
-        if not update_policy:
-            work = [dataclasses.replace(w, update_policy=False) for w in work]
+        work = [dataclasses.replace(w, update_policy=update_policy, version=version) for w in work]
         if not self.comm.distributed:
             return self._step(work[0])
         return self._step(self.comm.scatter([Message("step", w) for w in work]).payload)
@@ -229,7 +230,15 @@ class Learner:
             if engine is not None:
                 engine.set_lr_scale(work.lr_scale)
         metrics = train_step(
-            self.policy, self.critic, rows, self.settings, self.state, self.placement, whole, work.update_policy
+            self.policy,
+            self.critic,
+            rows,
+            self.settings,
+            self.state,
+            self.placement,
+            whole,
+            work.update_policy,
+            work.version,
         )
         return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
 

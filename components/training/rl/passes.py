@@ -64,11 +64,11 @@ class PolicyPasses:
         )
         return mb, logprobs, stats
 
-    def finish(self, advantages: Tensor) -> dict:
+    def finish(self, advantages: Tensor, version: int = -1) -> dict:
         """The loss (`AlgoSettings.loss`) of every micro-batch against `advantages` (the rank's rows), accumulated
-        into one step."""
+        into one step; with the `version` being trained, the mismatch on the tokens it sampled."""
         policy, micro, s, act = self.policy, self.micro, self.s, self.batch["action_mask"]
-        weighted, pieces = TokenWeighted(micro), []
+        weighted, pieces, mismatch = TokenWeighted(micro), [], Mismatch(version)
         for i in range(len(micro)):
             mb, logprobs, stats = self.first if i == 0 else self._forward(i)
             self.first = None  # its graph goes with its backward
@@ -79,9 +79,10 @@ class PolicyPasses:
             if not policy.accumulate(loss * micro.share(i), last=micro.last(i), finite=finite):
                 return {"policy/grad_norm": policy.apply()}
             weighted.add(metrics, i)
+            mismatch.add(logprobs, mb)
             pieces.append(None if micro.empty[i] else stats)
         grad_norm = policy.apply()
-        metrics = weighted.result()
+        metrics = {**weighted.result(), **mismatch.result(self.comm)}
         stats = TokenStats(
             micro.assemble([p and p.entropy for p in pieces], act),
             micro.assemble([p and p.is_argmax for p in pieces], act),
@@ -93,6 +94,30 @@ class PolicyPasses:
         return metrics
 
 
+class Mismatch:
+    """`rollout/mismatch_kl`: the k3 estimate of KL(engine || trainer), `(r - 1) - log r` with `r` the trainer's
+    probability of a sampled token over the engine's logged one, over the action tokens sampled at the `version`
+    being trained, whose trainer log-probs are the sampling weights' own: what remains is the engine's numerics
+    (its dtype, kernels, MoE routing), not policy lag. Summed over micro-batches and ranks; absent when no token of
+    the batch was sampled at that version (every token stale) or the version is not known."""
+
+    def __init__(self, version: int) -> None:
+        self.version, self.k3, self.tokens = version, torch.zeros((), dtype=torch.float64), torch.zeros(())
+
+    def add(self, logprobs: Tensor, mb: dict[str, Tensor]) -> None:
+        match = mb["action_mask"].bool() & (mb["versions"] == self.version)
+        # float64 and expm1: near 0, float32's exp(x) - 1 - x is all rounding (it even comes out negative)
+        log_ratio = (logprobs.detach().double() - mb["rollout_logprobs"].double()).clamp(max=20.0)[match]
+        self.k3 = self.k3 + (torch.expm1(log_ratio) - log_ratio).sum().cpu()
+        self.tokens = self.tokens + match.sum().cpu()
+
+    def result(self, comm: Collective) -> dict[str, Tensor]:
+        if self.version < 0:
+            return {}
+        k3, tokens = comm.sum(torch.stack([self.k3, self.tokens.double()])).unbind()  # host tensors: gloo's
+        return {"rollout/mismatch_kl": (k3 / tokens).float()} if tokens > 0 else {}
+
+
 def policy_update(
     policy,
     batch: dict[str, Tensor],
@@ -100,15 +125,17 @@ def policy_update(
     s: AlgoSettings,
     comm: Collective = SOLO,
     begun: PolicyPasses | None = None,
+    version: int = -1,
 ) -> dict:
     """One policy optimizer step against the rollout log-probs, over the rank's micro-batches (micro.py). Non-finite
     advantages or rollout log-probs skip it before any backward; a non-finite log-prob in any micro-batch on any rank
     skips it at that micro-batch. `begun`: the update's `PolicyPasses`, started on `batch` before the advantages were
-    known (a skipped update drops its graph)."""
+    known (a skipped update drops its graph). `version`: the policy version being trained, for
+    `rollout/mismatch_kl`."""
     act = batch["action_mask"]
     if not all_finite(act, comm, batch["rollout_logprobs"], advantages):
         return {"policy/grad_norm": policy.skip_update()}
-    return (begun or PolicyPasses(policy, batch, s, comm)).finish(advantages)
+    return (begun or PolicyPasses(policy, batch, s, comm)).finish(advantages, version)
 
 
 def critic_updates(

@@ -55,6 +55,9 @@ class StepWork:
     """The whole batch, on rank 0 of an `Apart` placement (it computes the whole batch's advantages); else None."""
     update_policy: bool = True
     """False during `train.critic_warmup_steps`: the critic's K updates only."""
+    version: int = -1
+    """The policy version being trained (the weights before this step's update; -1: not known): tokens it sampled
+    measure the engine's mismatch, `rollout/mismatch_kl`."""
 
 
 @dataclass(frozen=True)

@@ -69,18 +69,20 @@ def train_step(
     where: Placement = TOGETHER,
     whole: dict[str, Tensor] | None = None,
     update_policy: bool = True,
+    version: int = -1,
 ) -> dict:
     """One step on this rank's `rows` (`to_tensors`' dict of `(B, T)` tensors); updates the engines this rank holds in
     place and returns the step's detached metrics (docs/design.md section 6; on rank 0, whole-batch ones). `state` is
     the algorithm's own (the running-mean baseline); `whole` the whole batch on rank 0 of an `Apart` placement.
     `update_policy=False` (the critic's warm-up) runs the critic's K updates and the advantages, not the policy's
-    update: its weights stay as they are."""
+    update: its weights stay as they are. `version`: the policy version being trained (`rollout/mismatch_kl`)."""
     if not inputs_finite(rows, where.world):
         return where.skipped(skip_updates(policy, critic, s, where, update_policy))
     estimate = ESTIMATORS[s.advantage](policy if update_policy else None, critic, rows, whole, s, state, where)
     if estimate.advantages is None or not update_policy:
         return estimate.metrics
-    return {**estimate.metrics, **policy_update(policy, rows, estimate.advantages, s, where.group, estimate.begun)}
+    update = policy_update(policy, rows, estimate.advantages, s, where.group, estimate.begun, version)
+    return {**estimate.metrics, **update}
 
 
 def critic_advantages(

@@ -252,16 +252,16 @@ class Trainer:
         loop = asyncio.get_running_loop()
         update_policy = self.step >= self.tc.critic_warmup_steps  # the critic's warm-up: its updates only
         metrics = await loop.run_in_executor(
-            self._learner_thread, self._learner_step, tensors, self.scale, update_policy
+            self._learner_thread, self._learner_step, tensors, self.scale, update_policy, self.step
         )
         fault_point("trainer.step")  # the weights moved, the version is not yet counted nor published
         self.step += 1
         self.cursor = max(t.metadata.get("cursor", 0) for t in batch) + 1
         return metrics, time.perf_counter() - began
 
-    def _learner_step(self, tensors: dict, scale: float, update_policy: bool = True) -> dict:
+    def _learner_step(self, tensors: dict, scale: float, update_policy: bool = True, version: int = -1) -> dict:
         self.learner_thread_id = threading.get_native_id()
-        return self.parts.learner.step(tensors, scale, update_policy)
+        return self.parts.learner.step(tensors, scale, update_policy, version)
 
     async def _weights(self, copy: bool) -> dict:
         """The policy's weights for the engines, gathered on the learner's thread: under ZeRO-3 every rank joins the
