@@ -36,6 +36,7 @@ ARM_COLUMNS = {
     "collapsed": "collapsed",
     "collapse_steps": "collapse steps",
     "rollbacks": "rollbacks",
+    "policy_updates": "steps that moved the policy",
     "final_reward": "final reward",
     "minutes": "minutes",
 }

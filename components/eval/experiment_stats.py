@@ -26,6 +26,8 @@ class SeedOutcome(Protocol):
     rollbacks: int
     final_reward: float
     minutes: float
+    policy_updates: int
+    """Steps that moved the policy (advantages with signal); -1 when the run's result predates the count."""
 
 
 @dataclass
@@ -65,7 +67,7 @@ def welch(a: list[float], b: list[float]) -> tuple[float, float, float, float]:
 def arm_row(result: ArmResult, reference: ArmResult | None = None) -> dict:
     """The table's row of one arm: held-out accuracy in percent (mean, min, max, 95% interval), points over SFT,
     against the reference arm (difference of means, its Welch 95% interval, p), collapses with the step each fired
-    at (`-`: only on the held-out set), rollbacks, minutes."""
+    at (`-`: only on the held-out set), rollbacks, the steps that moved the policy (min-max over seeds), minutes."""
     accs = [100 * r.accuracy for r in result.runs]
     low, high = interval95(accs)
     collapsed = [r for r in result.runs if r.collapsed]
@@ -88,6 +90,7 @@ def arm_row(result: ArmResult, reference: ArmResult | None = None) -> dict:
         "collapsed": len(collapsed),
         "collapse_steps": " ".join(str(r.collapse_step or "-") for r in collapsed),
         "rollbacks": sum(r.rollbacks for r in result.runs),
+        "policy_updates": _span([r.policy_updates for r in result.runs if r.policy_updates >= 0]),
         "final_reward": statistics.fmean(r.final_reward for r in result.runs),
         "minutes": sum(r.minutes for r in result.runs),
         "sweep": result.sweep,
@@ -116,3 +119,11 @@ def phase_rows(result: ArmResult, phases: list[tuple[str, int]]) -> list[dict]:
             }
         )
     return rows
+
+
+def _span(values: list[int]) -> str:
+    """`min-max` of per-seed counts (`n` when they agree, empty when none is known)."""
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    return str(low) if low == high else f"{low}-{high}"

@@ -68,6 +68,9 @@ class SeedResult:
     max_kl: float = float("nan")
     """Largest dis/approx_kl of any step: a spike (0.05 and more) is one update that moved the policy far from
     the one that sampled the next batches (docs/stability.md). NaN in result files written before it existed."""
+    policy_updates: int = -1
+    """Steps whose advantages carried signal (`adv/std` > 0), the steps that moved the policy: GRPO's groups whose
+    rewards are all equal give none. -1 in result files written before it existed."""
 
 
 def swept_config(cfg: Config) -> dict:
@@ -208,6 +211,7 @@ def summarize(seed: int, history: list[dict], accuracy: float, sft_accuracy: flo
         final_reward=statistics.fmean(m["reward/mean"] for m in last) if last else float("nan"),
         minutes=minutes,
         max_kl=max((m.get("dis/approx_kl", 0.0) for m in steps), default=0.0),
+        policy_updates=sum(1 for m in steps if m.get("adv/std", 0.0) > 0),
     )
 
 
@@ -243,6 +247,7 @@ def _table_row(r: SeedResult) -> dict[str, str]:
         "peak entropy": f"{r.peak_entropy:.3f}",
         "max masked": f"{r.max_masked_frac:.3f}",
         "max KL": f"{r.max_kl:.3f}",
+        "policy updates": "-" if r.policy_updates < 0 else str(r.policy_updates),
         "final EV": f"{r.final_ev:.2f}",
         "final reward": f"{r.final_reward:.3f}",
         "min": f"{r.minutes:.1f}",

@@ -9,28 +9,41 @@ from components.eval.experiment_stats import ArmResult
 from components.stages.sweep import SeedResult
 
 
-def _seed(accuracy, collapse_step=None, rollbacks=0, final_reward=0.8, minutes=1.5):
+def _seed(accuracy, collapse_step=None, rollbacks=0, final_reward=0.8, minutes=1.5, policy_updates=-1):
     cause = "reward" if collapse_step else ""
     delta = 100 * (accuracy - 0.69)
     return SeedResult(
-        1, accuracy, delta, bool(cause), collapse_step, cause, rollbacks, 0.1, 0.0, 0.9, final_reward, minutes
+        1,
+        accuracy,
+        delta,
+        bool(cause),
+        collapse_step,
+        cause,
+        rollbacks,
+        0.1,
+        0.0,
+        0.9,
+        final_reward,
+        minutes,
+        policy_updates=policy_updates,
     )
 
 
 def test_the_report_writes_the_arm_table_as_markdown_csv_and_json(tmp_path):
     # One seed per arm: no interval (`-`); grpo against sao: 50 - 80 = -30 points, no Welch interval with one run.
     results = [
-        ArmResult("sao", [_seed(0.80)], [[0.1, 0.5, 0.8]], "sweep-a"),
+        ArmResult("sao", [_seed(0.80, policy_updates=3)], [[0.1, 0.5, 0.8]], "sweep-a"),
         ArmResult("grpo", [_seed(0.50, 12, 2, 0.25, 2.0)], [[0.1, 0.2]], "sweep-b"),
     ]
     report = write_report(tmp_path, "demo", "Claims: none.", "sao", results, [])
     lines = (tmp_path / "results.md").read_text().splitlines()
     assert lines[:3] == ["# Experiment demo", "", "Claims: none."]
     assert "| vs SFT (points) | vs sao (points) | 95% CI low |" in lines[4]
-    # sao: vs SFT 80 - 69 = 11.0 points; itself is no reference (`-`); final reward 0.800.
+    # sao: vs SFT 80 - 69 = 11.0 points; itself is no reference (`-`); 3 steps moved the policy; final reward 0.800.
+    # grpo's result predates the count of policy updates: `-`.
     assert lines[6:] == [
-        "| sao | 1 | 80.0 | 80.0 | 80.0 | - | - | 11.0 | - | - | - | - | 0 | - | 0 | 0.800 | 1.5 |",
-        "| grpo | 1 | 50.0 | 50.0 | 50.0 | - | - | -19.0 | -30.0 | - | - | - | 1 | 12 | 2 | 0.250 | 2.0 |",
+        "| sao | 1 | 80.0 | 80.0 | 80.0 | - | - | 11.0 | - | - | - | - | 0 | - | 0 | 3 | 0.800 | 1.5 |",
+        "| grpo | 1 | 50.0 | 50.0 | 50.0 | - | - | -19.0 | -30.0 | - | - | - | 1 | 12 | 2 | - | 0.250 | 2.0 |",
     ]
     assert report["report"] == str(tmp_path / "results.md") and report["phases"] == []
     assert [row["arm"] for row in csv.DictReader((tmp_path / "results.csv").open())] == ["sao", "grpo"]

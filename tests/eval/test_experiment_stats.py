@@ -28,9 +28,21 @@ def test_arms_are_compared_with_the_reference_by_welchs_interval():
     assert all(math.isnan(x) for x in welch([1.0], [2.0, 3.0])[1:])
 
 
-def _seed(seed, accuracy, collapse_step=None, cause="", rollbacks=0):
+def _seed(seed, accuracy, collapse_step=None, cause="", rollbacks=0, policy_updates=-1):
     return SeedResult(
-        seed, accuracy, 100 * (accuracy - 0.69), bool(cause), collapse_step, cause, rollbacks, 0.1, 0.0, 0.9, 0.8, 1.5
+        seed,
+        accuracy,
+        100 * (accuracy - 0.69),
+        bool(cause),
+        collapse_step,
+        cause,
+        rollbacks,
+        0.1,
+        0.0,
+        0.9,
+        0.8,
+        1.5,
+        policy_updates=policy_updates,
     )
 
 
@@ -45,6 +57,14 @@ def test_an_arms_row_counts_collapses_with_their_steps():
     assert row["vs_sft"] == pytest.approx(56.6667 - 69.0, abs=1e-4)
     assert row["collapsed"] == 2 and row["collapse_steps"] == "160 -" and row["rollbacks"] == 1
     assert row["minutes"] == pytest.approx(4.5)
+    assert row["policy_updates"] == ""  # no seed's result counted them (written before the count existed)
+
+
+def test_an_arms_row_spans_the_steps_that_moved_the_policy():
+    runs = [_seed(1, 0.9, policy_updates=63), _seed(2, 0.8, policy_updates=37), _seed(3, 0.7)]  # seed 3: unknown
+    assert arm_row(ArmResult("grpo", runs, [[], [], []], "sweep-x"))["policy_updates"] == "37-63"
+    same = [_seed(1, 0.9, policy_updates=300), _seed(2, 0.8, policy_updates=300)]
+    assert arm_row(ArmResult("sao", same, [[], []], "sweep-y"))["policy_updates"] == "300"
 
 
 def test_phase_rows_give_each_phases_ceiling_and_recovery_over_seeds():

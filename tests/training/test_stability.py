@@ -83,6 +83,7 @@ def test_sweep_replay_and_summary_of_a_run_with_a_rollback():
                 "dis/masked_frac_high": 0.02 * (s == 20),
                 "dis/approx_kl": 0.001 + 0.2 * (s == 12),
                 "critic/explained_variance": 0.5,
+                "adv/std": 0.0 if s % 5 == 0 else 0.3,  # steps 5, 10, 15, 20, 25: no signal
             },
         )
         for s in range(1, 26)
@@ -98,6 +99,7 @@ def test_sweep_replay_and_summary_of_a_run_with_a_rollback():
     assert row.max_masked_frac == pytest.approx(0.03) and row.final_reward == 0.0
     assert row.max_kl == pytest.approx(0.201)  # the spike at step 12
     assert math.isnan(row.final_ev)  # the last 10 steps logged no critic
+    assert row.policy_updates == 25 - 5  # the 13 steps after the rollback logged no advantages
 
 
 def test_preset_learning_rate_warms_up_then_decays():
