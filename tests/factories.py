@@ -30,3 +30,35 @@ def segments(trajectory: Trajectory) -> list[tuple[int, list[int]]]:
         else:
             runs.append((m, [token]))
     return runs
+
+
+def seed_result(
+    accuracy: float,
+    seed: int = 1,
+    collapse_step: int | None = None,
+    cause: str | None = None,
+    rollbacks: int = 0,
+    final_reward: float = 0.8,
+    minutes: float = 1.5,
+    policy_updates: int = -1,
+):
+    """A sweep seed's result against an SFT policy at 69% (`cause` defaults to the online rule's when
+    `collapse_step` is given)."""
+    from components.stages.sweep import SeedResult  # here: the sweep's imports only for the tests that use it
+
+    cause = ("reward" if collapse_step else "") if cause is None else cause
+    return SeedResult(
+        seed=seed,
+        accuracy=accuracy,
+        delta=100 * (accuracy - 0.69),
+        collapsed=bool(cause),
+        collapse_step=collapse_step,
+        cause=cause,
+        rollbacks=rollbacks,
+        peak_entropy=0.1,
+        max_masked_frac=0.0,
+        final_ev=0.9,
+        final_reward=final_reward,
+        minutes=minutes,
+        policy_updates=policy_updates,
+    )

@@ -6,34 +6,19 @@ import json
 
 from components.eval.experiment_report import write_report
 from components.eval.experiment_stats import ArmResult
-from components.stages.sweep import SeedResult
-
-
-def _seed(accuracy, collapse_step=None, rollbacks=0, final_reward=0.8, minutes=1.5, policy_updates=-1):
-    cause = "reward" if collapse_step else ""
-    delta = 100 * (accuracy - 0.69)
-    return SeedResult(
-        1,
-        accuracy,
-        delta,
-        bool(cause),
-        collapse_step,
-        cause,
-        rollbacks,
-        0.1,
-        0.0,
-        0.9,
-        final_reward,
-        minutes,
-        policy_updates=policy_updates,
-    )
+from tests.factories import seed_result
 
 
 def test_the_report_writes_the_arm_table_as_markdown_csv_and_json(tmp_path):
     # One seed per arm: no interval (`-`); grpo against sao: 50 - 80 = -30 points, no Welch interval with one run.
     results = [
-        ArmResult("sao", [_seed(0.80, policy_updates=3)], [[0.1, 0.5, 0.8]], "sweep-a"),
-        ArmResult("grpo", [_seed(0.50, 12, 2, 0.25, 2.0)], [[0.1, 0.2]], "sweep-b"),
+        ArmResult("sao", [seed_result(0.80, policy_updates=3)], [[0.1, 0.5, 0.8]], "sweep-a"),
+        ArmResult(
+            "grpo",
+            [seed_result(0.50, collapse_step=12, rollbacks=2, final_reward=0.25, minutes=2.0)],
+            [[0.1, 0.2]],
+            "sweep-b",
+        ),
     ]
     report = write_report(tmp_path, "demo", "Claims: none.", "sao", results, [])
     lines = (tmp_path / "results.md").read_text().splitlines()

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from components.eval.experiment_stats import ArmResult, arm_row, interval95, phase_rows, welch
-from components.stages.sweep import SeedResult
+from tests.factories import seed_result
 
 
 def test_the_95_percent_interval_is_students_t():
@@ -28,27 +28,13 @@ def test_arms_are_compared_with_the_reference_by_welchs_interval():
     assert all(math.isnan(x) for x in welch([1.0], [2.0, 3.0])[1:])
 
 
-def _seed(seed, accuracy, collapse_step=None, cause="", rollbacks=0, policy_updates=-1):
-    return SeedResult(
-        seed,
-        accuracy,
-        100 * (accuracy - 0.69),
-        bool(cause),
-        collapse_step,
-        cause,
-        rollbacks,
-        0.1,
-        0.0,
-        0.9,
-        0.8,
-        1.5,
-        policy_updates=policy_updates,
-    )
-
-
 def test_an_arms_row_counts_collapses_with_their_steps():
-    runs = [_seed(1, 0.90), _seed(2, 0.20, 160, "reward+eval", 0), _seed(3, 0.60, None, "eval", 1)]
-    reference = ArmResult("sao", [_seed(1, 0.90), _seed(2, 0.80)], [[], []], "sweep-y")
+    runs = [
+        seed_result(0.90, seed=1),
+        seed_result(0.20, seed=2, collapse_step=160, cause="reward+eval"),
+        seed_result(0.60, seed=3, cause="eval", rollbacks=1),
+    ]
+    reference = ArmResult("sao", [seed_result(0.90, seed=1), seed_result(0.80, seed=2)], [[], []], "sweep-y")
     row = arm_row(ArmResult("grpo", runs, [[], [], []], "sweep-x"), reference)
     assert row["vs_reference"] == pytest.approx(56.6667 - 85.0, abs=1e-4) and row["p"] > 0.05
     assert math.isnan(arm_row(reference, reference)["vs_reference"])
@@ -61,9 +47,13 @@ def test_an_arms_row_counts_collapses_with_their_steps():
 
 
 def test_an_arms_row_spans_the_steps_that_moved_the_policy():
-    runs = [_seed(1, 0.9, policy_updates=63), _seed(2, 0.8, policy_updates=37), _seed(3, 0.7)]  # seed 3: unknown
+    runs = [
+        seed_result(0.9, seed=1, policy_updates=63),
+        seed_result(0.8, seed=2, policy_updates=37),
+        seed_result(0.7, seed=3),
+    ]  # seed 3: unknown
     assert arm_row(ArmResult("grpo", runs, [[], [], []], "sweep-x"))["policy_updates"] == "37-63"
-    same = [_seed(1, 0.9, policy_updates=300), _seed(2, 0.8, policy_updates=300)]
+    same = [seed_result(0.9, seed=1, policy_updates=300), seed_result(0.8, seed=2, policy_updates=300)]
     assert arm_row(ArmResult("sao", same, [[], []], "sweep-y"))["policy_updates"] == "300"
 
 
@@ -75,7 +65,7 @@ def test_phase_rows_give_each_phases_ceiling_and_recovery_over_seeds():
         [0.6, 0.6, 0.6, 0.6, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7],
     ]
     phases = [("cute", 4), ("chuunibyou", 4), ("classical", 4)]
-    rows = phase_rows(ArmResult("sao", [_seed(1, 0.9), _seed(2, 0.9)], curves, "sweep-x"), phases)
+    rows = phase_rows(ArmResult("sao", [seed_result(0.9, seed=1), seed_result(0.9, seed=2)], curves, "sweep-x"), phases)
     assert [r["style"] for r in rows] == ["cute", "chuunibyou", "classical"]
     assert rows[0]["ceiling_mean"] == pytest.approx(0.7) and rows[0]["recovered"] == "-"
     assert (rows[1]["ceiling_min"], rows[1]["ceiling_max"]) == pytest.approx((0.7, 0.75))

@@ -102,19 +102,24 @@ class Mismatch:
     the batch was sampled at that version (every token stale) or the version is not known."""
 
     def __init__(self, version: int) -> None:
-        self.version, self.k3, self.tokens = version, torch.zeros((), dtype=torch.float64), torch.zeros(())
+        self.version = version
+        self.k3: Tensor | float = 0.0  # on the log-probs' device until `result`: no host sync per micro-batch
+        self.tokens: Tensor | float = 0.0
 
     def add(self, logprobs: Tensor, mb: dict[str, Tensor]) -> None:
+        if self.version < 0:
+            return
         match = mb["action_mask"].bool() & (mb["versions"] == self.version)
         # float64 and expm1: near 0, float32's exp(x) - 1 - x is all rounding (it even comes out negative)
         log_ratio = (logprobs.detach().double() - mb["rollout_logprobs"].double()).clamp(max=20.0)[match]
-        self.k3 = self.k3 + (torch.expm1(log_ratio) - log_ratio).sum().cpu()
-        self.tokens = self.tokens + match.sum().cpu()
+        self.k3 = self.k3 + (torch.expm1(log_ratio) - log_ratio).sum()
+        self.tokens = self.tokens + match.sum()
 
     def result(self, comm: Collective) -> dict[str, Tensor]:
         if self.version < 0:
             return {}
-        k3, tokens = comm.sum(torch.stack([self.k3, self.tokens.double()])).unbind()  # host tensors: gloo's
+        local = torch.tensor([float(self.k3), float(self.tokens)], dtype=torch.float64)  # host tensors: gloo's
+        k3, tokens = comm.sum(local).unbind()
         return {"rollout/mismatch_kl": (k3 / tokens).float()} if tokens > 0 else {}
 
 
