@@ -26,6 +26,7 @@ from components.models import build_policy, save_model_dir, start_chat
 from components.stages.distill import run_distill
 from components.stages.evaluate import run_eval
 from components.stages.home import SFT_RECIPE_FILE, Log, existing_sft, given_policy, publish
+from components.stages.nodes import across_nodes, check_shared_home
 from components.stages.recipes import eval_task, sft_key, sft_recipe
 from components.storage import atomic_dir, weights_fingerprint, write_json
 from components.training.engines.collective import SOLO, Collective, from_environment, launched_world_size, rank_cores
@@ -39,7 +40,7 @@ def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> P
     """Train the SFT policy from scratch (or from `model.path`) and save it as an HF model directory, or reuse the
     complete one of this recipe (`force`: retrain), or take the directory `sft.policy` names as it is. Under torchrun this is rank 0's part: it tells the other ranks
     (`join_sft`) what happens, and with `sft.backend = "deepspeed"` every rank trains its rows of each batch."""
-    comm = world()
+    comm = world(home)
     if cfg.sft.policy:
         given = given_policy(cfg)
         log(f"sft: starting from the given policy {given} (sft.policy: no distill, no SFT)")
@@ -70,7 +71,7 @@ def run_sft(cfg: Config, home: Path, force: bool = False, log: Log = print) -> P
 def join_sft(cfg: Config, home: Path) -> Path:
     """A non-zero torchrun rank's part of `run_sft`: train its rows when rank 0 trains with DeepSpeed, then the SFT
     policy's directory (under the run home, which every rank sees)."""
-    comm = world()
+    comm = world(home)
     kind, value = comm.broadcast(None)
     if kind == "train":
         _train(cfg, Path(value), comm, lambda _: None)
@@ -78,11 +79,19 @@ def join_sft(cfg: Config, home: Path) -> Path:
     return Path(value)
 
 
-def world() -> Collective:
-    """The torchrun world (its process group set up), or `SOLO` in one process."""
+def world(home: Path) -> Collective:
+    """The torchrun world (its process group set up), or `SOLO` in one process. Across nodes every rank first checks
+    that it sees the run home rank 0 writes (components/stages/nodes.py), once per process and home."""
     if launched_world_size() > 1:
         init_single_process_group()
-    return from_environment()
+    comm = from_environment()
+    if across_nodes() and str(home) not in _HOMES_CHECKED:
+        check_shared_home(comm, home)
+        _HOMES_CHECKED.add(str(home))
+    return comm
+
+
+_HOMES_CHECKED: set[str] = set()
 
 
 def _train(cfg: Config, traces_path: Path, comm: Collective, log: Log):

@@ -74,7 +74,7 @@ def sft_policy(cfg: Config, home: Path, log: Log = print) -> Path:
 def run_value_pretrain(cfg: Config, home: Path, sft_dir: Path, log: Log = print) -> tuple[Path, dict]:
     """(critic directory, its summary): the complete critic pretrained from these inputs, or a new one. Under
     torchrun this is rank 0's part; the other ranks follow it (`join_value_pretrain`)."""
-    comm = world()
+    comm = world(home)
     key = critic_key(cfg, sft_dir)
     out = Path(home) / key
     if available(cfg.store, home, key, log):
@@ -90,7 +90,7 @@ def run_value_pretrain(cfg: Config, home: Path, sft_dir: Path, log: Log = print)
 def join_value_pretrain(cfg: Config, home: Path, sft_dir: Path) -> Path:
     """A non-zero torchrun rank's part of `run_value_pretrain` (rank 0 has run `run_sft` first, and so has this rank
     `join_sft`): its rows of the fitting when rank 0 fits with DeepSpeed; the critic's directory."""
-    comm = world()
+    comm = world(home)
     kind, value = comm.broadcast(None)
     if kind == "fit":
         train_part, held_out = (read_trajectories(value[name]) for name in ("train", "held_out"))
