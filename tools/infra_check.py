@@ -39,6 +39,7 @@ from components.training.engines.settings import EngineSettings
 from tools.container_check import check_containers
 from tools.image_imports import check_image_imports, copy_sources, instruction_words
 from tools.k8s_check import check_k8s
+from tools.nodes_check import check_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -650,6 +651,7 @@ def check_infra(root: Path) -> list[str]:
         + check_deepspeed(root)
         + check_presets(root)
         + check_k8s(root)
+        + check_nodes(root)
         + check_containers(root)
         + check_image_imports(root, sorted((root / "infra" / "docker").glob("*.Dockerfile")), dockerfile_instructions)
     )

@@ -1,7 +1,8 @@
 """Deployments for real: a local `prefect server start`, `make deploy` against it, `make worker` (a process worker in
 this checkout), then deployments run through the worker and are checked through the API: the `train/local`
 deployment, the `evaluate/on-checkpoint-local` run its `sao.checkpoint.saved` event triggers, and `train/local` with
-the GPU pools' command (`torchrun ... -m flows.ranks`) on two CPU ranks. Marked `server` (make test-ops)."""
+the GPU pools' command (`python -m flows.launch ...`: torchrun, `-m flows.ranks`) on two CPU ranks, as one node and as
+two nodes. Marked `server` (make test-ops)."""
 
 from __future__ import annotations
 
@@ -210,19 +211,34 @@ def test_a_train_deployment_runs_on_the_worker_and_its_checkpoint_triggers_an_ev
             assert "evaluate" in _artifact_keys(client, r.id)
 
 
-def test_the_gpu_pools_command_runs_the_flow_on_rank_0_and_trains_deepspeed_on_two_ranks(deployed):
-    """The GPU deployments' command (torchrun, one rank per device, `-m flows.ranks`) on two CPU ranks."""
+@pytest.mark.parametrize(
+    ("name", "nodes"),
+    [
+        ("one-node", "{python} -m flows.launch --nproc-per-node 2"),
+        # two nodes of one rank on loopback, in one job: node 1 in the background, node 0 in front; the rendezvous id
+        # is the flow run's (PREFECT__FLOW_RUN_ID, which both inherit)
+        (
+            "two-nodes",
+            "bash -c '{python} -m flows.launch {two} --node-index 1 & one=$!; "
+            "{python} -m flows.launch {two} --node-index 0 && wait $one'",
+        ),
+    ],
+)
+def test_the_gpu_pools_command_runs_the_flow_on_rank_0_and_trains_deepspeed_on_two_ranks(deployed, name, nodes):
+    """The GPU deployments' command (flows/launch.py: torchrun, one rank per device, `-m flows.ranks`) on two CPU
+    ranks, as one node and as two (a c10d rendezvous on loopback)."""
     from prefect.deployments import run_deployment
 
     api, home, logs = deployed
-    command = f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node=2 -m flows.ranks"
+    two = f"--nnodes 2 --nproc-per-node 1 --rdzv-endpoint 127.0.0.1:{free_port()}"
+    command = nodes.format(python=sys.executable, two=two)
     with _client(api) as client:
         with _api(api):
             run = run_deployment(
                 "train/local",
                 parameters={
                     "overrides": TINY + ['train.backend="deepspeed"', "train.zero_stage=1"],
-                    "home": str(home / "two"),
+                    "home": str(home / "two" / name),
                     "evaluate": False,
                 },
                 job_variables={"command": command},
@@ -232,5 +248,5 @@ def test_the_gpu_pools_command_runs_the_flow_on_rank_0_and_trains_deepspeed_on_t
         assert run.state.type.value == "COMPLETED", (logs / "worker.log").read_text()[-4000:]
         result_keys = _artifact_keys(client, run.id)
     assert "train" in result_keys
-    metrics = (home / "two" / "runs").rglob("*.jsonl")
+    metrics = (home / "two" / name / "runs").rglob("*.jsonl")
     assert any('"step": 2' in p.read_text() for p in metrics)

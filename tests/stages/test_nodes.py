@@ -3,7 +3,6 @@ several, and `sao train` under it as two nodes on loopback (two torchrun agents,
 with two ranks: the same weights after 3 synchronous steps; two nodes that do not share the run home are refused."""
 
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 from components.models import load_policy
 from flows.launch import LaunchError, indexed_job_endpoint, torchrun_args
 from tests.cli_args import SMALL_TRAIN, sets
+from tests.conftest import free_port
 
 TARGET = ["-m", "flows.ranks"]
 
@@ -95,12 +95,6 @@ TRAIN = {
 is in its batch, so both launches sample the same rollouts."""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _train(home: Path, launch: list[str]) -> list[str]:
     """The launcher's command line that runs `sao train` on `home`."""
     return [sys.executable, "-m", "flows.launch", *launch, "-m", "components.cli", "train", "--home", str(home)]
@@ -108,7 +102,7 @@ def _train(home: Path, launch: list[str]) -> list[str]:
 
 def _nodes(homes: list[Path], env: dict) -> list[subprocess.CompletedProcess]:
     """Two nodes of one rank each, on loopback: node i trains on homes[i]."""
-    rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]
+    rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     nodes = [
         subprocess.Popen(
             _train(home, [*rendezvous, "--node-index", str(i), "--rdzv-id", "two-nodes"]) + sets(TRAIN),
