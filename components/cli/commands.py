@@ -236,17 +236,32 @@ COMMANDS = (
     Command(
         "plan",
         "per-GPU memory of the preset's training (weights, gradients, optimizer, activations) for each ZeRO stage "
-        "and critic placement, and the cheapest configuration that fits (docs/gpu.md)",
+        "and critic placement, and the cheapest configuration that fits; with rollout servers, the rollout GPUs that "
+        "keep the trainer fed and the weight sync's time (docs/gpu.md)",
         f"{_LOCAL}:plan",
         (
             PRESET,
             overrides_flag("rollout.max_total_tokens=32768"),
-            flag("--gpus", type=POSITIVE, required=True, help="GPUs that train (the torchrun ranks)"),
+            flag("--gpus", type=POSITIVE, required=True, help="GPUs per node that train (torchrun's ranks per node)"),
+            flag("--nodes", type=POSITIVE, default=1, help="nodes that train, each with --gpus GPUs (default 1)"),
             flag(
                 "--gpu-memory-gb",
                 type=POSITIVE_NUMBER,
                 default=141.0,
-                help="memory of one GPU for training, in GB of 1e9 bytes (default 141: an H200)",
+                help="memory of one GPU for training, in GB of 1e9 bytes (default 141: an H200; 80 or less: an H100)",
+            ),
+            flag(
+                "--link-gb-s",
+                type=POSITIVE_NUMBER,
+                default=50.0,
+                help="bytes/s of one GPU's link between nodes, in GB/s, for the weight sync (default 50: a 400 Gb/s "
+                "InfiniBand NIC)",
+            ),
+            flag(
+                "--mean-tokens",
+                type=POSITIVE,
+                default=None,
+                help="mean tokens of a trajectory, for the rollout side (default half of rollout.max_total_tokens)",
             ),
         ),
         common=False,

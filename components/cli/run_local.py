@@ -17,7 +17,17 @@ from components.training.plan import report
 
 
 def plan(args: argparse.Namespace) -> None:
-    print(report(load_config(args.preset, args.overrides), args.gpus, args.gpu_memory_gb))
+    cfg = load_config(args.preset, args.overrides)
+    print(
+        report(
+            cfg,
+            args.gpus,
+            args.gpu_memory_gb,
+            nodes=args.nodes,
+            link_gb_s=args.link_gb_s,
+            mean_tokens=args.mean_tokens,
+        )
+    )
 
 
 def model_init(args: argparse.Namespace) -> None:

@@ -160,7 +160,17 @@ def test_make_deploy_registers_every_flow_with_pools_schedules_limits_and_the_tr
         "nvidia.com/gpu": "{{ gpus }}",
     }
     train_gpu = deployments[("train", "gpu-k8s")]
-    assert train_gpu.job_variables["command"].startswith("torchrun") and train_gpu.job_variables["gpus"] == 8
+    assert train_gpu.job_variables["command"].startswith("python -m flows.launch")
+    assert train_gpu.job_variables["gpus"] == 8
+    # across nodes: an indexed Job of `nodes` pods under the headless Service sao-train (infra/k8s/train.yaml)
+    k8s_job = pools["sao-gpu-k8s"].base_job_template["job_configuration"]["job_manifest"]["spec"]
+    assert (k8s_job["completionMode"], k8s_job["completions"], k8s_job["template"]["spec"]["subdomain"]) == (
+        "Indexed",
+        "{{ nodes }}",
+        "sao-train",
+    )
+    four = deployments[("train", "gpu-k8s-4nodes")].job_variables
+    assert (four["nodes"], four["command"]) == (4, "python -m flows.launch --nnodes 4 --nproc-per-node 8")
     assert train_gpu.global_concurrency_limit.limit == 1
     # schedules: nightly retraining and periodic evaluation
     assert [s.schedule.cron for s in deployments[("pipeline", "nightly-gpu-k8s")].schedules] == ["0 2 * * *"]

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
 from components.config import Config, TrainConfig
 from components.training.engines.deepspeed_config import read_deepspeed_file
+from components.training.plan.fleet import H100, H200, fleet_lines, plan_fleet, sync_lines
 from components.training.plan.layout import (
     HEADROOM,
     PLACEMENTS,
@@ -93,27 +95,62 @@ def workload(cfg: Config, environ: Mapping[str, str] | None = None) -> Workload:
     )
 
 
-def report(cfg: Config, gpus: int, capacity_gb: float, environ: Mapping[str, str] | None = None) -> str:
+def report(
+    cfg: Config,
+    gpus: int,
+    capacity_gb: float,
+    environ: Mapping[str, str] | None = None,
+    nodes: int = 1,
+    link_gb_s: float = 50.0,
+    mean_tokens: int | None = None,
+) -> str:
     """`sao plan`'s output: the workload, one row per (stage, placement), what the configured plan's fullest GPU
     holds line by line, and the configuration to use: the cheapest plan that fits (keeps `HEADROOM` free) as
     configured, else with the leanest activations (checkpointing, one row per micro-batch), else how many GPUs, how
-    short the rows or whether optimizer offload would do."""
-    if gpus < 1:
-        raise ValueError(f"--gpus: must be >= 1, got {gpus}")
-    if capacity_gb <= 0:
-        raise ValueError(f"--gpu-memory-gb: must be > 0, got {capacity_gb}")
+    short the rows or whether optimizer offload would do. `gpus` is per node; training runs on `nodes` x `gpus`.
+    With rollout servers (`rollout.backend = "http"`), then the rollout side and the weight sync (fleet.py): the
+    servers, the rollout GPUs that keep the trainer fed at trajectories of `mean_tokens` (default half of
+    `rollout.max_total_tokens`), and a sync's time over links of `link_gb_s` between nodes."""
+    for flag, value in (("--gpus", gpus), ("--nodes", nodes)):
+        if value < 1:
+            raise ValueError(f"{flag}: must be >= 1, got {value}")
+    for flag, value in (("--gpu-memory-gb", capacity_gb), ("--link-gb-s", link_gb_s)):
+        if value <= 0:
+            raise ValueError(f"{flag}: must be > 0, got {value}")
+    mean_tokens = mean_tokens or cfg.rollout.max_total_tokens // 2
+    if not 1 <= mean_tokens <= cfg.rollout.max_total_tokens:
+        raise ValueError(
+            f"--mean-tokens: {mean_tokens} is not within 1 .. rollout.max_total_tokens {cfg.rollout.max_total_tokens}"
+        )
+    world = nodes * gpus
     w = workload(cfg, environ)
     capacity = capacity_gb * GB
-    rows = plans(w, gpus, capacity)
-    lines = [*_header(cfg, w, gpus, capacity_gb), "", *_table(rows), "", *_configured(cfg, w, gpus, capacity), ""]
+    rows = plans(w, world, capacity)
+    lines = [*_header(cfg, w, nodes, gpus, capacity_gb), "", *_table(rows), "", *_configured(cfg, w, world, capacity)]
+    if cfg.rollout.backend == "http":
+        lines += ["", *_rollout_side(cfg, w, nodes, gpus, capacity, link_gb_s * GB, mean_tokens)]
+    lines.append("")
     if cheapest(rows) is not None:
         return "\n".join([*lines, *_choice(rows, cfg, {})])
     lean, lean_settings = _leanest(w)
-    lean_rows = plans(lean, gpus, capacity)
+    lean_rows = plans(lean, world, capacity)
     if lean_settings and cheapest(lean_rows) is not None:
         lines.append("nothing fits as configured; with " + ", ".join(f"{k} = {v}" for k, v in lean_settings.items()))
         return "\n".join([*lines, *_choice(lean_rows, cfg, lean_settings)])
-    return "\n".join([*lines, *_nothing_fits(lean, lean_settings, gpus, capacity, capacity_gb, cfg.train)])
+    return "\n".join([*lines, *_nothing_fits(lean, lean_settings, world, capacity, capacity_gb, cfg.train)])
+
+
+def _rollout_side(
+    cfg: Config, w: Workload, nodes: int, gpus: int, capacity: float, link: float, mean_tokens: int
+) -> list[str]:
+    """The servers and the weight sync (fleet.py) on GPUs of the training GPUs' kind."""
+    gpu = dataclasses.replace(H200 if capacity > H100.memory else H100, memory=capacity)
+    fleet = plan_fleet(cfg, w.policy, w.decoder, gpu, nodes * gpus, mean_tokens)
+    servers = max(len(cfg.rollout.urls), math.ceil(fleet.gpus_needed / fleet.tensor_parallel))
+    return [
+        *fleet_lines(cfg, w.policy, w.decoder, gpu, nodes, gpus, mean_tokens),
+        *sync_lines(cfg, w.policy, nodes, gpus, link, servers),
+    ]
 
 
 def _leanest(w: Workload) -> tuple[Workload, dict[str, str]]:
@@ -127,11 +164,13 @@ def _leanest(w: Workload) -> tuple[Workload, dict[str, str]]:
     return dataclasses.replace(w, checkpointing=True, budget=w.longest), settings
 
 
-def _header(cfg: Config, w: Workload, gpus: int, capacity_gb: float) -> list[str]:
+def _header(cfg: Config, w: Workload, nodes: int, gpus: int, capacity_gb: float) -> list[str]:
     precision = "bf16 weights, fp32 master weights and Adam moments" if w.zero.bf16 else "fp32"
     precision += ", the optimizer on the host (offload_optimizer)" if w.zero.offload else ""
     lines = [
-        f"sao plan: preset {cfg.name}, algorithm {cfg.train.algo}, on {gpus} GPU(s) of {capacity_gb:g} GB "
+        f"sao plan: preset {cfg.name}, algorithm {cfg.train.algo}, on "
+        + (f"{nodes} nodes x {gpus} = {nodes * gpus} GPUs" if nodes > 1 else f"{gpus} GPU(s)")
+        + f" of {capacity_gb:g} GB "
         f"(GB = 1e9 bytes; {precision})",
         f"policy  {_params(w.policy)}",
     ]
