@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from components.config import Config
 from components.training.plan.memory import Decoder, Params
+from components.training.rl.algorithms import ALGORITHMS
 
 GB = 1e9
 
@@ -140,7 +141,9 @@ def plan_fleet(cfg: Config, policy: Params, d: Decoder, gpu: Gpu, train_gpus: in
     passes = 8 if cfg.train.activation_checkpointing else 6  # forward, (recompute,) backward = 2x forward
     attention = 4 * d.layers * d.heads * d.head_dim * context  # QK^T and AV over the average context, forward
     policy_flops = passes * active + passes // 2 * attention
-    critic = cfg.algo.critic_updates * policy_flops + 2 * active + attention if _critic(cfg) else 0
+    critic = (
+        cfg.algo.critic_updates * policy_flops + 2 * active + attention if ALGORITHMS[cfg.train.algo].uses_critic else 0
+    )
     train_flops = step_tokens * (policy_flops + critic)
     train_s = train_flops / (train_gpus * gpu.flops * TRAIN_MFU)
     per_gpu = sequences / step / tensor_parallel
@@ -162,12 +165,6 @@ def plan_fleet(cfg: Config, policy: Params, d: Decoder, gpu: Gpu, train_gpus: in
         gpus_needed=math.ceil(step_tokens / (per_gpu * train_s)),
         configured_gpus=len(cfg.rollout.urls) * tensor_parallel,
     )
-
-
-def _critic(cfg: Config) -> bool:
-    from components.training.rl.algorithms import ALGORITHMS
-
-    return ALGORITHMS[cfg.train.algo].uses_critic
 
 
 def fleet_lines(cfg: Config, policy: Params, d: Decoder, gpu: Gpu, nodes: int, gpus: int, mean_tokens: int) -> list:
