@@ -25,10 +25,13 @@ import zlib
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+import torch
+
 from components.chat.format import ChatFormat
 from components.contracts.environment import EnvEpisode, Environment, StepResult
 from components.contracts.task import Task
-from components.contracts.trajectory import Timings, Trajectory
+from components.contracts.trajectory import Routes, Timings, Trajectory
+from components.models.routing import NOT_RECORDED
 from components.rollout.pool import EnginesDown
 from components.rollout.protocol import SamplingRequest, SamplingResult
 
@@ -84,6 +87,9 @@ class _EpisodeRecord:
     """The finish reason; the episode runs until it is set."""
     metadata: dict = field(default_factory=dict)
     malformed: int = 0
+    routes: object = None
+    """The last model turn's routes (`SamplingResult.routes`): its request held every earlier token, so they cover
+    the episode up to that turn's last token."""
 
     @classmethod
     def of_prompt(cls, ids: list[int]) -> _EpisodeRecord:
@@ -97,6 +103,8 @@ class _EpisodeRecord:
         self.mask += [1] * len(result.token_ids)
         self.logprobs += result.logprobs
         self.versions += result.versions
+        if result.routes is not None:
+            self.routes = result.routes
 
     def add_observation(self, observation: list[int]) -> None:
         """Append a tool output's tokens (action mask 0: not the policy's)."""
@@ -120,7 +128,16 @@ class _EpisodeRecord:
             self.prompt_len,
             timings,
             {**task.metadata, **self.metadata, "malformed_calls": self.malformed},
+            self._routes(),
         ).validate()
+
+    def _routes(self) -> Routes | None:
+        """Every token's routes, -1 past the last turn's (its last token, observations after it)."""
+        if self.routes is None:
+            return None
+        covered = self.routes[: len(self.ids)]
+        pad = covered.new_full((len(self.ids) - len(covered), *covered.shape[1:]), NOT_RECORDED)
+        return Routes.of(torch.cat([covered, pad]))
 
 
 class AgentRunner:

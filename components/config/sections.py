@@ -165,6 +165,10 @@ class AlgoConfig:
     lam_length_alpha: NonNegativeFloat = 0.0
     """VAPO's length-adaptive lambda for the policy: each trajectory's lam = 1 - 1 / (alpha * l), l its action tokens,
     clamped to [0, 1] (alpha 0.05 in VAPO: long answers get lam near 1, less bias). 0: `lam_policy` for every row."""
+    routing_replay: Literal["off", "r3"] = "off"
+    """Rollout routing replay for an MoE policy: "r3" has the engine record each token's experts per layer into the
+    trajectory and the policy's forward in training route those tokens to them (components/models/routing.py); the
+    critic routes itself. The embedded engine records them; vLLM's return of routed experts is not wired yet."""
     skip_observations: bool = True
     """Skip-observation GAE in RL (SAO's): a turn's last action token bootstraps from the next turn's first, over
     the tool's output. False steps GAE through every token between the first and last action token, observations

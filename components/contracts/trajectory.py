@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import torch
 
@@ -49,6 +49,32 @@ class Timings:
 
 
 @dataclass
+class Routes:
+    """The engine's choice of MoE experts for each token (`algo.routing_replay = "r3"`, components/models/routing.py):
+    `data` holds little-endian int16 expert ids shaped `(len(token_ids), layers, top_k)`, -1 where not recorded."""
+
+    layers: int
+    """MoE layers (routers), in module order."""
+    top_k: int
+    """Experts per token and layer."""
+    data: bytes
+
+    def tensor(self, positions: int) -> torch.Tensor:
+        """`(positions, layers, top_k)` int16."""
+        flat = (
+            torch.frombuffer(bytearray(self.data), dtype=torch.int16)
+            if self.data
+            else torch.empty(0, dtype=torch.int16)
+        )
+        return flat.reshape(positions, self.layers, self.top_k)
+
+    @classmethod
+    def of(cls, routes: torch.Tensor) -> Routes:
+        """From a `(positions, layers, top_k)` tensor."""
+        return cls(int(routes.shape[1]), int(routes.shape[2]), routes.to(torch.int16).contiguous().numpy().tobytes())
+
+
+@dataclass
 class Trajectory:
     prompt_id: str
     """Id of the task."""
@@ -74,6 +100,8 @@ class Trajectory:
     """Queue, start, first-token and finish times."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Environment details (grading, tool calls, errors)."""
+    routes: Routes | None = None
+    """Each token's MoE experts as the engine routed it, for routing replay; None when not recorded."""
 
     def validate(self) -> Trajectory:
         """Check every field's type and the contract's invariants; ValueError names the field. Returns self."""
@@ -108,6 +136,17 @@ class Trajectory:
             )
         if not math.isfinite(self.reward):
             raise ValueError(f"trajectory {self.prompt_id}: reward must be finite, got {self.reward}")
+        if self.routes is not None:
+            r = self.routes
+            if not (isinstance(r, Routes) and _is_int(r.layers) and _is_int(r.top_k) and isinstance(r.data, bytes)):
+                raise ValueError(
+                    f"trajectory {self.prompt_id}: routes must be Routes(layers, top_k, data), got {_clip(r)}"
+                )
+            if r.layers < 1 or r.top_k < 1 or len(r.data) != 2 * n * r.layers * r.top_k:
+                raise ValueError(
+                    f"trajectory {self.prompt_id}: routes hold {len(r.data)} bytes, {n} tokens x {r.layers} layers x "
+                    f"{r.top_k} experts x 2 bytes need {2 * n * r.layers * r.top_k}"
+                )
         return self
 
     @property
@@ -183,7 +222,7 @@ def trajectory_from_dict(record: Mapping[str, Any]) -> Trajectory:
     if not isinstance(record, Mapping):
         raise ValueError(f"trajectory: expected an object with the fields of Trajectory, got {_clip(record)}")
     names = [f.name for f in fields(Trajectory)]
-    missing = [n for n in names if n not in record and n != "metadata"]
+    missing = [n for n in names if n not in record and n not in ("metadata", "routes")]
     unknown = sorted(str(k) for k in record if k not in names)
     if missing or unknown:
         raise ValueError(
@@ -203,6 +242,11 @@ def trajectory_from_dict(record: Mapping[str, Any]) -> Trajectory:
                 f"{sorted(map(str, timings))}"
             )
         values["timings"] = Timings(**timings)
+    routes = values.get("routes")
+    if isinstance(routes, Mapping):
+        if set(routes) != {"layers", "top_k", "data"}:
+            raise ValueError(f"trajectory: routes must have the keys ['data', 'layers', 'top_k'], got {sorted(routes)}")
+        values["routes"] = Routes(**routes)
     metadata = values.get("metadata", {})
     if isinstance(metadata, str):
         try:
@@ -231,6 +275,9 @@ class TrainBatch(TypedDict):
     """(B, T) long: policy version that sampled each action token; -1 off actions."""
     rewards: torch.Tensor
     """(B, T) float: the outcome reward on each row's last action token, 0.0 elsewhere."""
+    routes: NotRequired[torch.Tensor]
+    """(B, T, layers, top_k) int16: the engine's experts per token (`Routes`), -1 where not recorded; present when
+    any trajectory of the batch carries routes."""
 
 
 def to_tensors(trajectories: list[Trajectory], pad_id: int) -> TrainBatch:
@@ -255,6 +302,15 @@ def to_tensors(trajectories: list[Trajectory], pad_id: int) -> TrainBatch:
         position = t.reward_position()
         if position is not None:
             out["rewards"][row, position] = t.reward
+    recorded = [t.routes for t in trajectories if t.routes is not None]
+    if recorded:
+        layers, top_k = recorded[0].layers, recorded[0].top_k
+        if any((r.layers, r.top_k) != (layers, top_k) for r in recorded):
+            raise ValueError("routes: the batch's trajectories were routed by models of different shapes")
+        out["routes"] = torch.full((batch, length, layers, top_k), -1, dtype=torch.int16)
+        for row, t in enumerate(trajectories):
+            if t.routes is not None:
+                out["routes"][row, : len(t.token_ids)] = t.routes.tensor(len(t.token_ids))
     return out
 
 

@@ -94,9 +94,15 @@ class EmbeddedRollouts:
         version: int = 0,
         threads: int | None = None,
         dtype: torch.dtype = torch.float32,
+        record_routes: bool = False,
     ) -> None:
         self.engine = EmbeddedEngine(
-            copy.deepcopy(module).to(dtype), tokenizer, max_batch=max_batch, version=version, threads=threads
+            copy.deepcopy(module).to(dtype),
+            tokenizer,
+            max_batch=max_batch,
+            version=version,
+            threads=threads,
+            record_routes=record_routes,
         ).start()
         self.version = version
 
@@ -431,12 +437,19 @@ def open_rollouts(
     version: int,
     engine_threads: int,
     log: Callable[[str], None] = print,
+    record_routes: bool = False,
 ) -> Rollouts:
     """Where episodes are generated (`rollout.backend`): the embedded engine on a copy of `module` in this
-    process, or the `rollout.urls` servers, which load each version from `rollout.publish_dir`."""
+    process, or the `rollout.urls` servers, which load each version from `rollout.publish_dir`. `record_routes`:
+    the engine records each token's MoE experts (`algo.routing_replay = "r3"`; the embedded engine only)."""
+    if record_routes and rc.backend != "embedded":
+        raise ValueError(
+            f'algo.routing_replay: "r3" needs the engine to record each token\'s experts; the embedded engine does, '
+            f'rollout.backend = "{rc.backend}" servers do not yet (vLLM\'s return of routed experts is not wired)'
+        )
     backends: dict[str, Callable[[], Rollouts]] = {
         "embedded": lambda: EmbeddedRollouts(
-            module, tokenizer, rc.max_batch, version, engine_threads, getattr(torch, rc.engine_dtype)
+            module, tokenizer, rc.max_batch, version, engine_threads, getattr(torch, rc.engine_dtype), record_routes
         ),
         "http": lambda: HttpRollouts(
             rc,

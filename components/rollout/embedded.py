@@ -28,6 +28,7 @@ resumed trainer never sees such a sequence (it is a new process, and it holds th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import random
 import threading
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from components.models.routing import RouteRecorder, routes_shape
 from components.rollout.protocol import SamplingRequest, SamplingResult
 from components.rollout.weights import read_weights, validate_weights
 
@@ -57,6 +59,10 @@ class _Sequence:
     text: str = ""
     on_token: Callable[[int, float, int], None] | None = None
     """Told each token as it is sampled (a streamed response); runs on the engine's thread and must not raise."""
+    routes: torch.Tensor | None = None
+    """With `record_routes`: the experts of the positions the last prefill covered `(positions, layers, top_k)`."""
+    route_tail: list[torch.Tensor] = field(default_factory=list)
+    """... and of each token decode steps have fed since, one `(layers, top_k)` each."""
 
     @property
     def context(self) -> list[int]:
@@ -109,8 +115,14 @@ class EmbeddedEngine:
         max_model_len: int | None = None,
         version: int = 0,
         threads: int | None = None,
+        record_routes: bool = False,
     ) -> None:
         self.model = model.eval()
+        self.recorder = RouteRecorder(model) if record_routes else None
+        """With `record_routes`, each result carries the MoE experts every position was routed to (routing
+        replay, components/models/routing.py); the model must have MoE routers."""
+        if record_routes:
+            routes_shape(model)
         self.device = next(model.parameters()).device
         """Where the model lives (the host, or a GPU): batches are built on the host and moved there."""
         self.threads = threads  # torch CPU threads of the engine thread (None: torch's); the caller keeps its own
@@ -300,9 +312,10 @@ class EmbeddedEngine:
 
     def _forward(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, cache: DynamicCache):
         kwargs = {self._cache_arg: cache}
-        return self.model(
-            input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True, **kwargs
-        ).logits[:, -1]
+        with self.recorder or contextlib.nullcontext():
+            return self.model(
+                input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True, **kwargs
+            ).logits[:, -1]
 
     def _prefill(self, seqs: list[_Sequence]) -> torch.Tensor:
         """Run the full context of `seqs` (left-padded), merge their cache into the batch; last logits."""
@@ -317,6 +330,10 @@ class EmbeddedEngine:
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(ids, attention, positions, cache)
+        if self.recorder is not None:
+            routes = self.recorder.take(len(seqs), length)
+            for row, (seq, ctx) in enumerate(zip(seqs, contexts)):
+                seq.routes, seq.route_tail = routes[row, length - len(ctx) :].clone(), []
         if self._cache is None:
             self._cache, self._attention = cache, attention
         else:
@@ -332,6 +349,10 @@ class EmbeddedEngine:
         attention = torch.cat([self._attention, ones], dim=1)
         logits = self._forward(ids, attention, positions, self._cache)
         self._attention = attention
+        if self.recorder is not None:
+            routes = self.recorder.take(len(self._active), 1)
+            for row, seq in enumerate(self._active):
+                seq.route_tail.append(routes[row, 0])
         return logits
 
     def _sample(self, logits: torch.Tensor) -> None:
@@ -388,7 +409,11 @@ class EmbeddedEngine:
 
     @staticmethod
     def _result(seq: _Sequence, reason: str) -> SamplingResult:
-        return SamplingResult(seq.generated, seq.logprobs, seq.versions, reason, seq.request.prompt_ids)
+        routes = None
+        if seq.routes is not None:
+            routes = torch.cat([seq.routes, *(r[None] for r in seq.route_tail)])
+            routes = routes[: len(seq.context) - 1]  # an aborted sequence may hold its last token's too
+        return SamplingResult(seq.generated, seq.logprobs, seq.versions, reason, seq.request.prompt_ids, routes)
 
 
 def _concat_batches(cache_a: DynamicCache, att_a: torch.Tensor, cache_b: DynamicCache, att_b: torch.Tensor):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -73,6 +73,10 @@ class SamplingResult:
     """`stop` (stop token or string), `length` (max_tokens reached), `abort` (engine shut down)."""
     prompt_ids: list[int] = field(default_factory=list)
     """The prompt the tokens continue."""
+    routes: Any = None
+    """With routes recorded (`algo.routing_replay = "r3"`): each input position's MoE experts as the engine's last
+    forward over it routed it, an int16 tensor `(len(prompt_ids) + len(token_ids) - 1, layers, top_k)` (the last
+    sampled token was never an input); else None."""
 
     def __post_init__(self) -> None:
         if not len(self.token_ids) == len(self.logprobs) == len(self.versions):

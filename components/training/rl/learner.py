@@ -35,6 +35,7 @@ from torch import nn
 
 from components.config import Config
 from components.models import freeze_attention, load_policy
+from components.models.routing import enable_replay, routes_shape
 from components.storage import HomeStateError
 from components.training.engines.collective import (
     from_environment,
@@ -85,6 +86,9 @@ class Learner:
         policy_model = critic_model = None
         if "policy" in roles:
             policy_model = load_model(configs["policy"], lambda dtype: load_policy(sft_dir, dtype), whole)
+            if cfg.algo.routing_replay == "r3":  # the policy's forwards route recorded tokens as the engine did
+                routes_shape(policy_model)
+                enable_replay(policy_model)
         self.policy = self.critic = None
         if self.algorithm.uses_critic and "critic" in roles:
             critic_model = load_model(

@@ -123,7 +123,10 @@ def build_parts(
     guard = CollapseGuard.from_config(tc, detector)
     start = resume_from(store, learner, guard, tracker, sft_dir, resume, log)
     guard.floor = start.step  # the guard never returns to weights from before the run's start
-    rollouts = open_rollouts(cfg.rollout, learner.serving_module(), tokenizer, home, start.step, engine_threads, log)
+    replay = cfg.algo.routing_replay == "r3"
+    rollouts = open_rollouts(
+        cfg.rollout, learner.serving_module(), tokenizer, home, start.step, engine_threads, log, record_routes=replay
+    )
     group = learner.settings.group_size
     buffer = TrajectoryBuffer(
         tc.max_staleness,

@@ -23,6 +23,7 @@ from components.algo import (
     ppo_policy_loss,
 )
 from components.models.logprobs import TokenStats, head_positions, token_logprobs
+from components.models.routing import replay
 from components.training.engines.collective import SOLO, Collective, global_moments
 from components.training.engines.micro import MicroBatches, TokenWeighted
 from components.training.rl.algorithms import AlgoSettings
@@ -54,6 +55,8 @@ class PolicyPasses:
 
     def _forward(self, i: int) -> tuple[dict[str, Tensor], Tensor, TokenStats]:
         mb = self.micro.take(self.batch, i)
+        if "routes" in mb:  # routing replay: this micro-batch's tokens, in its forward and in its backward's recompute
+            replay(self.policy.module, mb["routes"])
         logprobs, stats = token_logprobs(
             self.policy.module,
             mb["input_ids"],
@@ -67,6 +70,13 @@ class PolicyPasses:
     def finish(self, advantages: Tensor, version: int = -1) -> dict:
         """The loss (`AlgoSettings.loss`) of every micro-batch against `advantages` (the rank's rows), accumulated
         into one step; with the `version` being trained, the mismatch on the tokens it sampled."""
+        try:
+            return self._finish(advantages, version)
+        finally:
+            if "routes" in self.batch:  # the policy's next forwards route themselves
+                replay(self.policy.module, None)
+
+    def _finish(self, advantages: Tensor, version: int) -> dict:
         policy, micro, s, act = self.policy, self.micro, self.s, self.batch["action_mask"]
         weighted, pieces, mismatch = TokenWeighted(micro), [], Mismatch(version)
         for i in range(len(micro)):
