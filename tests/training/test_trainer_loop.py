@@ -415,7 +415,7 @@ def test_routing_replay_trains_on_the_engines_routes(tmp_path, tiny_cfg, sft_dir
         cfg = _cfg(tiny_cfg, sync=True, max_steps=2, checkpoint_every=0)
         cfg = replace(cfg, rollout=replace(cfg.rollout, engine_dtype="bfloat16"))
         cfg = replace(cfg, algo=replace(cfg.algo, routing_replay=mode))
-        seen = [lambda t, batch, row: routed.append((mode, all(x.routes is not None for x in batch)))]
+        seen = [lambda t, batch, row, mode=mode: routed.append((mode, all(x.routes is not None for x in batch)))]
         result = train_env(cfg, sft_dir, tmp_path / mode, NullTracker(), log=lambda _: None, on_step=seen)
         kl[mode] = [row["rollout/mismatch_kl"] for row in result.history]
     print(f"rollout/mismatch_kl by step: {kl}")
