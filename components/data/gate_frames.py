@@ -32,8 +32,8 @@ TRACE_DERIVED = ("final_answer", "answer_correct", "calls_balanced", "n_tokens")
 TRACE_FRAME_COLUMNS = TRACE_COLUMNS + TRACE_DERIVED
 
 ROLLOUT_COLUMNS = ("prompt_id", "env", "reward", "turns", "finish_reason", "prompt_len")
-"""The scalar Parquet columns of `write_trajectories`; the others are the per-token lists, `timings` and
-`metadata`."""
+"""The scalar Parquet columns of `write_trajectories`; the others are the per-token lists, `timings`, `metadata` and
+`routes`."""
 ROLLOUT_DERIVED = ("n_tokens", "action_mask_valid", "logprobs_complete", "versions_complete", "versions_monotone")
 ROLLOUT_FRAME_COLUMNS = ROLLOUT_COLUMNS + ROLLOUT_DERIVED
 

@@ -180,6 +180,7 @@ def test_frames_know_the_parquet_schemas(tmp_path, good_traces):
         "versions",
         "timings",
         "metadata",
+        "routes",
     }
     assert set(ROLLOUT_COLUMNS) <= set(rollouts)
 
