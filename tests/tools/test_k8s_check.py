@@ -194,7 +194,7 @@ def test_a_key_passed_as_a_flag_from_a_secret_passes(tree):
 
 
 def test_a_label_of_the_pools_own_pod_template_admits_the_trainer(tree):
-    spec = "            spec:\n              containers:"
+    spec = "            spec:\n              subdomain: sao-train"
     pod, labelled = (
         f"          template:\n{spec}",
         f"          template:\n            metadata: {{labels: {{app: sao-trainer}}}}\n{spec}",
