@@ -4,7 +4,16 @@ import sys
 
 import torch
 
-from bench import async_bench, engine_bench, gae_bench, loop_bench, placement_bench, sandbox_bench, transfer_bench
+from bench import (
+    async_bench,
+    engine_bench,
+    gae_bench,
+    loop_bench,
+    placement_bench,
+    sandbox_bench,
+    senders_bench,
+    transfer_bench,
+)
 
 BENCHES = {
     "gae": gae_bench.run,
@@ -14,6 +23,7 @@ BENCHES = {
     "sandbox": sandbox_bench.run,
     "placement": placement_bench.run,
     "transfer": transfer_bench.run,
+    "senders": senders_bench.run,
 }
 
 
