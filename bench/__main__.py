@@ -13,6 +13,7 @@ from bench import (
     sandbox_bench,
     senders_bench,
     transfer_bench,
+    updates_bench,
 )
 
 BENCHES = {
@@ -24,6 +25,7 @@ BENCHES = {
     "placement": placement_bench.run,
     "transfer": transfer_bench.run,
     "senders": senders_bench.run,
+    "updates": updates_bench.run,
 }
 
 

@@ -16,7 +16,8 @@ How this departs from vLLM:
 - After a weight update, the KV cache of every in-flight sequence is recomputed with the new weights, as
   NeMo-RL's `recompute_kv_cache_after_weight_updates` does. vLLM keeps the stale cache. Recomputing
   keeps the contract exact: a token tagged with version v has exactly the log-prob that v's weights give
-  it, teacher-forced.
+  it, teacher-forced. `load_weights(..., drain=True)` does as vLLM's load gate instead: the update waits until every
+  sequence in flight has finished, admitting none (`make bench BENCH=updates` compares the two).
 - `temperature = 0` decodes greedily and reports log-probs of the T = 1 distribution.
 
 Versions only grow, except on a rewind (`load_weights(..., rewind=True)`): a resumed trainer sends its
@@ -78,6 +79,9 @@ class _Update:
     rewind: bool
     """Accept a version not above the current one."""
     future: Future
+    drain: bool = False
+    """Apply once every sequence in flight has finished, admitting none meanwhile (vLLM's way), instead of between
+    two decode steps with the in-flight sequences' caches recomputed."""
 
 
 @dataclass
@@ -194,14 +198,20 @@ class EmbeddedEngine:
         return await asyncio.wrap_future(self.submit(request))
 
     def load_weights(
-        self, source: str | Path | dict[str, torch.Tensor], version: int, rewind: bool = False, label: str | None = None
+        self,
+        source: str | Path | dict[str, torch.Tensor],
+        version: int,
+        rewind: bool = False,
+        label: str | None = None,
+        drain: bool = False,
     ) -> Future:
-        """Queue new weights as `version`; they apply between decode steps. The future resolves when applied,
-        or fails with a ValueError naming `version` when that is not above the current one and `rewind` is
+        """Queue new weights as `version`; they apply between decode steps, the in-flight sequences continuing on
+        them (`drain`: once every sequence in flight has finished, none admitted meanwhile). The future resolves when
+        applied, or fails with a ValueError naming `version` when that is not above the current one and `rewind` is
         not set. `weights_path` becomes the path read, or for tensors handed in, `label`."""
         tensors = source if isinstance(source, dict) else read_weights(source)
         validate_weights(self.model, tensors)
-        update = _Update(tensors, version, label if isinstance(source, dict) else str(source), rewind, Future())
+        update = _Update(tensors, version, label if isinstance(source, dict) else str(source), rewind, Future(), drain)
         with self._cond:
             self._updates.append(update)
             self._cond.notify()
@@ -229,6 +239,8 @@ class EmbeddedEngine:
         return True
 
     def _take_work(self) -> tuple[list, list[_Sequence]]:
+        if self._active and any(u.drain for u in self._updates):
+            return [], []  # a draining update: the sequences in flight finish first, nothing joins them
         updates, self._updates = self._updates, []
         room = max(0, self.max_batch - len(self._active))
         admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]

@@ -115,6 +115,31 @@ def test_no_request_lost_or_duplicated_across_an_update(two_versions):
     assert {v for r in results for v in r.versions} == {0, 1}
 
 
+def test_a_draining_update_waits_for_the_sequences_in_flight_and_admits_none_meanwhile(two_versions):
+    """vLLM's way, kept as an option: the two sequences in flight finish on version 0 (one token each was sampled
+    before the update), the one submitted after the update waits for them and samples on version 1 alone."""
+    import copy
+
+    v0, _, tokenizer, v1_path = two_versions
+    engine = EmbeddedEngine(copy.deepcopy(v0), tokenizer, max_batch=4)
+    long, short = (
+        engine.submit(SamplingRequest(p, max_tokens=n, seed=n)) for p, n in zip(_prompts(tokenizer, 2), (8, 3))
+    )
+    engine.step()  # both admitted: one token each
+    update = engine.load_weights(v1_path, version=1, drain=True)
+    late = engine.submit(SamplingRequest(_prompts(tokenizer, 1, seed=5)[0], max_tokens=4, seed=9))
+    steps = 0
+    while not long.done():
+        engine.step()
+        steps += 1
+        assert not late.done() and engine.in_flight == 1 + (not long.done()) + (not short.done())  # late waits
+    assert not update.done() and engine.version == 0 and steps == 7  # 7 more tokens of the long one, none of late
+    results = _drive(engine, [late])
+    assert update.done() and engine.version == 1
+    assert long.result().versions == [0] * 8 and short.result().versions == [0] * 3
+    assert results[0].versions == [1] * 4
+
+
 def test_invalid_requests_and_weights_are_refused(fresh_model, tmp_path):
     model, tokenizer = fresh_model
     engine = EmbeddedEngine(model, tokenizer, max_model_len=64)
