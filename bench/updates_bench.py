@@ -8,7 +8,7 @@ distribution (`--alpha`, from `--min-tokens`, capped at `--max-tokens`; stop tok
 length), the same draws in both arms. Every `--period` seconds a new version is loaded. An arm runs `--seconds`;
 the two alternate, twice each.
 
-How to read it: tokens/s is sampled tokens over the arm's wall time; `slots idle` is the share of the batch's
+How to read it: each figure is the median of the arm's two runs; tokens/s is sampled tokens over the wall time; `slots idle` is the share of the batch's
 slots that sampled nothing, over the engine's steps (1 - tokens / (steps x slots)); `recomputed` is the context
 tokens the continuing arm recomputed after updates; `continue / arm` divides the continuing arm's tokens/s by the arm's.
 With lengths this uneven, a drain waits for the longest sequence in flight while the other slots stay empty.
@@ -104,8 +104,8 @@ def table(result: dict) -> str:
     ]
     for arm in result["arms"]:
         lines.append(
-            f"| {arm['mode']} | {arm['tokens_per_s']:.0f} | {arm['slots_idle']:.1%} | {arm['updates_applied']} "
-            f"| {arm['recomputed']:,} | {arm['vs_continue']:.2f}x |"
+            f"| {arm['mode']} | {arm['tokens_per_s']:.0f} | {arm['slots_idle']:.1%} | {arm['updates_applied']:g} "
+            f"| {arm['recomputed']:,.0f} | {arm['vs_continue']:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -140,10 +140,11 @@ def run(
             runs[arm["mode"]].append(arm)
     finally:
         torch.set_num_threads(threads)
-    arms = []
-    for mode, samples in runs.items():
-        pick = sorted(samples, key=lambda a: a["tokens_per_s"])[len(samples) // 2]  # the upper median of two
-        arms.append({**pick, "tokens_per_s": statistics.median(a["tokens_per_s"] for a in samples), "runs": samples})
+    numbers = ("tokens_per_s", "slots_idle", "updates_applied", "recomputed")
+    arms = [
+        {"mode": mode, **{k: statistics.median(a[k] for a in samples) for k in numbers}, "runs": samples}
+        for mode, samples in runs.items()
+    ]
     for arm in arms:
         arm["vs_continue"] = arms[0]["tokens_per_s"] / arm["tokens_per_s"]
     result = {
