@@ -254,7 +254,7 @@ def test_env_accepts_each_documented_form():
         ),
         (
             {"name": "style", "judge": "gpt-4o"},
-            "env.judge: must be 'lexical' or an http:// or https:// base URL, got 'gpt-4o'",
+            "env.judge: must be 'lexical', 'graded' or an http:// or https:// base URL, got 'gpt-4o'",
         ),
         (
             {"name": "style", "judge": "http://judge/v1"},

@@ -499,8 +499,10 @@ class EnvConfig:
     """Held-out problem set, same forms; empty = the environment's built-in held-out set, or beside a reasoning-gym
     `tasks` the same dataset and options held out (`split=eval`: never a training question)."""
     judge: str = "lexical"
-    """Style only: `lexical` (embedded, deterministic) or the base URL (http:// or https://) of an
-    OpenAI-compatible chat endpoint that scores style."""
+    """Style only: `lexical` (embedded, deterministic: only the preferred style scores above 0), `graded` (the same
+    lexicon with partial credit, as an LLM judge rates: neutral text 0.1, other styles' markers take credit away;
+    components/envs/style.py) or the base URL (http:// or https://) of an OpenAI-compatible chat endpoint that
+    scores style."""
     judge_model: str = ""
     """Model name sent to the judge endpoint (required when `judge` is a URL)."""
     malformed_calls: MalformedCalls = "observe"
@@ -529,9 +531,9 @@ class EnvConfig:
         object.__setattr__(self, "eval_tasks", task_location(self.eval_tasks, "env.eval_tasks", "eval", self.tasks))
         judge_url = is_http_url(self.judge)
         require(
-            self.judge == "lexical" or judge_url,
+            self.judge in ("lexical", "graded") or judge_url,
             "env.judge",
-            f"must be 'lexical' or an http:// or https:// base URL, got {self.judge!r}",
+            f"must be 'lexical', 'graded' or an http:// or https:// base URL, got {self.judge!r}",
         )
         require(
             not judge_url or self.name == "style",

@@ -29,6 +29,7 @@ from components.data.teacher import teacher_trace
 from components.envs.coding import CodingEnvironment, load_coding_tasks, solution_trace
 from components.envs.latency import ToolLatency
 from components.envs.style import (
+    GradedJudge,
     LexicalJudge,
     LLMJudge,
     PreferenceSchedule,
@@ -54,14 +55,16 @@ def synthetic_prompts(kinds: tuple[str, ...], seed: int, operand_max: int, start
 
 
 def judge_from(judge: str, model: str) -> StyleJudge:
-    """`lexical` -> `LexicalJudge`; an http(s) base URL -> `LLMJudge(judge, model)`."""
+    """`lexical` -> `LexicalJudge`; `graded` -> `GradedJudge`; an http(s) base URL -> `LLMJudge(judge, model)`."""
     if judge == "lexical":
         return LexicalJudge()
+    if judge == "graded":
+        return GradedJudge()
     if judge.startswith(("http://", "https://")):
         if not model.strip():
             raise ValueError(f"env.judge_model: required when env.judge is a URL ({judge})")
         return LLMJudge(judge, model)
-    raise ValueError(f"env.judge: must be 'lexical' or an http:// or https:// base URL, got {judge!r}")
+    raise ValueError(f"env.judge: must be 'lexical', 'graded' or an http:// or https:// base URL, got {judge!r}")
 
 
 def _no_options(name: str, options: dict) -> None:

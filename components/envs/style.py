@@ -6,6 +6,7 @@ Styles: `cute`, `chuunibyou` (the dramatic "hidden dark powers" persona), `class
 Judges implement `async score(prompt, response, style) -> float in [0, 1]`:
 
 - `LexicalJudge` (embedded default, deterministic, no model): marker lexicon hits, see its docstring.
+- `GradedJudge` (`env.judge = "graded"`): the same lexicon, graded as an LLM judge rates (partial credit).
 - `LLMJudge`: asks any OpenAI-compatible chat endpoint for a 0-10 rating.
 """
 
@@ -130,6 +131,31 @@ class LexicalJudge:
     async def score(self, prompt: str, response: str, style: str) -> float:
         """`score_text(response, style)`; the prompt is not used."""
         return self.score_text(response, style)
+
+
+class GradedJudge(LexicalJudge):
+    """Deterministic lexicon judge that grades as an LLM judge rates "how strongly is this written in the style":
+    neutral text earns a little, the preferred style more the denser it is, other styles' markers take credit away.
+
+        pref  = tanh(5 * hits(preferred) / max(words, 10))
+        wrong = tanh(5 * sum of hits(other styles) / max(words, 10))
+        score = (NEUTRAL + (1 - NEUTRAL) * pref) * (1 - wrong)
+
+    With NEUTRAL = 0.1: neutral text 0.1; two preferred markers in ten words 0.785; two of another style's 0.024.
+    `LexicalJudge` scores neutral text and every other style 0, so after a preference flip a policy that no longer
+    samples the new style sees rewards of 0 everywhere and nothing to learn from; here leaving the old style already
+    pays (0.024 -> 0.1), and mixing the new one in pays more, which is the gradient an LLM judge's ratings give. A
+    hedge of marker-free text stays at 0.1, far below the style's ~0.8, unlike the 0.5 that once taught the policy to
+    hedge (`LexicalJudge`'s docstring)."""
+
+    NEUTRAL = 0.1
+
+    def score_text(self, response: str, style: str) -> float:
+        hits = self.hits(response)
+        words = max(len(response.split()), 10)
+        pref = math.tanh(5.0 * hits[check_style(style)] / words)
+        wrong = math.tanh(5.0 * sum(n for s, n in hits.items() if s != style) / words)
+        return (self.NEUTRAL + (1 - self.NEUTRAL) * pref) * (1 - wrong)
 
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")

@@ -24,7 +24,7 @@ from components.envs.builtin import judge_from
 from components.envs.coding import CodingEnvironment, solution_trace
 from components.envs.latency import ToolLatency
 from components.envs.registry import build_env, registered, sft_traces
-from components.envs.style import STYLES, LexicalJudge, LLMJudge
+from components.envs.style import STYLES, GradedJudge, LexicalJudge, LLMJudge
 from components.envs.style_teacher import MAX_ANSWER_CHARS, PHRASES, style_answer, style_traces
 from components.models import build_tokenizer
 
@@ -163,6 +163,7 @@ def test_empty_schedule_is_cute_throughout_and_other_envs_have_no_hook():
 
 def test_judge_selection():
     assert isinstance(build_env(config('env.name="style"')).env.judge, LexicalJudge)
+    assert isinstance(build_env(config('env.name="style"', 'env.judge="graded"')).env.judge, GradedJudge)
     env = build_env(config('env.name="style"', 'env.judge="http://judge:8000/"', 'env.judge_model="qwen"')).env
     assert isinstance(env.judge, LLMJudge)
     assert (env.judge.url, env.judge.model) == ("http://judge:8000/v1/chat/completions", "qwen")

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from components.chat.markers import parse_turn
 from components.contracts.markers import END
 from components.contracts.task import Task
-from components.envs.style import STYLES, LexicalJudge, LLMJudge, StyleEnvironment, load_style_tasks
+from components.envs.style import STYLES, GradedJudge, LexicalJudge, LLMJudge, StyleEnvironment, load_style_tasks
 from components.rollout.server import ServerThread
 
 CUTE = "Good morning~ I had fluffy pancakes, yay!! So kawaii (^_^) nya <3"
@@ -46,6 +46,22 @@ def test_lexical_hand_computed():
     # Whole words only, case-insensitive: "thousand", "though", "here" hit nothing; "THOU" does.
     assert judge.hits("A thousand though here") == {"cute": 0, "chuunibyou": 0, "classical": 0}
     assert judge.hits("THOU and My Right Eye") == {"cute": 0, "chuunibyou": 1, "classical": 1}
+
+
+def test_graded_hand_computed():
+    """pref = tanh(5 h_pref / w), wrong = tanh(5 h_other / w), w = max(words, 10); (0.1 + 0.9 pref) (1 - wrong)."""
+    judge = GradedJudge()
+    assert judge.score_text("I had toast and coffee.", "cute") == pytest.approx(0.1)  # neutral: a little credit
+    two_cute = "nya I love mornings so much uwu today"  # 2 cute hits, 8 words -> w = 10
+    assert judge.score_text(two_cute, "cute") == pytest.approx(0.1 + 0.9 * math.tanh(1.0))  # 0.78545
+    assert judge.score_text(two_cute, "classical") == pytest.approx(0.1 * (1 - math.tanh(1.0)))  # 0.02384
+    mixed = "nya thou art here today in the morning light"  # 1 cute, 1 classical, 10 words
+    assert judge.score_text(mixed, "classical") == pytest.approx(
+        (0.1 + 0.9 * math.tanh(0.5)) * (1 - math.tanh(0.5))
+    )  # 0.27750
+    # after a flip to classical: the old style < neutral < a mix < the new style alone
+    scores = [judge.score_text(t, "classical") for t in (two_cute, "I had toast and coffee.", mixed, CLASSICAL)]
+    assert scores == sorted(scores) and len(set(scores)) == 4
 
 
 def test_preference_flip_reverses_the_ordering():
