@@ -83,6 +83,7 @@ def trajectory_records(draw) -> dict:
             "finished": math.nan,
         },
         "metadata": draw(st.dictionaries(st.text(max_size=4), st.integers() | st.text(max_size=4), max_size=3)),
+        "routes": None,  # recorded only under routing replay, and then bytes (Parquet, not JSON)
     }
 
 

@@ -22,6 +22,7 @@ from components.stages.value_pretrain import critic_origin, join_starting_critic
 from components.tracking import DiskTracker, NullTracker, mlflow_uri, open_tracker
 from components.training.engines.collective import is_driver, launched_world_size
 from components.training.rl.checkpoint import checkpoint_store
+from components.training.rl.parts import refuse_an_earlier_run
 from components.training.rl.recording import Recording
 from components.training.rl.replay import replay
 from components.training.rl.trainer import train
@@ -52,6 +53,7 @@ def run_train(
         train(cfg, setup, sft_dir, home, NullTracker(), resume=resume, log=lambda _: None)
         return {}
     setup = build_env(cfg, log)
+    refuse_an_earlier_run(checkpoint_store(cfg, home), resume)  # before any SFT or pretraining is spent
     sft_dir = run_sft(cfg, home, force=force_sft, log=log)  # tells the other ranks where it is
     critic = starting_critic(cfg, home, sft_dir, log)
     log(f"train: starts from the policy {sft_dir} and {critic_origin(cfg, critic)}")

@@ -127,8 +127,9 @@ def test_two_nodes_train_what_one_node_with_two_ranks_trains(seeded_home, prefec
     node of two ranks, each 3 synchronous steps of `sao train` on copies of one seeded home: the same policy (fp32,
     1e-4). Two nodes whose homes differ (each its own disk) are refused before any step, on every node."""
     env = {**prefect_env, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    single = tmp_path / "one-node"
+    single, pristine = tmp_path / "one-node", tmp_path / "pristine"
     shutil.copytree(seeded_home, single)
+    shutil.copytree(seeded_home, pristine)
     done = subprocess.run(
         _train(single, ["--nproc-per-node", "2"]) + sets(TRAIN), capture_output=True, text=True, timeout=600, env=env
     )
@@ -144,7 +145,7 @@ def test_two_nodes_train_what_one_node_with_two_ranks_trains(seeded_home, prefec
 
     apart = [tmp_path / "node-0", tmp_path / "node-1"]
     for home in apart:
-        shutil.copytree(single, home)
+        shutil.copytree(pristine, home)
     refused = _nodes(apart, env)
     for node in refused:
         assert node.returncode != 0

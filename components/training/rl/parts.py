@@ -157,6 +157,18 @@ def build_parts(
     )
 
 
+def refuse_an_earlier_run(store: CheckpointStore, resume: bool) -> int | None:
+    """The newest checkpoint's step (None: none); HomeStateError when there is one and the run does not `resume`.
+    `sao train` asks before anything else (components/stages/train.py), so a refusal costs no SFT or pretraining."""
+    latest = store.latest_step()
+    if latest is not None and not resume:
+        raise HomeStateError(
+            f"{store.location} holds checkpoints up to step {latest} of an earlier run: pass "
+            f"--resume to continue it, or remove them to start over"
+        )
+    return latest
+
+
 def resume_from(
     store: CheckpointStore,
     learner: Learner,
@@ -169,14 +181,9 @@ def resume_from(
     """Where the run starts: fresh from `sft_dir`, or (`resume`) from the newest checkpoint that loads, with the
     learner's states, the guard's record, the RNG states and the tracker rewound to it."""
     origin = weights_fingerprint(sft_dir)
-    latest = store.latest_step()
+    latest = refuse_an_earlier_run(store, resume)
     if latest is None:
         return RunStart(0, 0, origin, fresh=True)
-    if not resume:
-        raise HomeStateError(
-            f"{store.location} holds checkpoints up to step {latest} of an earlier run: pass "
-            f"--resume to continue it, or remove them to start over"
-        )
 
     def read(directory: Path) -> dict:
         state = read_payload(directory)["state"]
