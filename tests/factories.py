@@ -1,5 +1,7 @@
 """Small valid contract objects for tests, changed field by field."""
 
+from pathlib import Path
+
 from components.contracts.trajectory import Timings, Trajectory
 
 
@@ -62,3 +64,10 @@ def seed_result(
         minutes=minutes,
         policy_updates=policy_updates,
     )
+
+
+def edit_once(path: Path, old: str, new: str) -> None:
+    """Replace the first `old` in the file at `path` with `new`; `old` must be there (a check's broken copy)."""
+    text = path.read_text()
+    assert old in text, f"{old!r} not in {path}"
+    path.write_text(text.replace(old, new, 1))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.factories import edit_once
 from tools.container_check import check_containers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,12 +25,6 @@ def tree(tmp_path):
     shutil.copytree(ROOT / "infra", tmp_path / "infra")
     shutil.copytree(ROOT / "components" / "presets", tmp_path / "components" / "presets")
     return tmp_path
-
-
-def _edit(path: Path, old: str, new: str) -> None:
-    text = path.read_text()
-    assert text.count(old) >= 1, f"{old!r} not in {path}"
-    path.write_text(text.replace(old, new, 1))
 
 
 @pytest.mark.parametrize(
@@ -106,6 +101,6 @@ def _edit(path: Path, old: str, new: str) -> None:
     ],
 )
 def test_each_check_bites(tree, file, old, new, message):
-    _edit(tree / file, old, new)
+    edit_once(tree / file, old, new)
     problems = check_containers(tree)
     assert any(message in p for p in problems), problems

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.factories import edit_once
 from tools.k8s_check import check_k8s
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,12 +23,6 @@ def tree(tmp_path):
     shutil.copytree(ROOT / "infra", tmp_path / "infra")
     shutil.copytree(ROOT / "components" / "presets", tmp_path / "components" / "presets")
     return tmp_path
-
-
-def _edit(path: Path, old: str, new: str) -> None:
-    text = path.read_text()
-    assert old in text, f"{old!r} not in {path}"
-    path.write_text(text.replace(old, new, 1))
 
 
 @pytest.mark.parametrize(
@@ -92,7 +87,7 @@ def _edit(path: Path, old: str, new: str) -> None:
     ],
 )
 def test_each_check_bites(tree, file, old, new, message):
-    _edit(tree / file, old, new)
+    edit_once(tree / file, old, new)
     problems = check_k8s(tree)
     assert any(message in p for p in problems), problems
 
@@ -169,7 +164,7 @@ def _without_policy(path: Path) -> None:
     ],
 )
 def test_each_access_check_bites(tree, old, new, message):
-    _edit(tree / "infra" / "k8s" / "vllm.yaml", old, new)
+    edit_once(tree / "infra" / "k8s" / "vllm.yaml", old, new)
     problems = check_k8s(tree)
     assert any(message in p for p in problems), problems
     assert all(p.startswith("infra/k8s/vllm.yaml: ") for p in problems), problems
@@ -188,8 +183,8 @@ def test_servers_without_a_network_policy_are_refused(tree):
 
 def test_a_key_passed_as_a_flag_from_a_secret_passes(tree):
     manifest = tree / "infra" / "k8s" / "vllm.yaml"
-    _edit(manifest, ARGS, '"--max-model-len", "32768", "--api-key", "$(ENGINE_KEY)"]')
-    _edit(manifest, "- name: VLLM_API_KEY", "- name: ENGINE_KEY")
+    edit_once(manifest, ARGS, '"--max-model-len", "32768", "--api-key", "$(ENGINE_KEY)"]')
+    edit_once(manifest, "- name: VLLM_API_KEY", "- name: ENGINE_KEY")
     assert check_k8s(tree) == []
 
 
@@ -199,9 +194,9 @@ def test_a_label_of_the_pools_own_pod_template_admits_the_trainer(tree):
         f"          template:\n{spec}",
         f"          template:\n            metadata: {{labels: {{app: sao-trainer}}}}\n{spec}",
     )
-    _edit(tree / "infra" / "k8s" / "vllm.yaml", TRAINER_PEER, "matchLabels: {app: sao-trainer}")
+    edit_once(tree / "infra" / "k8s" / "vllm.yaml", TRAINER_PEER, "matchLabels: {app: sao-trainer}")
     assert any("no NetworkPolicy admits the sao-gpu-k8s jobs' pods" in p for p in check_k8s(tree))
-    _edit(tree / "infra" / "work-pools.yaml", pod, labelled)
+    edit_once(tree / "infra" / "work-pools.yaml", pod, labelled)
     assert check_k8s(tree) == []
 
 
@@ -250,10 +245,10 @@ NO_MODELS = (
 
 
 def _old_form(tree: Path) -> None:
-    _edit(tree / "infra" / "k8s" / "vllm.yaml", TRANSFER_RULE, "")
-    _edit(tree / "infra" / "k8s" / "vllm.yaml", SERVER_NCCL, "")
-    _edit(tree / "infra" / "work-pools.yaml", JOB_NCCL, "")
-    _edit(tree / "infra" / "work-pools.yaml", JOB_MODELS, "")
+    edit_once(tree / "infra" / "k8s" / "vllm.yaml", TRANSFER_RULE, "")
+    edit_once(tree / "infra" / "k8s" / "vllm.yaml", SERVER_NCCL, "")
+    edit_once(tree / "infra" / "work-pools.yaml", JOB_NCCL, "")
+    edit_once(tree / "infra" / "work-pools.yaml", JOB_MODELS, "")
 
 
 def test_the_manifests_before_the_fix_are_refused(tree):
@@ -291,16 +286,16 @@ def test_the_manifests_before_the_fix_are_refused(tree):
     ],
 )
 def test_each_transfer_port_check_bites(tree, old, new, message):
-    _edit(tree / "infra" / "k8s" / "vllm.yaml", old, new)
+    edit_once(tree / "infra" / "k8s" / "vllm.yaml", old, new)
     problems = check_k8s(tree)
     assert any(message in p for p in problems), problems
 
 
 def test_only_the_http_port_passes_when_no_preset_uses_the_collective_transfer(tree):
-    _edit(tree / "infra" / "k8s" / "vllm.yaml", TRANSFER_RULE, "")
+    edit_once(tree / "infra" / "k8s" / "vllm.yaml", TRANSFER_RULE, "")
     assert any(p.startswith(ONLY_HTTP) for p in check_k8s(tree))
     for preset in ("qwen3-30b-a3b", "qwen3-30b-a3b-coding"):
-        _edit(tree / "components" / "presets" / f"{preset}.toml", '"collective"', '"filesystem"')
+        edit_once(tree / "components" / "presets" / f"{preset}.toml", '"collective"', '"filesystem"')
     assert check_k8s(tree) == []
 
 
@@ -341,7 +336,7 @@ def test_a_policy_on_the_way_back_must_admit_the_trainers_ports(tree, policy, na
     manifest = tree / "infra" / "k8s" / "vllm.yaml"
     manifest.write_text(manifest.read_text() + policy)
     assert check_k8s(tree) == []  # servers -> trainer on the trainer's range: the store and NCCL's other direction
-    _edit(manifest, policy, policy.replace("port: 32768, endPort: 60999", "port: 29500"))
+    edit_once(manifest, policy, policy.replace("port: 32768, endPort: 60999", "port: 29500"))
     assert check_k8s(tree) == [
         f"infra/k8s/vllm.yaml: NetworkPolicy {name}: spec.{kind} admits pods {{'app': 'sao-vllm'}} to pods "
         f"{{'prefect.io/work-pool-name': 'sao-gpu-k8s'}} on TCP 29500 only, {BACK} its rendezvous store "
@@ -398,7 +393,7 @@ def test_a_policy_on_the_way_back_must_admit_the_trainers_ports(tree, policy, na
     ],
 )
 def test_each_nccl_check_bites(tree, file, old, new, message):
-    _edit(tree / file, old, new)
+    edit_once(tree / file, old, new)
     problems = check_k8s(tree)
     assert any(p.startswith(message) for p in problems), problems
 
@@ -418,6 +413,6 @@ def test_each_nccl_check_bites(tree, file, old, new, message):
     ],
 )
 def test_each_models_check_bites(tree, old, new, message):
-    _edit(tree / "infra" / "work-pools.yaml", old, new)
+    edit_once(tree / "infra" / "work-pools.yaml", old, new)
     problems = check_k8s(tree)
     assert any(p.startswith(message) for p in problems), problems

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.factories import edit_once
 from tools.nodes_check import check_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,12 +22,6 @@ def test_the_real_tree_is_consistent():
 def tree(tmp_path):
     shutil.copytree(ROOT / "infra", tmp_path / "infra")
     return tmp_path
-
-
-def _edit(path: Path, old: str, new: str) -> None:
-    text = path.read_text()
-    assert old in text, f"{old!r} not in {path}"
-    path.write_text(text.replace(old, new, 1))
 
 
 @pytest.mark.parametrize(
@@ -77,7 +72,7 @@ def _edit(path: Path, old: str, new: str) -> None:
     ],
 )
 def test_each_check_bites(tree, file, old, new, message):
-    _edit(tree / file, old, new)
+    edit_once(tree / file, old, new)
     problems = check_nodes(tree)
     assert any(message in p for p in problems), problems
 
@@ -105,7 +100,7 @@ spec:
         "pods {'prefect.io/work-pool-name': 'sao-gpu-k8s'} on TCP 29400 only, not on 32768-60999 (the world's store, "
         "gloo and NCCL): the nodes of a job could not form their world"
     ]
-    _edit(
+    edit_once(
         tree / "infra" / "k8s" / "train.yaml",
         "{protocol: TCP, port: 29400}",
         "{protocol: TCP, port: 29400}\n        - {protocol: TCP, port: 32768, endPort: 60999}",
