@@ -46,6 +46,8 @@ def test_a_run_resumes_from_s3_alone(tmp_path, seeded_home, s3_env):
 
 
 def test_a_store_that_cannot_be_written_is_a_clear_error(seeded_home, s3_env, capsys, prefect_api):
+    """A bucket that does not exist: one `sao:` line naming the store's URI, before anything is trained (the first
+    thing `sao train` asks the store is whether it holds an earlier run's checkpoints)."""
 
     with pytest.raises(SystemExit) as exit_info:
         main(
@@ -62,4 +64,5 @@ def test_a_store_that_cannot_be_written_is_a_clear_error(seeded_home, s3_env, ca
             ]
         )
     assert exit_info.value.code == 2
-    assert "s3://no-such-bucket/x/models/sft-tir_math" in capsys.readouterr().err
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the flow's own log lines, when they go there
+    assert last.startswith("sao: s3://no-such-bucket/x/checkpoints/tiny-cpu: ") and "bucket does not exist" in last
