@@ -23,6 +23,7 @@ from flows.launch import RDZV_PORT
 from tools.k8s_check import (
     POOL_LABEL,
     TRAINER_POOL,
+    _arg,
     _blocked,
     _job_pod,
     _port_range,
@@ -96,10 +97,6 @@ def _service(where: str, subdomain: str | None, labels: dict, docs: list[tuple[s
     return problems
 
 
-def _flag(args: list[str], flag: str, default: str) -> str:
-    return args[args.index(flag) + 1] if flag in args and args.index(flag) + 1 < len(args) else default
-
-
 def _commands(root: Path) -> list[str]:
     """Each GPU deployment's launch agrees with its pool's nodes and GPUs."""
     pools = {p["name"]: p for p in yaml.safe_load((root / "infra" / "work-pools.yaml").read_text())["pools"]}
@@ -117,13 +114,14 @@ def _commands(root: Path) -> list[str]:
             continue
         defaults = (pools.get(pool["name"], {}).get("variables") or {}).get("nodes", {}).get("default", 1)
         nodes = variables.get("nodes", defaults) if pool["name"] == TRAINER_POOL else 1
-        if int(_flag(args, "--nnodes", "1")) != nodes:
+        launched = _arg(args, "--nnodes") or "1"
+        if int(launched) != nodes:
             problems.append(
-                f"{where}: --nnodes {_flag(args, '--nnodes', '1')} is not its job's {nodes} node(s)"
+                f"{where}: --nnodes {launched} is not its job's {nodes} node(s)"
                 + ("" if pool["name"] == TRAINER_POOL else f" (the {pool['name']} pool runs one container on one host)")
             )
         gpus = variables.get("gpus")
-        nproc = _flag(args, "--nproc-per-node", "gpu")
+        nproc = _arg(args, "--nproc-per-node") or "gpu"
         if isinstance(gpus, int) and gpus > 0 and nproc != str(gpus):
             problems.append(f"{where}: --nproc-per-node {nproc} is not its {gpus} GPUs per node")
     return problems

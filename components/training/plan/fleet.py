@@ -167,10 +167,11 @@ def plan_fleet(cfg: Config, policy: Params, d: Decoder, gpu: Gpu, train_gpus: in
     )
 
 
-def fleet_lines(cfg: Config, policy: Params, d: Decoder, gpu: Gpu, nodes: int, gpus: int, mean_tokens: int) -> list:
-    """The rollout side's report: the server, its sampling rate, the GPUs that keep `nodes` x `gpus` training GPUs
-    fed, each figure with its arithmetic."""
-    f = plan_fleet(cfg, policy, d, gpu, nodes * gpus, mean_tokens)
+def fleet_lines(
+    cfg: Config, f: Fleet, policy: Params, d: Decoder, gpu: Gpu, nodes: int, gpus: int, mean_tokens: int
+) -> list:
+    """The rollout side's report of `f` (`plan_fleet`'s): the server, its sampling rate, the GPUs that keep `nodes` x
+    `gpus` training GPUs fed, each figure with its arithmetic."""
     tp = f.tensor_parallel
     per = f" per GPU of {tp}" if tp > 1 else ""
     bound = "compute" if f.compute_bound else f"reads / ({gpu.hbm / 1e12:g} TB/s x {HBM_EFFICIENCY:.0%})"

@@ -148,7 +148,7 @@ def _rollout_side(
     fleet = plan_fleet(cfg, w.policy, w.decoder, gpu, nodes * gpus, mean_tokens)
     servers = max(len(cfg.rollout.urls), math.ceil(fleet.gpus_needed / fleet.tensor_parallel))
     return [
-        *fleet_lines(cfg, w.policy, w.decoder, gpu, nodes, gpus, mean_tokens),
+        *fleet_lines(cfg, fleet, w.policy, w.decoder, gpu, nodes, gpus, mean_tokens),
         *sync_lines(cfg, w.policy, nodes, gpus, link, servers),
     ]
 
