@@ -5,8 +5,9 @@ endpoints replaced by local processes, so that what would break the first GPU ru
     -> `sao teacher serve` (the teacher endpoint) and two `sao engine serve --dtype bfloat16` (the vLLM servers)
     -> torchrun, two gloo ranks: `sao value-pretrain` (distillation, SFT and the critic's pretraining, on the
        preset's own DeepSpeed file, activation checkpointing and micro-batches)
-    -> torchrun: `sao train`, killed at its third step (SAO_FAULTS), after the checkpoint of step 2
-    -> torchrun: `sao train --resume`, from that checkpoint to the last step, the servers rewound
+    -> torchrun: `sao train`, a checkpoint every step, killed in its third step (SAO_FAULTS)
+    -> torchrun: `sao train --resume`, from the newest complete checkpoint (1 or 2: uploads run in the background)
+       to the last step, the servers rewound
 
 Everything else is the preset's: the algorithm, its DeepSpeed config, ZeRO stage, learning rates, the collective
 weight transfer with its overlap and the weights probe, the sealed sandbox. What is shrunk is a `--set` override
@@ -39,10 +40,13 @@ from components.models import build_policy, save_model_dir
 from components.models.tokenizer import config_tokenizer
 from components.rollout.engine_process import EngineProcess, free_port
 from components.sandbox.run import degraded_reason
+from components.training.rl.checkpoint import checkpoint_store
 
 RANKS = 2
 KILL_AT = 3
-"""`sao train` is killed (SIGKILL, `SAO_FAULTS=trainer.step@3`) in its third step, after the checkpoint of step 2."""
+"""`sao train` is killed (SIGKILL, `SAO_FAULTS=trainer.step@3`) in its third step. A checkpoint is saved every step
+and uploaded in the background, one in flight: the save of step 2 waited for step 1's, so step 1's is complete at
+the kill and step 2's may be; the resume must start from whichever is the newest complete one."""
 STEPS = 4
 
 TINY = ModelConfig(
@@ -135,7 +139,7 @@ def shrinks(cfg: Config, model_dir: Path, teacher: str, urls: list[str], publish
         Shrink("rollout.probe_every", 1, "the probe after every version"),
         Shrink("train.max_steps", STEPS, small),
         Shrink("train.batch_size", 8, small),
-        Shrink("train.checkpoint_every", 2, "a checkpoint before the kill"),
+        Shrink("train.checkpoint_every", 1, "a complete checkpoint before the kill"),
         Shrink("train.micro_batch_tokens", 512, "several micro-batches per rank"),
         Shrink("tracking.prometheus_port", 0, "no exporter port to collide with"),
     ]
@@ -179,6 +183,8 @@ class Stage:
     rc: int | None = None
     wall_s: float = 0.0
     log: str = ""
+    checkpoint: int | None = None
+    """The newest complete checkpoint in the store once the stage ended (read after the killed run only)."""
 
 
 def _torchrun(stage: str, preset: str, home: Path, sets: list[str], extra: tuple[str, ...] = ()) -> list[str]:
@@ -285,6 +291,7 @@ def run_rehearse(preset: str, home: Path, log: Callable[[str], None] = print) ->
         "servers": [{"version": h.get("version"), "transfer_group": h.get("transfer_group")} for h in served],
         "wall_s": round(time.perf_counter() - began, 1),
         "carried": {key: _value(cfg, key) for key in CARRIED},
+        "checkpoint_at_kill": stages[1].checkpoint,
         **_training(cfg, home, stages[-1].log),
     }
     result["failures"] = failures(result)
@@ -301,8 +308,11 @@ def failures(result: dict) -> list[str]:
     found = []
     if result["steps_logged"] != list(range(1, STEPS + 1)):
         found.append(f"steps logged {result['steps_logged']}, expected 1..{STEPS} once each")
-    if result["resumed_from"] != KILL_AT - 1:
-        found.append(f"the resume started from {result['resumed_from']}, not the checkpoint of step {KILL_AT - 1}")
+    newest = result["checkpoint_at_kill"]
+    if newest is None or newest < KILL_AT - 2:
+        found.append(f"the kill in step {KILL_AT} left the newest complete checkpoint at {newest}, not {KILL_AT - 2}+")
+    if result["resumed_from"] != newest:
+        found.append(f"the resume started from {result['resumed_from']}, not the newest complete checkpoint {newest}")
     last = result["rows"][-1] if result["rows"] else {}
     if last.get("rollout/transfer_fallbacks") != 0 or not last.get("rollout/publish_bytes"):
         found.append(f"the collective transfer fell back or moved nothing: {last}")
@@ -321,6 +331,7 @@ def _stages(preset: str, home: Path, sets: list[str], work: Path, log: Callable[
     _run(killed, work, log, env={"SAO_FAULTS": f"trainer.step@{KILL_AT}"})
     if killed.rc == 0:
         raise RehearsalFailed(f"rehearse: train: the kill at step {KILL_AT} did not happen (log {killed.log})")
+    killed.checkpoint = checkpoint_store(load_config(preset, sets), home).latest_step()
     resumed = _run(Stage("train-resume", _torchrun("train", preset, home, sets, ("--resume",))), work, log)
     _require(resumed, 0)
     return [pretrain, killed, resumed]
@@ -361,7 +372,10 @@ def summary(result: dict) -> list[str]:
     lines = [f"rehearse {result['preset']}: {result['wall_s']:.0f} s, {result['home']}/rehearse/rehearse.json"]
     lines += [f"  {s['name']:<15} exit {s['rc']:>3}  {s['wall_s']:>6.0f} s  {s['log']}" for s in result["stages"]]
     rows = result["rows"]
-    lines.append(f"  training steps logged: {result['steps_logged']} (killed in step {KILL_AT}, resumed)")
+    lines.append(
+        f"  training steps logged: {result['steps_logged']} (killed in step {KILL_AT}, "
+        f"resumed from {result['resumed_from']}, the newest complete checkpoint then {result['checkpoint_at_kill']})"
+    )
     if rows:
         last = rows[-1]
         medians = [r["rollout/probe_median_abs_diff"] for r in rows if r["rollout/probe_median_abs_diff"] is not None]

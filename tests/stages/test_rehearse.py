@@ -50,6 +50,7 @@ def _result(**changes) -> dict:
     result = {
         "steps_logged": [1, 2, 3, 4],
         "resumed_from": 2,
+        "checkpoint_at_kill": 2,
         "rows": [{"step": 4, **row}],
         "servers": [{"version": 4}, {"version": 4}],
     }
@@ -59,7 +60,9 @@ def _result(**changes) -> dict:
 def test_a_rehearsal_fails_on_each_thing_it_must_show():
     assert failures(_result()) == []
     assert re.search(r"steps logged \[1, 2, 2, 3, 4\]", failures(_result(steps_logged=[1, 2, 2, 3, 4]))[0])
-    assert "resume started from 0" in failures(_result(resumed_from=0))[0]
+    assert "resume started from 1, not the newest complete checkpoint 2" in failures(_result(resumed_from=1))[0]
+    assert failures(_result(resumed_from=1, checkpoint_at_kill=1)) == []  # step 2's upload was still in flight
+    assert "newest complete checkpoint at 0, not 1+" in failures(_result(resumed_from=0, checkpoint_at_kill=0))[0]
     fell_back = {"step": 4, "rollout/transfer_fallbacks": 1.0, "rollout/publish_bytes": 7.8e7}
     assert "fell back" in failures(_result(rows=[{**fell_back, "rollout/probe_failures": 0.0}]))[0]
     probe = {"step": 4, "rollout/transfer_fallbacks": 0.0, "rollout/publish_bytes": 1.0, "rollout/probe_failures": 1}
