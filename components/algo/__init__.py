@@ -16,6 +16,7 @@ from components.algo.gae import (
 )
 from components.algo.losses import (
     DIS_PRESETS,
+    anchor_kl,
     clipped_value_loss,
     dis_policy_loss,
     dis_window_mask,
@@ -31,6 +32,7 @@ from components.algo.reductions import (
 
 __all__ = [
     "DIS_PRESETS",
+    "anchor_kl",
     "RunningMeanBaseline",
     "broadcast_sequence_advantages",
     "clipped_value_loss",

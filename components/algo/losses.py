@@ -153,6 +153,19 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
+def anchor_kl(logprobs: Tensor, reference_logprobs: Tensor, action_mask: Tensor) -> Tensor:
+    """The KL anchor (`algo.kl_anchor`): the k3 estimate of KL(current || reference) on the sampled action tokens,
+
+        d_t = reference_logprobs_t - logprobs_t
+        kl  = sum_t mask_t * (exp(d_t) - 1 - d_t) / sum_t mask_t
+
+    differentiable in `logprobs` (d kl / d logprobs_t = (1 - exp(d_t)) / sum mask): it pulls a token's probability
+    toward the reference's from either side, and is 0 where the two agree. The tokens were sampled by the rollout
+    policy, not the current one (GRPO's KL term makes the same approximation)."""
+    _check_same_shape(logprobs=logprobs, reference_logprobs=reference_logprobs, action_mask=action_mask)
+    return _k3_kl(reference_logprobs - logprobs, action_mask)
+
+
 def _k3_kl(log_ratio: Tensor, mask: Tensor) -> Tensor:
     """k3 estimator of KL(rollout || current) from samples of the rollout policy: `(r - 1) - log r`.
 
@@ -173,6 +186,7 @@ def _check_same_shape(**tensors: Tensor) -> None:
 
 __all__ = [
     "DIS_PRESETS",
+    "anchor_kl",
     "clipped_value_loss",
     "dis_policy_loss",
     "dis_window_mask",

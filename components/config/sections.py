@@ -165,6 +165,12 @@ class AlgoConfig:
     lam_length_alpha: NonNegativeFloat = 0.0
     """VAPO's length-adaptive lambda for the policy: each trajectory's lam = 1 - 1 / (alpha * l), l its action tokens,
     clamped to [0, 1] (alpha 0.05 in VAPO: long answers get lam near 1, less bias). 0: `lam_policy` for every row."""
+    kl_anchor: NonNegativeFloat = 0.0
+    """Weight of a KL anchor to the SFT policy in the policy loss: `kl_anchor * KL(policy || SFT)`, k3 on the sampled
+    action tokens (docs/design.md section 2), so the policy keeps sampling what the SFT policy wrote (the style
+    experiment's other styles after a preference flip). Each policy rank holds a frozen copy of the SFT policy and
+    runs its forward on its rows every step; refused under ZeRO-3 (the copy is not partitioned). Logged as
+    `policy/kl_anchor`. 0: off (the method as the paper states it)."""
     routing_replay: Literal["off", "r3"] = "off"
     """Rollout routing replay for an MoE policy: "r3" has the engine record each token's experts per layer into the
     trajectory and the policy's forward in training route those tokens to them (components/models/routing.py); the

@@ -64,6 +64,8 @@ class Experiment:
 
 
 STEPS_PER_PHASE = 60
+STYLE_KL_ANCHOR = 0.1
+"""`algo.kl_anchor` of style-shift's anchored arms."""
 
 FORCED_LAG = (
     # Updates run ahead of their rollouts: 64 episodes in flight for batches of 16 (the preset: 16), up to 8 versions
@@ -118,10 +120,19 @@ EXPERIMENTS: dict[str, Experiment] = {
     ),
     "style-shift": Experiment(
         "(f) after a reward preference flips, the critic re-aligns while the running mean lags",
-        (Arm("sao"), Arm("sao-running-mean", ('train.algo="sao-running-mean"',))),
+        (
+            Arm("sao"),
+            Arm("sao-running-mean", ('train.algo="sao-running-mean"',)),
+            # Exploration kept: a KL anchor to the SFT policy, which writes all three styles (one weight, not tuned).
+            Arm("sao-kl-anchor", (f"algo.kl_anchor={STYLE_KL_ANCHOR}",)),
+            Arm("sao-running-mean-kl-anchor", ('train.algo="sao-running-mean"', f"algo.kl_anchor={STYLE_KL_ANCHOR}")),
+        ),
         seeds=3,
         overrides=(
             'env.name="style"',
+            # Partial credit as an LLM judge gives it (components/envs/style.py): a policy that mixes in the new
+            # style is rewarded for it, so a flip leaves something to learn from.
+            'env.judge="graded"',
             f'env.preference_schedule="{schedule(STEPS_PER_PHASE)}"',
             f"train.max_steps={STEPS_PER_PHASE * len(STYLES)}",
             # A flip drops the reward by design; the guard would take it for a collapse and roll back across it.

@@ -64,6 +64,7 @@ TRAINER_METRICS = (
     "rollout/evicted",
     "rollout/groups_dropped",
     "policy/advantages_whitened",
+    "policy/kl_anchor",
     "env/preference",
 )
 """Metric names (as logged) exported one-to-one as `sao_<name with / as _>` gauges."""

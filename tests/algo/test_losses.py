@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from components.algo import DIS_PRESETS, clipped_value_loss, dis_policy_loss, ppo_policy_loss
+from components.algo import DIS_PRESETS, anchor_kl, clipped_value_loss, dis_policy_loss, ppo_policy_loss
 
 # Five positions: one non-action token, then four action tokens whose ratios are
 # 0.5 (below the reasoning window 0.7), 1 and 2 (inside), 7 (above 6).
@@ -123,3 +123,20 @@ def test_value_clip_frac_ignores_rounding_inside_the_window():
     mask = torch.ones(4, 64)
     _, metrics = clipped_value_loss(values, old, returns, mask, clip_eps=0.2)
     assert metrics["critic/clip_frac"].item() == 0.0
+
+
+def test_the_kl_anchor_is_k3_toward_the_reference_and_pulls_from_either_side():
+    # Three action tokens and a non-action one. d = reference - current: log(1/2), 0, log 2, and 5 (masked out).
+    #   k3 = e^d - 1 - d: 0.5 - 1 + 0.693147 = 0.193147; 0; 2 - 1 - 0.693147 = 0.306853  -> mean 0.166667
+    #   d k3 / d current = (1 - e^d) / 3: +0.5/3 (above the reference: pushed down by descent), 0, -1/3 (below: up)
+    current = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.1), -6.0]], dtype=torch.float64)
+    reference = current + torch.tensor([[math.log(0.5), 0.0, math.log(2.0), 5.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0]], dtype=torch.float64)
+    current.requires_grad_(True)
+    kl = anchor_kl(current, reference, mask)
+    kl.backward()
+    assert kl.item() == pytest.approx((0.193147 + 0.306853) / 3, abs=1e-6)
+    torch.testing.assert_close(current.grad, torch.tensor([[0.5 / 3, 0.0, -1.0 / 3, 0.0]], dtype=torch.float64))
+    assert anchor_kl(reference, reference, mask).item() == 0.0  # no pull where the policy is the reference
+    with pytest.raises(ValueError, match="reference_logprobs shape"):
+        anchor_kl(current, reference[:, :2], mask)

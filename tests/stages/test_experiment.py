@@ -51,6 +51,13 @@ def test_the_experiments_set_what_their_claims_need():
     style = dict(arm_configs("style-shift", "tiny-cpu", []))
     assert {cfg.env.name for cfg in style.values()} == {"style"}
     assert all(cfg.train.max_steps == 180 and cfg.train.collapse_guard == "off" for cfg in style.values())
+    assert {cfg.env.judge for cfg in style.values()} == {"graded"}
+    assert {name: (cfg.train.algo, cfg.algo.kl_anchor) for name, cfg in style.items()} == {
+        "sao": ("sao", 0.0),
+        "sao-running-mean": ("sao-running-mean", 0.0),
+        "sao-kl-anchor": ("sao", 0.1),
+        "sao-running-mean-kl-anchor": ("sao-running-mean", 0.1),
+    }
 
 
 def test_each_study_of_an_experiment_keeps_its_own_table():

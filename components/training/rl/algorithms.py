@@ -81,6 +81,8 @@ class AlgoSettings:
     """Whiten the policy's advantages while the updated critic's explained variance is below this (None: never)."""
     lam_length_alpha: float = 0.0
     """VAPO's length-adaptive lambda for the policy (`algo.gae.length_adaptive_lambda`); 0: `lam_policy`."""
+    kl_anchor: float = 0.0
+    """Weight of the KL anchor to the SFT policy (`algo.kl_anchor`; the batch then holds `reference_logprobs`)."""
     advantage: Advantage = "gae"
     """The algorithm's advantage estimator (`Algorithm.advantage`)."""
     loss: Loss = "dis"
@@ -106,6 +108,7 @@ def settings_from(cfg: Config) -> AlgoSettings:
         skip_observations=cfg.algo.skip_observations,
         whiten_below_ev=cfg.algo.whiten_below_ev,
         lam_length_alpha=cfg.algo.lam_length_alpha,
+        kl_anchor=cfg.algo.kl_anchor,
         advantage=algorithm.advantage,
         loss=algorithm.loss,
     )

@@ -46,6 +46,7 @@ from components.training.engines.engine import init_single_process_group
 from components.training.engines.loading import initial_critic, load_model, open_engine, train_dtype
 from components.training.engines.settings import EngineSettings
 from components.training.rl.algorithms import ALGORITHMS, AlgoSettings
+from components.training.rl.passes import reference_logprobs
 from components.training.rl.placement import Apart, Placement, StepWork, Together
 from components.training.rl.step import train_step
 
@@ -78,6 +79,11 @@ class Learner:
         }
         configs = {name: s.deepspeed() for name, s in settings.items()}
         self.dtype = train_dtype(configs["policy"])
+        if self.settings.kl_anchor and (configs["policy"] or {}).get("zero_optimization", {}).get("stage", 0) == 3:
+            raise ValueError(
+                f"algo.kl_anchor: {self.settings.kl_anchor} holds a whole copy of the SFT policy on every rank, which ZeRO "
+                "stage 3 (the policy's DeepSpeed config) partitions to fit; set algo.kl_anchor = 0 or use stage 0-2"
+            )
         apart = self._apart(tc)
         roles = {"policy", "critic"} if apart is None else {apart.role}
         whole = apart is None
@@ -89,6 +95,10 @@ class Learner:
             if cfg.algo.routing_replay == "r3":  # the policy's forwards route recorded tokens as the engine did
                 routes_shape(policy_model)
                 enable_replay(policy_model)
+        self.reference = None
+        """The frozen SFT policy of `algo.kl_anchor` on the ranks that train the policy (None: no anchor)."""
+        if self.settings.kl_anchor and policy_model is not None:
+            self.reference = self._reference()
         self.policy = self.critic = None
         if self.algorithm.uses_critic and "critic" in roles:
             critic_model = load_model(
@@ -106,6 +116,12 @@ class Learner:
             )
         self.comm = from_environment()  # the DeepSpeed engines initialised torch.distributed
         self.placement: Placement = apart or Together(self.comm)
+
+    def _reference(self) -> nn.Module:
+        """A frozen copy of the SFT policy in the trainer's dtype on this rank's device."""
+        reference = load_policy(self.sft_dir, self.dtype).to(self.device).eval()
+        reference.requires_grad_(False)
+        return reference
 
     def _apart(self, tc) -> Apart | None:
         """The critic on ranks of its own (`train.critic_ranks`), or None: both models on every rank."""
@@ -229,6 +245,8 @@ class Learner:
         """This rank's part of a step (its rows, on this rank's device, at the learning rates' scale)."""
         torch.set_num_threads(self.threads)  # per thread: the engine thread keeps its own budget
         rows = {k: v.to(self.device) for k, v in work.rows.items()}
+        if self.reference is not None and work.update_policy:
+            rows["reference_logprobs"] = reference_logprobs(self.reference, rows, self.settings)
         whole = None if work.whole is None else {k: v.to(self.device) for k, v in work.whole.items()}
         for engine in (self.policy, self.critic):
             if engine is not None:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from components.algo import (
+    anchor_kl,
     clipped_value_loss,
     dis_policy_loss,
     explained_variance,
@@ -25,7 +26,7 @@ from components.algo import (
 from components.models.logprobs import TokenStats, head_positions, token_logprobs
 from components.models.routing import replay
 from components.training.engines.collective import SOLO, Collective, global_moments
-from components.training.engines.micro import MicroBatches, TokenWeighted
+from components.training.engines.micro import MicroBatches, TokenWeighted, split_rows
 from components.training.rl.algorithms import AlgoSettings
 from components.training.rl.diagnostics import policy_diagnostics
 
@@ -85,6 +86,9 @@ class PolicyPasses:
             a, adv = mb["action_mask"], micro.take({**self.batch, "advantages": advantages}, i)["advantages"]
             finite = bool(torch.isfinite(logprobs.detach()[a.bool()]).all())
             loss, metrics = LOSSES[s.loss](logprobs, mb, adv, s)
+            if s.kl_anchor:  # toward the SFT policy's log-probs of the same tokens (the learner computed them)
+                kl = anchor_kl(logprobs, mb["reference_logprobs"], a)
+                loss, metrics["policy/kl_anchor"] = loss + s.kl_anchor * kl, kl.detach()
             metrics["policy/entropy"] = masked_mean(stats.entropy, a)
             if not policy.accumulate(loss * micro.share(i), last=micro.last(i), finite=finite):
                 return {"policy/grad_norm": policy.apply()}
@@ -102,6 +106,25 @@ class PolicyPasses:
         adv_mean, adv_var = global_moments(advantages, act, self.comm)
         metrics["adv/mean"], metrics["adv/std"] = adv_mean, adv_var.sqrt()
         return metrics
+
+
+@torch.no_grad()
+def reference_logprobs(reference: torch.nn.Module, batch: dict[str, Tensor], s: AlgoSettings) -> Tensor:
+    """`(B, T)` log-probs at `s.temperature` of every token of `batch` under the frozen `reference` (the SFT policy
+    of `algo.kl_anchor`), over row ranges of at most `s.micro_batch_tokens` padded tokens (0 in the other places)."""
+    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device)
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    for rows in split_rows(lengths, s.micro_batch_tokens):
+        width = max(lengths[rows.start : rows.stop])
+        part = {k: batch[k][rows.start : rows.stop, :width] for k in ("input_ids", "attention_mask", "action_mask")}
+        out[rows.start : rows.stop, :width] = token_logprobs(
+            reference,
+            part["input_ids"],
+            s.temperature,
+            part["attention_mask"],
+            positions=head_positions(reference, part["action_mask"]),
+        ).float()
+    return out
 
 
 class Mismatch:
