@@ -52,7 +52,7 @@ def test_the_experiments_set_what_their_claims_need():
     assert {cfg.env.name for cfg in style.values()} == {"style"}
     assert all(cfg.train.max_steps == 180 and cfg.train.collapse_guard == "off" for cfg in style.values())
     assert {cfg.env.judge for cfg in style.values()} == {"graded"}
-    assert {name: (cfg.train.algo, cfg.algo.kl_anchor) for name, cfg in style.items()} == {
+    assert {arm.name: (cfg.train.algo, cfg.algo.kl_anchor) for arm, cfg in style.items()} == {
         "sao": ("sao", 0.0),
         "sao-running-mean": ("sao-running-mean", 0.0),
         "sao-kl-anchor": ("sao", 0.1),
