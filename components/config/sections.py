@@ -228,6 +228,12 @@ class RolloutConfig:
     serve` or vLLM with the worker extension. Required for backend http, empty for embedded."""
     server: Literal["sao", "vllm"] = "sao"
     """Protocol flavour of those servers (the weight-update route and how versions are tagged)."""
+    update_mode: Literal["continue", "drain"] = "continue"
+    """What a weight update does to the requests in flight. "continue": they go on under the new weights, each token
+    tagged with the version that sampled it (the embedded engine recomputes their KV cache between two decode steps;
+    for vLLM the client streams, aborts its requests when an update comes and resumes each from its generated prefix
+    once the load is done: components/rollout/gate.py). "drain": the update waits until they have finished, and
+    admits nothing meanwhile: one version per request, rollout slots idle while the longest runs on."""
     publish_dir: str = ""
     """Directory the trainer writes each new policy version to, as an HF model directory, for the servers to
     load; it must be readable by the servers. Empty: `<home>/published`."""

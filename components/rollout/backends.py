@@ -95,7 +95,11 @@ class EmbeddedRollouts:
         threads: int | None = None,
         dtype: torch.dtype = torch.float32,
         record_routes: bool = False,
+        drain: bool = False,
     ) -> None:
+        self.drain = drain
+        """Updates wait for the sequences in flight to finish (`rollout.update_mode = "drain"`) instead of continuing
+        them on the new weights."""
         self.engine = EmbeddedEngine(
             copy.deepcopy(module).to(dtype),
             tokenizer,
@@ -113,7 +117,7 @@ class EmbeddedRollouts:
 
     async def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
         fault_point("weights.publish")
-        await asyncio.wrap_future(self.engine.load_weights(weights, version))
+        await asyncio.wrap_future(self.engine.load_weights(weights, version, drain=self.drain))
         self.version = version
 
     async def settle(self) -> None:
@@ -202,6 +206,7 @@ class HttpRollouts:
                 default_version=self.version,
                 weights_token=access.weights_token,
                 api_key=access.api_key,
+                update_mode=rc.update_mode,
             )
             for url in rc.urls
         ]
@@ -449,7 +454,14 @@ def open_rollouts(
         )
     backends: dict[str, Callable[[], Rollouts]] = {
         "embedded": lambda: EmbeddedRollouts(
-            module, tokenizer, rc.max_batch, version, engine_threads, getattr(torch, rc.engine_dtype), record_routes
+            module,
+            tokenizer,
+            rc.max_batch,
+            version,
+            engine_threads,
+            getattr(torch, rc.engine_dtype),
+            record_routes,
+            drain=rc.update_mode == "drain",
         ),
         "http": lambda: HttpRollouts(
             rc,

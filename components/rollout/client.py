@@ -11,16 +11,24 @@ differ between the two servers, and so does what a token's version means:
 - vLLM (backend="vllm"): the same calls go through the dev-mode `POST /collective_rpc` to the worker extension
   in `components.rollout.vllm_worker` (`sao_reload_weights`, `sao_join_group`, `sao_receive_weights`), then
   `POST /reset_prefix_cache`. vLLM returns no per-token versions and reloads under running requests, so an update
-  is pause, load, resume (components/rollout/gate.py): new `generate` calls are held while an update is pending,
-  the load waits until this client's requests in flight have been answered, and each response is tagged with
-  the version that was loaded when its request was sent, which is then the version that sampled every token.
-  An update costs the time of the longest request in flight. Requests of other clients of the same server are
-  not held (the trainer's rollouts must be the only ones on it).
+  goes through this client's gate (components/rollout/gate.py): new `generate` calls are held while it is
+  pending, and the load waits until this client's requests in flight have left. With `update_mode="continue"`
+  (the default) they leave at once: each request is streamed, and when an update comes the client stops reading
+  (vLLM aborts a request whose client disconnected), keeps the tokens and log-probs read so far, tagged with the
+  version loaded when that part was sent, and once the load is done sends the prompt plus those tokens for the
+  rest of the budget (vLLM recomputes their KV cache on the new weights: a prefill), tagging the new tokens with
+  the new version. The answer is one `SamplingResult` whose `versions` may hold several versions, as the
+  embedded engine's do. A request with stop strings is not resumed (a stop string spanning the two parts would
+  be missed): it is drained. With `update_mode="drain"` every request is answered before the load, so an update
+  costs the time of the longest request in flight. Requests of other clients of the same server are not held
+  (the trainer's rollouts must be the only ones on it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import dataclass, field
 from typing import Literal
 
 import httpx
@@ -56,6 +64,7 @@ class EngineClient:
         max_connections: int = 256,
         weights_token: str | None = None,
         api_key: str | None = None,
+        update_mode: Literal["continue", "drain"] = "continue",
     ) -> None:
         """`weights_token` goes with the weight routes, `api_key` with the completions (components/rollout/access.py).
         vLLM has one key, its `--api-key`, for whatever it guards, so its weight routes get `api_key` too (0.32
@@ -66,7 +75,10 @@ class EngineClient:
         self.model = model
         self.retries = retries
         self.backend = backend
-        self._gate = VersionGate(default_version)  # vLLM's requests and updates go through it (module docstring)
+        self.update_mode = update_mode
+        """What an update does to the requests in flight (`rollout.update_mode`; module docstring)."""
+        # vLLM's requests and updates go through it (module docstring)
+        self._gate = VersionGate(default_version, preempts=update_mode == "continue")
         self._group: str | None = None  # vLLM: the transfer group this client formed with the server
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, limits=limits)
@@ -122,11 +134,53 @@ class EngineClient:
             # vLLM drops stop tokens from the output unless asked; the trajectory needs them as action tokens.
             body["include_stop_str_in_output"] = True
             body["skip_special_tokens"] = False
+            if self.update_mode == "continue" and not request.stop:
+                return await self._continued(request, body)
             async with self._gate.request() as version:  # held while an update is pending
                 data = await self._post("/v1/completions", body, self._api_headers)
             return parse_completion(data, request.prompt_ids, version)
         data = await self._post("/v1/completions", body, self._api_headers)
         return parse_completion(data, request.prompt_ids, self.default_version)
+
+    async def _continued(self, request: SamplingRequest, body: dict) -> SamplingResult:
+        """vLLM, continue mode: the request streamed in parts, each sent through the gate with the tokens so far
+        appended to the prompt, until one ends (module docstring)."""
+        out = _Parts()
+        while True:
+            async with self._gate.request() as version:  # held while an update is pending
+                preempt = self._gate.preempt  # taken on entering: the next update sets it
+                left = request.max_tokens - len(out.token_ids)
+                if left <= 0:  # every token came, the finish reason did not: the budget is what ended it
+                    return SamplingResult(out.token_ids, out.logprobs, out.versions, "length", request.prompt_ids)
+                part = {**body, "prompt": request.prompt_ids + out.token_ids, "max_tokens": left, "stream": True}
+                if out.token_ids and request.seed is not None:  # a fresh draw for the rest, not the first part's again
+                    part["seed"] = (request.seed + len(out.token_ids)) % 2**63
+                reason = await _until(self._stream(part, out, version), preempt)
+            if reason is not None:
+                return SamplingResult(out.token_ids, out.logprobs, out.versions, reason, request.prompt_ids)
+            out.parts += 1
+
+    async def _stream(self, body: dict, out: _Parts, version: int) -> str:
+        """Stream one completion, appending each chunk's tokens to `out` (tagged `version`) as it arrives; returns
+        the finish reason. A connection refused before any byte is retried as `_post` does."""
+        delay = 0.2
+        for attempt in range(self.retries + 1):
+            try:
+                async with self._http.stream("POST", "/v1/completions", json=body, headers=self._api_headers) as r:
+                    if r.status_code >= 400:
+                        await r.aread()
+                        raise EngineError(r.status_code, _error_message(r))
+                    async for line in r.aiter_lines():
+                        reason = out.add(line, version)
+                        if reason is not None:
+                            return reason
+                raise EngineError(502, "completion stream: ended without a finish_reason")
+            except _RETRYABLE:
+                if attempt == self.retries:
+                    raise
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
 
     async def publish_weights(self, path: str, version: int, rewind: bool = False) -> None:
         """Load the weights at `path` as `version`; `rewind` lets the embedded server go back to a version not
@@ -137,6 +191,8 @@ class EngineClient:
         body = {"path": path, "version": version}
         if rewind:  # sent only when set: a server that predates the flag refuses unknown fields
             body["rewind"] = True
+        if self.update_mode == "drain":  # likewise
+            body["drain"] = True
         await self._post("/v1/weights", body, self._weights_headers)
         self.default_version = version
 
@@ -160,6 +216,8 @@ class EngineClient:
             except BaseException:
                 self._group = None  # maybe gone with the server (a restart): the next transfer forms a new one
                 raise
+        if self.update_mode == "drain":
+            body = {**body, "drain": True}
         data = await self._post("/v1/weights/receive", body, self._weights_headers)
         self.default_version = body["version"]
         return data
@@ -226,13 +284,72 @@ class EngineClient:
                 delay *= 2
                 continue
             if response.status_code >= 400:
-                try:
-                    message = response.json().get("error", {}).get("message") or response.text
-                except ValueError:
-                    message = response.text
-                raise EngineError(response.status_code, message)
+                raise EngineError(response.status_code, _error_message(response))
             return response.json() if response.content else {}
         raise AssertionError("unreachable")
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The server's error message in an error response (OpenAI's `{"error": {"message"}}`, else the body)."""
+    try:
+        return response.json().get("error", {}).get("message") or response.text
+    except (ValueError, AttributeError):
+        return response.text
+
+
+@dataclass
+class _Parts:
+    """A continued vLLM request's tokens so far, over its parts (`EngineClient._continued`)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    parts: int = 1
+
+    def add(self, line: str, version: int) -> str | None:
+        """One server-sent-events line of a completion stream: its tokens appended, tagged `version`; returns the
+        finish reason once a chunk carries one. A chunk's tokens are appended whole or not at all."""
+        if not line.startswith("data:"):
+            return None
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return None
+        data = json.loads(payload)
+        if "error" in data:  # vLLM reports a failure inside the stream
+            error = data["error"]
+            raise EngineError(int(error.get("code") or 500), error.get("message") or str(error))
+        reason = None
+        for choice in data.get("choices") or []:
+            ids = choice.get("token_ids") or []
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            if len(logprobs) != len(ids):
+                raise ValueError(
+                    f"choices[0].logprobs.token_logprobs: expected {len(ids)} values in a stream chunk, got "
+                    f"{len(logprobs)} (the server must support return_token_ids)"
+                )
+            self.token_ids += ids
+            self.logprobs += [float(x) for x in logprobs]
+            self.versions += [version] * len(ids)
+            reason = choice.get("finish_reason") or reason
+        if reason is not None and reason not in ("stop", "length", "abort"):
+            raise ValueError(f"choices[0].finish_reason: unexpected value {reason!r}")
+        return reason
+
+
+async def _until(work, preempt: asyncio.Event) -> str | None:
+    """Run the coroutine `work` until it returns or `preempt` is set; None when the preempt came first (the work is
+    cancelled: its stream closed, which aborts the request on the server). Cancelling the caller cancels both."""
+    task, called = asyncio.ensure_future(work), asyncio.ensure_future(preempt.wait())
+    try:
+        await asyncio.wait({task, called}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        return None
+    finally:
+        for pending in (task, called):
+            if not pending.done():
+                pending.cancel()
+        await asyncio.gather(task, called, return_exceptions=True)
 
 
 def health_json(response: httpx.Response) -> dict | None:

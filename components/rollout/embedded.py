@@ -217,8 +217,8 @@ class EmbeddedEngine:
             self._cond.notify()
         return update.future
 
-    async def publish_weights(self, path: str, version: int, rewind: bool = False) -> None:
-        await asyncio.wrap_future(self.load_weights(path, version, rewind))
+    async def publish_weights(self, path: str, version: int, rewind: bool = False, drain: bool = False) -> None:
+        await asyncio.wrap_future(self.load_weights(path, version, rewind, drain=drain))
 
     @property
     def in_flight(self) -> int:

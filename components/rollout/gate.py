@@ -7,14 +7,18 @@ server (`EngineClient` with backend="vllm") puts every request and every weight 
 
 - `request()` waits while an update is pending, counts the request in flight, and gives the version loaded
   when it was sent;
-- `update(version, load)` stops new requests at once, waits until the requests in flight have all been answered
-  (so each finished on the weights it started on), runs the load, and only then lets the held requests go, on
-  the new version. A load that has begun is never abandoned half-way by the gate: if its caller gives up, the
-  gate still waits for the server's answer before it lets requests go.
+- `update(version, load)` stops new requests at once, waits until the requests in flight have all left the gate,
+  runs the load, and only then lets the held requests go, on the new version. A load that has begun is never
+  abandoned half-way by the gate: if its caller gives up, the gate still waits for the server's answer before it
+  lets requests go.
 
-Every token of an answer was therefore sampled by the version the request was sent under, which is the tag. The
-gate counts only this client's requests: it holds for the trainer's client of a server, not for other callers
-of the same server. vLLM 0.32's own `POST /pause?mode=wait` + `POST /resume` do not give the same guarantee:
+How the requests in flight leave is the update mode (`rollout.update_mode`). Draining (`preempts=False`), they
+are answered first, each having run on the weights it started on. Continuing (`preempts=True`), the update sets
+the `preempt` event each request took when it entered: the client (components/rollout/client.py) stops reading
+its stream, which aborts it on the server, keeps the tokens it has, and goes back through the gate to resume from
+them on the new weights. Either way every token a client keeps was sampled while the version it is tagged with
+was loaded, and no token is read across a load. The gate counts only this client's requests: it holds for the
+trainer's client of a server, not for other callers of the same server. vLLM 0.32's own `POST /pause?mode=wait` + `POST /resume` do not give the same guarantee:
 the pause lets running requests drain but keeps requests already queued (or preempted, which frees their KV)
 for after the resume, so they run on the new weights (vllm/v1/core/sched/scheduler.py admits only KV-holding
 requests under `PauseState.PAUSED_NEW`; vllm/v1/engine/core.py `pause_scheduler`), and a request still on its
@@ -45,7 +49,7 @@ class WeightsUnknown(ConnectionError):
 class VersionGate:
     """Requests and weight updates of one server, never overlapping (module docstring)."""
 
-    def __init__(self, version: int = 0) -> None:
+    def __init__(self, version: int = 0, preempts: bool = False) -> None:
         self.version = version
         """The version the server serves, as far as this client loaded it."""
         self.in_flight = 0
@@ -59,6 +63,14 @@ class VersionGate:
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
         self._one = asyncio.Lock()  # one update at a time
+        self.preempts = preempts
+        """An update sets `preempt` to call the requests in flight back (the continue mode), instead of waiting."""
+        self._preempt = asyncio.Event()  # replaced, unset, whenever the gate opens after updates
+
+    @property
+    def preempt(self) -> asyncio.Event:
+        """Set when an update wants the requests in flight to leave (with `preempts`); take it on entering the gate."""
+        return self._preempt
 
     @property
     def pending(self) -> int:
@@ -97,6 +109,8 @@ class VersionGate:
         at once."""
         self._pending += 1
         self._open.clear()
+        if self.preempts:
+            self._preempt.set()
         began = False
 
         async def run() -> T:
@@ -120,6 +134,7 @@ class VersionGate:
             finally:
                 self._pending -= 1
                 if self._pending == 0:
+                    self._preempt = asyncio.Event()  # the requests let in now are called back by the next update
                     self._open.set()
 
         task = asyncio.ensure_future(run())

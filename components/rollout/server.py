@@ -66,6 +66,8 @@ class WeightsRequest(BaseModel):
     version: int = Field(ge=0)
     rewind: bool = False
     """Accept a version not above the one served: only a resumed trainer sends it (components/rollout/backends.py)."""
+    drain: bool = False
+    """Load once the sequences in flight have finished (`rollout.update_mode = "drain"`), not between two steps."""
 
 
 def _error(status: int, message: str, param: str | None, kind: str = "BadRequestError") -> JSONResponse:
@@ -242,7 +244,7 @@ def _add_weight_routes(app: FastAPI, engine: EmbeddedEngine, access: Access, rec
             return _error(403, message, "path", "PermissionDeniedError")
         start = time.perf_counter()
         try:
-            await engine.publish_weights(body.path, body.version, body.rewind)
+            await engine.publish_weights(body.path, body.version, body.rewind, body.drain)
         except (OSError, ValueError, SafetensorError) as exc:  # no file, not weights, wrong shapes, old version
             param = "version" if str(exc).startswith("version") else "path"
             message = str(exc) if str(exc).startswith(param) else f"{param}: {body.path}: {exc}"

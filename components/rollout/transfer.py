@@ -85,6 +85,8 @@ class ReceiveRequest(BaseModel):
     rewind: bool = False
     path: str | None = None
     """What `/health` reports as the weights' path once loaded (a label: nothing is read from it)."""
+    drain: bool = False
+    """Load once the sequences in flight have finished (`rollout.update_mode = "drain"`)."""
     buckets: list[tuple[int, list[tuple[str, str, list[int]]]]]
 
 
@@ -291,7 +293,9 @@ class Receiver:
             except TransferBroken:
                 self._held = None  # the trainer went away or broke off mid-transfer: the group is gone
                 raise
-            load = self.engine.load_weights(tensors, request.version, request.rewind, label=request.path)
+            load = self.engine.load_weights(
+                tensors, request.version, request.rewind, label=request.path, drain=request.drain
+            )
             await asyncio.wrap_future(load)
             return received
 

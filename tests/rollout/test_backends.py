@@ -121,6 +121,27 @@ def test_embedded_rollouts_publish_then_generate(tiny):
         assert torch.equal(tensor, before[name]), name
 
 
+def test_embedded_rollouts_drain_or_continue_as_the_update_mode_says(tiny):
+    """`rollout.update_mode`: a request in flight when a version is published ends on v0 alone when draining, and
+    goes on under v1 when continuing."""
+    model, tokenizer = tiny
+    v1 = _version(model, seed=1)
+
+    async def run(drain: bool):
+        rollouts = EmbeddedRollouts(model, tokenizer, max_batch=4, version=0, threads=1, drain=drain)
+        long = asyncio.create_task(rollouts.engine.generate(_request(tokenizer, 1, max_tokens=200)))
+        while rollouts.engine.in_flight == 0:
+            await asyncio.sleep(0.005)
+        await rollouts.publish(_weights(v1), 1)
+        result = await long
+        await rollouts.close()
+        return result.versions
+
+    drained, continued = asyncio.run(run(True)), asyncio.run(run(False))
+    assert drained == [0] * 200
+    assert continued[0] == 0 and continued[-1] == 1 and continued == sorted(continued)
+
+
 def test_requests_spread_over_both_servers(tiny, serve, tmp_path):
     model, tokenizer = tiny
     a, b = serve(model, tokenizer), serve(model, tokenizer)

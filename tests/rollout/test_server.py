@@ -142,3 +142,28 @@ def test_sao_engine_serve_cli(two_versions):
         }
         choice = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
         assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) > 0
+
+
+def test_the_update_mode_goes_to_the_server_drain_or_continue(two_versions):
+    """`rollout.update_mode` over HTTP: a draining client's update waits for the request in flight, which ends on
+    v0 alone; a continuing client's update lands mid-request, whose tokens then carry v1 after v0."""
+    v0, _, tokenizer, v1_path = two_versions
+    engine = EmbeddedEngine(copy.deepcopy(v0), tokenizer, max_batch=4, max_model_len=256).start()
+    request = SamplingRequest(_prompt(tokenizer), max_tokens=150, temperature=1.0, seed=3, stop_token_ids=())
+
+    async def update_during_a_request(mode: str, version: int):
+        async with EngineClient(url, update_mode=mode) as client:
+            long = asyncio.create_task(client.generate(request))
+            while engine.in_flight == 0:
+                await asyncio.sleep(0.005)
+            await client.publish_weights(str(v1_path), version=version)
+            return await long
+
+    try:
+        with ServerThread(create_app(engine, "tiny")) as url:
+            drained = asyncio.run(update_during_a_request("drain", 1))
+            continued = asyncio.run(update_during_a_request("continue", 2))
+    finally:
+        engine.shutdown()
+    assert drained.versions == [0] * len(drained.token_ids) and engine.version == 2
+    assert continued.versions[0] == 1 and continued.versions[-1] == 2

@@ -241,3 +241,49 @@ def test_a_load_given_up_on_that_the_server_then_refuses_leaves_the_old_version_
         assert await held == 0
 
     asyncio.run(main())
+
+
+def test_a_preempting_update_calls_the_requests_back_and_they_continue_on_the_new_version():
+    """The continue mode: a request in flight watches the `preempt` event it took on entering; the update sets it,
+    the request leaves with what it has, the load runs without waiting for its answer, and the request's second part
+    goes out on v1 with a fresh event that only the next update sets."""
+
+    async def main():
+        gate = VersionGate(0, preempts=True)
+        log: list[str] = []
+        answer = asyncio.Event()
+
+        async def continued() -> list[int]:
+            versions = []
+            while True:
+                async with gate.request() as version:
+                    preempt = gate.preempt
+                    versions.append(version)
+                    log.append(f"part sent v{version}")
+                    called, answered = asyncio.ensure_future(preempt.wait()), asyncio.ensure_future(answer.wait())
+                    await asyncio.wait({called, answered}, return_when=asyncio.FIRST_COMPLETED)
+                    for task in (called, answered):
+                        task.cancel()
+                    if answer.is_set():
+                        log.append(f"answered v{version}")
+                        return versions
+                    log.append(f"called back on v{version}")
+
+        async def load() -> None:
+            log.append("v1 loads")
+
+        request = asyncio.create_task(continued())
+        await settle()
+        first = gate.preempt
+        await gate.update(1, load)  # returns although the request was never answered
+        assert first.is_set() and not gate.preempt.is_set()
+        await settle()
+        answer.set()
+        assert await request == [0, 1]
+        assert log == ["part sent v0", "called back on v0", "v1 loads", "part sent v1", "answered v1"]
+        drain = VersionGate(0)
+        async with drain.request():
+            pass
+        assert not drain.preempts and not drain.preempt.is_set()
+
+    asyncio.run(main())

@@ -51,9 +51,9 @@ def test_filesystem_publish_switches_to_the_new_weights(dense, tokenizer, tmp_pa
 
 @pytest.mark.parametrize("how", TRANSFERS)
 def test_a_request_in_flight_finishes_on_the_weights_it_was_sent_to(how, dense, tokenizer, tmp_path):
-    """v1 is published while a 1500-token request runs on v0: the request finishes on v0 (all its tokens tagged v0,
-    with v0's log-probs), the load waits for it, and a request made while the load is pending waits and then
-    runs on v1, as does one made after."""
+    """`update_mode="drain"`: v1 is published while a 1500-token request runs on v0: the request finishes on v0 (all
+    its tokens tagged v0, with v0's log-probs), the load waits for it, and a request made while the load is pending
+    waits and then runs on v1, as does one made after."""
     url, (v0, v1, _) = dense.urls[0], dense.models
     long_request = requests(tokenizer, 1.0, n=1, max_tokens=LONG, seed=100)[0]
     held_requests = requests(tokenizer, 1.0, n=3, seed=200)
@@ -61,7 +61,7 @@ def test_a_request_in_flight_finishes_on_the_weights_it_was_sent_to(how, dense, 
 
     async def main():
         publish = Publisher(how, tokenizer, tmp_path)
-        async with EngineClient(url, backend="vllm") as client:
+        async with EngineClient(url, backend="vllm", update_mode="drain") as client:
             await publish(client, v0, 0)  # a shared server: another test may have left other weights on it
             done: list[tuple[str, float]] = []
             start = time.monotonic()
@@ -96,6 +96,50 @@ def test_a_request_in_flight_finishes_on_the_weights_it_was_sent_to(how, dense, 
         assert all(r.versions == [1] * len(r.token_ids) for r in results)
         assert logprob_gap(v1, results, 1.0) < 1e-4
         assert logprob_gap(v0, results, 1.0) > 1e-2
+
+
+@pytest.mark.parametrize("how", TRANSFERS)
+def test_a_request_in_flight_continues_on_the_new_weights(how, dense, tokenizer, tmp_path):
+    """`update_mode="continue"` (the default): v1 is published while a 1500-token request runs on v0. The update does
+    not wait for it: the client aborts the request, v1 loads, and the request goes on from its generated prefix. Its
+    answer carries both versions, v0's tokens first, each part's log-probs those of the version that sampled it
+    (v1's teacher-forced on the whole prefix: vLLM recomputed its KV on v1), and it has its whole budget: nothing
+    is lost across the update. A request made while the update is pending runs on v1."""
+    url, (v0, v1, _) = dense.urls[0], dense.models
+    long_request = requests(tokenizer, 1.0, n=1, max_tokens=LONG, seed=100)[0]
+    held_requests = requests(tokenizer, 1.0, n=3, seed=200)
+
+    async def main():
+        publish = Publisher(how, tokenizer, tmp_path)
+        async with EngineClient(url, backend="vllm") as client:
+            assert client.update_mode == "continue"
+            await publish(client, v0, 0)  # a shared server: another test may have left other weights on it
+            done: list[str] = []
+            long = asyncio.create_task(client.generate(long_request))
+            long.add_done_callback(lambda _: done.append("long answered"))
+            await asyncio.sleep(SETTLE_S)
+            update = asyncio.create_task(publish(client, v1, 1))
+            update.add_done_callback(lambda _: done.append("v1 loaded"))
+            await until(lambda: client.updating, what="the update closing the gate")
+            held = [asyncio.create_task(client.generate(r)) for r in held_requests]
+            await update
+            return await long, await asyncio.gather(*held), done
+
+    long_result, held_results, done = asyncio.run(main())
+    versions = long_result.versions
+    switch = versions.index(1) if 1 in versions else len(versions)
+    print(f"{how}: the long request continued at token {switch} of {LONG}; order {done}")
+    assert done[0] == "v1 loaded", done  # the update did not wait for the long request
+    assert long_result.finish_reason == "length" and len(long_result.token_ids) == LONG
+    assert 0 < switch < LONG and versions == [0] * switch + [1] * (LONG - switch)
+    ids = torch.tensor([long_result.prompt_ids + long_result.token_ids])
+    got, start = torch.tensor(long_result.logprobs), len(long_result.prompt_ids)
+    own = [token_logprobs(m, ids, 1.0)[0, start:] for m in (v0, v1)]
+    assert (got[:switch] - own[0][:switch]).abs().max() < 1e-4  # the v0 part: v0's log-probs
+    assert (got[switch:] - own[1][switch:]).abs().max() < 1e-4  # the v1 part: v1's, on the whole prefix
+    assert (got[switch:] - own[0][switch:]).abs().max() > 1e-2  # and not v0's
+    assert all(r.versions == [1] * len(r.token_ids) for r in held_results)
+    assert logprob_gap(v1, held_results, 1.0) < 1e-4
 
 
 def test_without_the_gate_vllm_reloads_under_a_running_request(dense, tokenizer, tmp_path):
