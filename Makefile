@@ -78,7 +78,7 @@ test-slow: $(STAMP)
 # Whole processes SIGKILLed at fault points (components/faults.py) and resumed, servers stopped mid-run
 # (docs/reliability.md).
 test-reliability: $(STAMP)
-	$(PY) -m pytest -q -m reliability tests/reliability
+	$(PY) -m pytest -q -m reliability tests
 
 # make rehearse [GPU_PRESET=qwen3-30b-a3b]: the GPU preset as it is on this CPU, in bf16, the model shrunk and the
 # endpoints local (torchrun on two gloo ranks, value pretraining, RL against two bf16 servers over the collective

@@ -113,6 +113,7 @@ def test_the_critic_on_ranks_of_its_own_trains_what_the_shared_placement_trains(
         assert run["resumed"] == run["metrics"][2] and torch.equal(run["params_resumed"], run["params"]), case
 
 
+@pytest.mark.reliability  # a whole process killed or resumed: make test-reliability (CI runs it)
 def test_sao_train_under_torchrun_checkpoints_and_resumes(seeded_home, prefect_env):
     """`torchrun --nproc-per-node 2 -m components.cli train` with ZeRO-3 for policy and critic: rank 0 runs the
     agent loop and publishes weights gathered from both ranks' partitions; a resumed run continues the version

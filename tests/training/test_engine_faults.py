@@ -102,6 +102,7 @@ def _jsonl_steps(path: Path) -> list[int]:
     return [r["step"] for r in DiskTracker.read(path) if "policy/loss" in r.get("metrics", {})]
 
 
+@pytest.mark.reliability  # a whole process killed or resumed: make test-reliability (CI runs it)
 def test_every_engine_killed_stops_the_run_then_resume_finishes_it(seeded_home, engines, prefect_env):
     """`sao train` exits 2 naming the servers and the wait; restarted on the same ports, `--resume` completes
     versions 1..N, none twice."""

@@ -10,6 +10,7 @@ from components.config import load_config
 from components.stages.train import run_train
 
 
+@pytest.mark.reliability  # a whole process killed or resumed: make test-reliability (CI runs it)
 def test_a_run_resumes_from_s3_alone(tmp_path, seeded_home, s3_env):
     bucket = f"runs-{uuid.uuid4().hex[:12]}"
     boto3.client("s3").create_bucket(Bucket=bucket)

@@ -89,6 +89,7 @@ def test_deepspeed_backend_single_process_matches_the_torch_backend(tmp_path, ti
     assert max((ours[n] - theirs[n]).abs().max().item() for n in ours) < 1e-4
 
 
+@pytest.mark.reliability  # a whole process killed or resumed: make test-reliability (CI runs it)
 def test_kill_9_then_resume_gives_a_contiguous_version_sequence(seeded_home, prefect_env):
     """`sao train` is SIGKILLed after its second checkpoint; `--resume` finishes with versions 1..N, none twice."""
     import signal

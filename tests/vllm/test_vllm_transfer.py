@@ -115,11 +115,13 @@ def test_a_request_in_flight_continues_on_the_new_weights(how, dense, tokenizer,
             assert client.update_mode == "continue"
             await publish(client, v0, 0)  # a shared server: another test may have left other weights on it
             done: list[str] = []
+            start = time.monotonic()
             long = asyncio.create_task(client.generate(long_request))
-            long.add_done_callback(lambda _: done.append("long answered"))
+            long.add_done_callback(lambda _: done.append(f"long answered at {time.monotonic() - start:.2f} s"))
             await asyncio.sleep(SETTLE_S)
+            done.append(f"update requested at {time.monotonic() - start:.2f} s")
             update = asyncio.create_task(publish(client, v1, 1))
-            update.add_done_callback(lambda _: done.append("v1 loaded"))
+            update.add_done_callback(lambda _: done.append(f"v1 loaded at {time.monotonic() - start:.2f} s"))
             await until(lambda: client.updating, what="the update closing the gate")
             held = [asyncio.create_task(client.generate(r)) for r in held_requests]
             await update
@@ -128,8 +130,8 @@ def test_a_request_in_flight_continues_on_the_new_weights(how, dense, tokenizer,
     long_result, held_results, done = asyncio.run(main())
     versions = long_result.versions
     switch = versions.index(1) if 1 in versions else len(versions)
-    print(f"{how}: the long request continued at token {switch} of {LONG}; order {done}")
-    assert done[0] == "v1 loaded", done  # the update did not wait for the long request
+    print(f"{how}: the long request continued at token {switch} of {LONG}; " + ", ".join(done))
+    assert done[1].startswith("v1 loaded") and done[2].startswith("long answered"), done  # the load did not wait
     assert long_result.finish_reason == "length" and len(long_result.token_ids) == LONG
     assert 0 < switch < LONG and versions == [0] * switch + [1] * (LONG - switch)
     ids = torch.tensor([long_result.prompt_ids + long_result.token_ids])
