@@ -154,7 +154,7 @@ gpu-wheels: $(STAMP)
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		--platform any -d .whl $$(grep -v '^deepspeed==' .whl/carried.txt)
 
-# make bench [BENCH=gae|engine|async|loop|sandbox|placement|transfer|senders|updates]
+# make bench [BENCH=gae|engine|async|loop|sandbox|placement|transfer|senders|updates|checkpoint]
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH)
 

@@ -6,6 +6,7 @@ import torch
 
 from bench import (
     async_bench,
+    checkpoint_bench,
     engine_bench,
     gae_bench,
     loop_bench,
@@ -26,6 +27,7 @@ BENCHES = {
     "transfer": transfer_bench.run,
     "senders": senders_bench.run,
     "updates": updates_bench.run,
+    "checkpoint": checkpoint_bench.run,
 }
 
 
