@@ -162,8 +162,9 @@ class EngineClient:
 
     async def _stream(self, body: dict, out: _Parts, version: int) -> str:
         """Stream one completion, appending each chunk's tokens to `out` (tagged `version`) as it arrives; returns
-        the finish reason. A connection refused before any byte is retried as `_post` does."""
-        delay = 0.2
+        the finish reason. A connection that fails before any token came is retried as `_post` does; after, the
+        error is raised (sending the same body again would sample those tokens twice)."""
+        delay, before = 0.2, len(out.token_ids)
         for attempt in range(self.retries + 1):
             try:
                 async with self._http.stream("POST", "/v1/completions", json=body, headers=self._api_headers) as r:
@@ -176,7 +177,7 @@ class EngineClient:
                             return reason
                 raise EngineError(502, "completion stream: ended without a finish_reason")
             except _RETRYABLE:
-                if attempt == self.retries:
+                if attempt == self.retries or len(out.token_ids) > before:
                     raise
                 await asyncio.sleep(delay)
                 delay *= 2

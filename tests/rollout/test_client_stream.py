@@ -73,3 +73,42 @@ def test_until_returns_the_work_or_none_once_called_back_and_cancels_what_is_lef
         assert await running is None and cancelled == [True]  # the stream's reader was closed
 
     asyncio.run(main())
+
+
+def test_a_stream_broken_after_its_first_tokens_is_not_sent_again():
+    """Over real HTTP (uvicorn on loopback): a completion stream that dies after one chunk raises, and the client
+    does not send the same body again (that would sample the chunk's tokens twice); a stream that ends without a
+    finish reason is an error naming it."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from components.rollout.client import EngineClient
+    from components.rollout.protocol import SamplingRequest
+    from components.rollout.server import ServerThread
+
+    calls = []
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        calls.append(body["prompt"])
+
+        async def chunks():
+            yield _chunk([5, 6], [-0.5, -1.0]) + "\n\n"
+            if body["max_tokens"] == 8:  # the first request: the server dies mid-answer
+                raise RuntimeError("the engine died")
+            yield "data: [DONE]\n\n"  # the second: a stream with no finish reason
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    async def main(max_tokens: int):
+        async with EngineClient(url, backend="vllm", retries=3) as client:
+            return await client.generate(SamplingRequest([1, 2, 3], max_tokens=max_tokens))
+
+    with ServerThread(app) as url:
+        with pytest.raises(Exception) as broken:
+            asyncio.run(main(8))
+        assert len(calls) == 1, calls  # not retried once tokens had come
+        assert not isinstance(broken.value, AssertionError)
+        with pytest.raises(EngineError, match="ended without a finish_reason"):
+            asyncio.run(main(9))
