@@ -20,6 +20,7 @@ show that the tiny model learns (a 30B model's learning rates on a random model)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -200,17 +201,23 @@ def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _run(stage: Stage, logs: Path, log: Callable[[str], None], env: dict[str, str] | None = None) -> Stage:
-    """Run `stage.argv` to its end, its output in `logs/<name>.log`."""
+    """Run `stage.argv` to its end, its output in `logs/<name>.log`, in a session of its own: whatever it leaves
+    running is killed with it (a SIGKILLed `sao train` cannot stop the Prefect temporary server it started)."""
     stage.log = str(logs / f"{stage.name}.log")
     log(f"rehearse: {stage.name}: {' '.join(stage.argv[4:8])} ... (log {stage.log})")
     began = time.perf_counter()
     with open(stage.log, "wb") as out:
-        proc = subprocess.Popen(stage.argv, stdout=out, stderr=subprocess.STDOUT, env=_environment(env))
+        proc = subprocess.Popen(
+            stage.argv, stdout=out, stderr=subprocess.STDOUT, env=_environment(env), start_new_session=True
+        )
         try:
             stage.rc = proc.wait(timeout=1800)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGKILL)
             stage.rc = proc.wait()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the stage's leftovers, when it left any
     stage.wall_s = round(time.perf_counter() - began, 1)
     log(f"rehearse: {stage.name}: exit {stage.rc} in {stage.wall_s:.0f} s")
     return stage
