@@ -20,7 +20,6 @@ show that the tiny model learns (a 30B model's learning rates on a random model)
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -201,14 +200,15 @@ def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _run(stage: Stage, logs: Path, log: Callable[[str], None], env: dict[str, str] | None = None) -> Stage:
-    """Run `stage.argv` to its end, its output in `logs/<name>.log`, in a session of its own: whatever it leaves
-    running is killed with it (a SIGKILLed `sao train` cannot stop the Prefect temporary server it started)."""
+    """Run `stage.argv` to its end, its output in `logs/<name>.log`; whatever it leaves running is killed with it (a
+    SIGKILLed `sao train` cannot stop the Prefect temporary server it started)."""
     stage.log = str(logs / f"{stage.name}.log")
     log(f"rehearse: {stage.name}: {' '.join(stage.argv[4:8])} ... (log {stage.log})")
     began = time.perf_counter()
+    marker = f"{stage.name}-{os.getpid()}-{time.monotonic_ns()}"
     with open(stage.log, "wb") as out:
         proc = subprocess.Popen(
-            stage.argv, stdout=out, stderr=subprocess.STDOUT, env=_environment(env), start_new_session=True
+            stage.argv, stdout=out, stderr=subprocess.STDOUT, env=_environment({**(env or {}), LEFTOVER: marker})
         )
         try:
             stage.rc = proc.wait(timeout=1800)
@@ -216,11 +216,30 @@ def _run(stage: Stage, logs: Path, log: Callable[[str], None], env: dict[str, st
             proc.send_signal(signal.SIGKILL)
             stage.rc = proc.wait()
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the stage's leftovers, when it left any
+            kill_leftovers(marker)
     stage.wall_s = round(time.perf_counter() - began, 1)
     log(f"rehearse: {stage.name}: exit {stage.rc} in {stage.wall_s:.0f} s")
     return stage
+
+
+LEFTOVER = "SAO_REHEARSE_STAGE"
+"""Set to a stage's own marker in its environment, which every process it starts inherits (torchrun starts its
+ranks in sessions of their own, so a process group would not hold them)."""
+
+
+def kill_leftovers(marker: str) -> list[int]:
+    """SIGKILL every process of this user whose environment holds `LEFTOVER=marker`; returns their pids."""
+    needle, killed = f"{LEFTOVER}={marker}".encode(), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+        except (OSError, ValueError):  # gone meanwhile, or another user's
+            continue
+    return killed
 
 
 def _tail(path: str, lines: int = 30) -> str:

@@ -76,3 +76,45 @@ def test_sao_rehearse_refuses_a_home_that_is_not_empty(tmp_path, capsys):
         main(["rehearse", "--preset", "qwen3-30b-a3b", "--home", str(tmp_path)])
     assert exited.value.code == 2
     assert f"--home: {tmp_path} is not empty" in capsys.readouterr().err
+
+
+def test_a_stages_leftovers_are_killed_even_in_sessions_of_their_own():
+    """What a killed stage leaves (the Prefect temporary server its rank started, in the rank's own session) carries
+    the stage's marker in its environment: `kill_leftovers` finds and kills it, and nothing without the marker."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from components.stages.rehearse import LEFTOVER, kill_leftovers
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    child = f"import subprocess, time; subprocess.Popen({sleep!r}, start_new_session=True); time.sleep(60)"
+    marked = subprocess.Popen([sys.executable, "-c", child], env={**os.environ, LEFTOVER: "stage-1"})
+    other = subprocess.Popen(sleep, env={**os.environ, LEFTOVER: "stage-2"})
+    try:
+        deadline = time.monotonic() + 30
+        while len(_marked(b"stage-1")) < 2:  # the child, and its own child in a session of its own
+            assert time.monotonic() < deadline, "the grandchild did not start"
+            time.sleep(0.05)
+        grandchild = next(pid for pid in _marked(b"stage-1") if pid != marked.pid)
+        assert os.getsid(grandchild) != os.getsid(marked.pid)
+        assert sorted(kill_leftovers("stage-1")) == sorted([marked.pid, grandchild])
+        assert marked.wait(timeout=10) == -9 and other.poll() is None
+    finally:
+        other.kill()
+        marked.kill()
+
+
+def _marked(marker: bytes) -> list[int]:
+    """The processes whose environment holds the rehearsal's stage `marker`."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if b"SAO_REHEARSE_STAGE=" + marker in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
