@@ -174,7 +174,10 @@ class AlgoConfig:
     routing_replay: Literal["off", "r3"] = "off"
     """Rollout routing replay for an MoE policy: "r3" has the engine record each token's experts per layer into the
     trajectory and the policy's forward in training route those tokens to them (components/models/routing.py); the
-    critic routes itself. The embedded engine records them; vLLM's return of routed experts is not wired yet."""
+    critic routes itself. The embedded engine records them; vLLM returns them in whole answers when started with
+    `--enable-return-routed-experts` (vLLM 0.32: with VLLM_USE_V2_MODEL_RUNNER=1, which needs Triton, a GPU), so
+    `rollout.backend = "http"` needs `rollout.server = "vllm"` and `rollout.update_mode = "drain"`, and a server that
+    returns none is refused at start."""
     skip_observations: bool = True
     """Skip-observation GAE in RL (SAO's): a turn's last action token bootstraps from the next turn's first, over
     the tool's output. False steps GAE through every token between the first and last action token, observations

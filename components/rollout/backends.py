@@ -164,6 +164,7 @@ class HttpRollouts:
         log: Callable[[str], None] = print,
         revive_after_s: float = 2.0,
         probe_timeout_s: float = 5.0,
+        record_routes: bool = False,
     ) -> None:
         if not rc.urls:
             raise ValueError("rollout.urls: at least one engine server URL is needed")
@@ -172,6 +173,8 @@ class HttpRollouts:
         if rc.weight_transfer not in TRANSFERS:
             raise ValueError(f"rollout.weight_transfer: expected one of {list(TRANSFERS)}, got {rc.weight_transfer!r}")
         self.rc, self.tokenizer, self.version, self.log = rc, tokenizer, version, log
+        self.record_routes = record_routes
+        """`algo.routing_replay = "r3"`: every server must return the experts it routed; `start` checks each."""
         # Resolved once: the paths posted to the servers, and those they report back, are compared to it.
         self.publish_dir = Path(publish_dir).resolve()
         self.probe_diff = self.probe_median = 0.0
@@ -230,6 +233,8 @@ class HttpRollouts:
             raise RuntimeError("start: called twice (the starting weights are staged once)")
         health = await self._health()
         self._refuse_foreign(health)
+        if self.record_routes:
+            await self._require_routes(health)
         if self.rc.weight_transfer == "collective":
             self.transport = self._collective(health)
         # The trainer's own weights are published as `version` before any traffic, on a fresh start too: a server
@@ -249,6 +254,18 @@ class HttpRollouts:
         if all(info is None for info in health):
             raise ConnectionError(f"rollout.urls: no engine server answers /health at {', '.join(self.rc.urls)}")
         return health
+
+    async def _require_routes(self, health: list[dict | None]) -> None:
+        """Refuse to start when a server that answers returns no routed experts for a short request (routing replay
+        would silently replay nothing)."""
+        request = probe_requests(self._template.config.vocab_size)[0]
+        for server, info in zip(self.engine.servers, health):
+            if info is not None and (await server.client.generate(request)).routes is None:
+                raise ValueError(
+                    f'algo.routing_replay: "r3" needs every server to return the experts it routed, and {server.url} '
+                    "returned none: start vLLM with --enable-return-routed-experts (vLLM 0.32 also needs "
+                    "VLLM_USE_V2_MODEL_RUNNER=1, whose model runner needs Triton: a GPU)"
+                )
 
     def _refuse_foreign(self, health: list[dict | None]) -> None:
         """Refuse a server ahead of the trainer that did not load that version from `publish_dir` (module docstring)."""
@@ -447,10 +464,13 @@ def open_rollouts(
     """Where episodes are generated (`rollout.backend`): the embedded engine on a copy of `module` in this
     process, or the `rollout.urls` servers, which load each version from `rollout.publish_dir`. `record_routes`:
     the engine records each token's MoE experts (`algo.routing_replay = "r3"`; the embedded engine only)."""
-    if record_routes and rc.backend != "embedded":
+    if record_routes and rc.backend != "embedded" and (rc.server != "vllm" or rc.update_mode != "drain"):
         raise ValueError(
-            f'algo.routing_replay: "r3" needs the engine to record each token\'s experts; the embedded engine does, '
-            f'rollout.backend = "{rc.backend}" servers do not yet (vLLM\'s return of routed experts is not wired)'
+            f'algo.routing_replay: "r3" needs the engine to return each token\'s experts: the embedded engine does, and '
+            f'vLLM does in whole answers (`--enable-return-routed-experts`), so with rollout.backend = "http" it needs '
+            f'rollout.server = "vllm" and rollout.update_mode = "drain" (a continued request streams, and vLLM 0.32 '
+            f'returns no experts in a stream); got rollout.server = "{rc.server}", rollout.update_mode = '
+            f'"{rc.update_mode}"'
         )
     backends: dict[str, Callable[[], Rollouts]] = {
         "embedded": lambda: EmbeddedRollouts(
@@ -471,6 +491,7 @@ def open_rollouts(
             version=version,
             access=Access.from_environment(),
             log=log,
+            record_routes=record_routes,
         ),
     }
     return backends[rc.backend]()

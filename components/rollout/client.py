@@ -27,6 +27,8 @@ differ between the two servers, and so does what a token's version means:
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 from dataclasses import dataclass, field
 from typing import Literal
@@ -396,4 +398,26 @@ def parse_completion(data: dict, prompt_ids: list[int], default_version: int) ->
     reason = choice.get("finish_reason")
     if reason not in ("stop", "length", "abort"):
         raise ValueError(f"choices[0].finish_reason: unexpected value {reason!r}")
-    return SamplingResult(list(token_ids), [float(x) for x in logprobs], list(versions), reason, prompt_ids)
+    routes = routed_experts(choice.get("routed_experts"), len(prompt_ids) + len(token_ids) - 1)
+    return SamplingResult(list(token_ids), [float(x) for x in logprobs], list(versions), reason, prompt_ids, routes)
+
+
+def routed_experts(encoded: str | None, positions: int):
+    """vLLM's `routed_experts` (`--enable-return-routed-experts`: base64 of a `.npy` array `(positions, layers, top_k)`,
+    every input position's experts, the last sampled token never an input) as the int16 tensor `SamplingResult.routes`
+    holds; None when absent. ValueError naming the field when it does not decode to that shape."""
+    if encoded is None:
+        return None
+    import numpy
+    import torch
+
+    try:
+        array = numpy.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    except (ValueError, OSError, TypeError) as exc:
+        raise ValueError(f"choices[0].routed_experts: not a base64 .npy array ({exc})") from exc
+    if array.ndim != 3 or array.shape[0] != positions or array.dtype.kind not in "iu":
+        raise ValueError(
+            f"choices[0].routed_experts: expected integers shaped ({positions}, layers, top_k), got {array.dtype} "
+            f"{tuple(array.shape)}"
+        )
+    return torch.from_numpy(array.astype(numpy.int16))
