@@ -408,6 +408,7 @@ def routed_experts(encoded: str | None, positions: int):
     holds; None when absent. ValueError naming the field when it does not decode to that shape."""
     if encoded is None:
         return None
+    # here, not at the top: the client and the protocol import no tensor library until routes come
     import numpy
     import torch
 
