@@ -23,10 +23,7 @@ and a JSON go to `$SAO_HOME/bench/` (default `.sao/bench/`).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -36,10 +33,10 @@ from pathlib import Path
 
 import torch
 
+from bench import report
 from components.storage.artifacts import STORE_THREADS, ArtifactStore, LocalStore
 from components.training.rl.checkpoint import Checkpointer, CheckpointStore
 
-REPO = Path(__file__).resolve().parents[1]
 BUCKET = "bench"
 
 
@@ -158,9 +155,9 @@ def run(
     every_s = every_s if every_s is not None else float(env("BENCH_CHECKPOINT_EVERY_S", "3"))
     if mb < 1 or files < 1 or saves < 1 or every_s < 0:
         raise SystemExit("checkpoint: mb, files and saves at least 1, every_s at least 0")
-    out = Path(out or Path(env("SAO_HOME", str(REPO / ".sao"))) / "bench")
+    out = report.out_dir(out)
     tensors = payload(mb, files)
-    began, load = datetime.datetime.now(datetime.UTC), os.getloadavg()
+    header = report.Header()
     rows = []
     with tempfile.TemporaryDirectory(prefix="sao-checkpoint-bench-") as tmp, stores(Path(tmp), STORE_THREADS) as made:
         for store_name, make in made.items():
@@ -183,10 +180,7 @@ def run(
                     }
                 )
     result = {
-        "date": began.isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "load_average_at_start": load,
-        "load_average_at_end": os.getloadavg(),
+        **header.fields(),
         "bytes": mb * 10**6,
         "files": files,
         "saves": saves,
@@ -197,13 +191,10 @@ def run(
     text = table(result)
     print(
         f"\n== checkpoints of {mb} MB in {files} files, {saves} an arm, one every {every_s:g} s of steps; load average "
-        f"{load[0]:.2f} at the start, {result['load_average_at_end'][0]:.2f} at the end =="
+        f"{header.load[0]:.2f} at the start, {result['load_average_at_end'][0]:.2f} at the end =="
     )
     print(text)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "checkpoint.md").write_text(text + "\n")
-    (out / "checkpoint.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"  written: {out / 'checkpoint.md'}, {out / 'checkpoint.json'}")
+    report.write(out, "checkpoint", text, result)
     return result
 
 

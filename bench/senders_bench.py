@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -36,10 +34,10 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 
+from bench import report
 from components.rollout.engine_process import free_port
 from components.rollout.pairs import complete, pair_group, post
 
-REPO = Path(__file__).resolve().parents[1]
 IN_FLIGHT = 2
 TIMEOUT_S = 300.0
 
@@ -123,9 +121,9 @@ def run(
     rounds = rounds or int(env("BENCH_SENDERS_ROUNDS", "5"))
     if 1 not in senders or min(senders) < 1 or mb < 1 or bucket_mb < 1 or rounds < 1:
         raise SystemExit("senders: positive counts including 1 (the baseline); mb, bucket_mb, rounds: at least 1")
-    out = Path(out or Path(env("SAO_HOME", str(REPO / ".sao"))) / "bench")
+    out = report.out_dir(out)
     sizes = buckets_of(mb * 10**6, bucket_mb * 10**6)
-    began, load = datetime.datetime.now(datetime.UTC), os.getloadavg()
+    header = report.Header()
     samples: dict[int, list[float]] = {k: [] for k in senders}
     for order in (senders, tuple(reversed(senders))):
         for k in order:
@@ -147,10 +145,7 @@ def run(
             }
         )
     result = {
-        "date": began.isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "load_average_at_start": load,
-        "load_average_at_end": os.getloadavg(),
+        **header.fields(),
         "bytes": sum(sizes),
         "bucket_bytes": bucket_mb * 10**6,
         "rounds": rounds,
@@ -159,14 +154,11 @@ def run(
     text = table(result)
     print(
         f"\n== one version of {sum(sizes) / 1e6:.0f} MB in {len(sizes)} buckets to one receiver, from 1..k senders over "
-        f"gloo pairs: {2 * rounds} rounds an arm; load average {load[0]:.2f} at the start, "
+        f"gloo pairs: {2 * rounds} rounds an arm; load average {header.load[0]:.2f} at the start, "
         f"{result['load_average_at_end'][0]:.2f} at the end =="
     )
     print(text)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "senders.md").write_text(text + "\n")
-    (out / "senders.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"  written: {out / 'senders.md'}, {out / 'senders.json'}")
+    report.write(out, "senders", text, result)
     return result
 
 

@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -50,13 +49,13 @@ import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 from transformers.utils import logging as hf_logging
 
+from bench import report
 from components.config import RolloutConfig, load_config
 from components.models import build_policy, config_tokenizer, save_model_dir
 from components.rollout.backends import HttpRollouts
 from components.rollout.engine_process import EngineProcess, free_port
 from components.rollout.pairs import broadcast, pair_group
 
-REPO = Path(__file__).resolve().parents[1]
 SERVERS = 2
 NOISE = 0.01
 """Scale of the noise each version adds to the model's weights (random weights per version, a sane model)."""
@@ -271,13 +270,13 @@ def run(
     versions = versions if versions is not None else int(os.environ.get("BENCH_TRANSFER_VERSIONS", "10"))
     warmup = warmup if warmup is not None else int(os.environ.get("BENCH_TRANSFER_WARMUP", "1"))
     buckets_mb = buckets_mb or tuple(int(b) for b in _env_list("BENCH_TRANSFER_BUCKETS_MB", "512,64"))
-    out = Path(out or Path(os.environ.get("SAO_HOME", REPO / ".sao")) / "bench")
+    out = report.out_dir(out)
     if versions < 1 or not buckets_mb:
         raise SystemExit("versions: at least 1; buckets_mb: at least one bucket size")
     threads, bars = torch.get_num_threads(), hf_logging.is_progress_bar_enabled()
     torch.set_num_threads(1)  # the trainer's share, as each server's
     hf_logging.disable_progress_bar()  # save_pretrained's bar, once per filesystem version
-    began, load = datetime.datetime.now(datetime.UTC), os.getloadavg()
+    header = report.Header(_cpu())
     try:
         with tempfile.TemporaryDirectory(prefix="transfer-bench-") as work:
             timed = [_time_model(name, Path(work), versions, warmup, tuple(buckets_mb)) for name in models]
@@ -286,10 +285,7 @@ def run(
         if bars:
             hf_logging.enable_progress_bar()
     result = {
-        "date": began.isoformat(timespec="seconds"),
-        "machine": f"{_cpu()}, {os.cpu_count()} cores, {platform.platform()}",
-        "load_average_at_start": load,
-        "load_average_at_end": os.getloadavg(),
+        **header.fields(),
         "versions": versions,
         "warmup": warmup,
         "servers": SERVERS,
@@ -299,7 +295,7 @@ def run(
     text = table(result)
     print(
         f"\n== weight transfer to {SERVERS} sao engine servers: {versions} versions an arm after {warmup} of warm-up, "
-        f"arms interleaved; load average {load[0]:.2f} at the start, {result['load_average_at_end'][0]:.2f} at the end =="
+        f"arms interleaved; load average {header.load[0]:.2f} at the start, {result['load_average_at_end'][0]:.2f} at the end =="
     )
     print(text)
     for model in result["models"]:
@@ -316,10 +312,7 @@ def run(
             f"{bare['reused']:.3f} s into a reused buffer, {bare['fresh']:.3f} s allocating it as the transport does "
             "(one server; a floor for each of the collective's two)"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "transfer.md").write_text(text + "\n")
-    (out / "transfer.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"  written: {out / 'transfer.md'}, {out / 'transfer.json'}")
+    report.write(out, "transfer", text, result)
     return result
 
 

@@ -20,10 +20,7 @@ Flags (or `BENCH_UPDATES_*` under `make bench`): `--seconds 20`, `--period 1.0`,
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import random
 import statistics
 import threading
@@ -32,12 +29,11 @@ from pathlib import Path
 
 import torch
 
+from bench import report
 from components.config import load_config
 from components.models import build_policy, config_tokenizer
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.protocol import SamplingRequest
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def pareto_lengths(n: int, alpha: float, low: int, high: int, seed: int = 0) -> list[int]:
@@ -126,13 +122,13 @@ def run(
     alpha = alpha or float(env("BENCH_UPDATES_ALPHA", "1.2"))
     min_tokens = min_tokens or int(env("BENCH_UPDATES_MIN_TOKENS", "8"))
     max_tokens = max_tokens or int(env("BENCH_UPDATES_MAX_TOKENS", "384"))
-    out = Path(out or Path(env("SAO_HOME", str(REPO / ".sao"))) / "bench")
+    out = report.out_dir(out)
     cfg = load_config("tiny-cpu").model
     tokenizer = config_tokenizer(cfg.tokenizer)
     model = build_policy(cfg, tokenizer, seed=0).eval()
     lengths = pareto_lengths(100_000, alpha, min_tokens, max_tokens)
     threads = torch.get_num_threads()
-    began, load = datetime.datetime.now(datetime.UTC), os.getloadavg()
+    header = report.Header()
     runs: dict[str, list[dict]] = {"continue": [], "drain": []}
     try:
         for drain in (False, True, True, False):
@@ -148,10 +144,7 @@ def run(
     for arm in arms:
         arm["vs_continue"] = arms[0]["tokens_per_s"] / arm["tokens_per_s"]
     result = {
-        "date": began.isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "load_average_at_start": load,
-        "load_average_at_end": os.getloadavg(),
+        **header.fields(),
         "settings": {
             "seconds": seconds,
             "period": period,
@@ -168,14 +161,11 @@ def run(
     print(
         f"\n== weight updates every {period:g} s on an engine of {slots} slots, lengths Pareto({alpha:g}) from "
         f"{min_tokens} capped at {max_tokens} (mean {statistics.mean(lengths):.0f}, median "
-        f"{statistics.median(lengths):.0f}): {seconds:g} s an arm, twice each; load average {load[0]:.2f} at the "
+        f"{statistics.median(lengths):.0f}): {seconds:g} s an arm, twice each; load average {header.load[0]:.2f} at the "
         f"start, {result['load_average_at_end'][0]:.2f} at the end =="
     )
     print(text)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "updates.md").write_text(text + "\n")
-    (out / "updates.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"  written: {out / 'updates.md'}, {out / 'updates.json'}")
+    report.write(out, "updates", text, result)
     return result
 
 

@@ -31,13 +31,13 @@ import base64
 import io
 import json
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import httpx
 
 from components.rollout.access import bearer
 from components.rollout.gate import VersionGate
-from components.rollout.protocol import SamplingRequest, SamplingResult
+from components.rollout.protocol import FinishReason, SamplingRequest, SamplingResult
 
 _RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
 
@@ -334,9 +334,7 @@ class _Parts:
             self.logprobs += [float(x) for x in logprobs]
             self.versions += [version] * len(ids)
             reason = choice.get("finish_reason") or reason
-        if reason is not None and reason not in ("stop", "length", "abort"):
-            raise ValueError(f"choices[0].finish_reason: unexpected value {reason!r}")
-        return reason
+        return reason if reason is None else finish_reason(reason)
 
 
 async def _until(work, preempt: asyncio.Event) -> str | None:
@@ -395,11 +393,16 @@ def parse_completion(data: dict, prompt_ids: list[int], default_version: int) ->
     versions = choice.get("versions") or [default_version] * len(token_ids)
     if len(versions) != len(token_ids):
         raise ValueError(f"choices[0].versions: expected {len(token_ids)} values, got {len(versions)}")
-    reason = choice.get("finish_reason")
-    if reason not in ("stop", "length", "abort"):
-        raise ValueError(f"choices[0].finish_reason: unexpected value {reason!r}")
+    reason = finish_reason(choice.get("finish_reason"))
     routes = routed_experts(choice.get("routed_experts"), len(prompt_ids) + len(token_ids) - 1)
     return SamplingResult(list(token_ids), [float(x) for x in logprobs], list(versions), reason, prompt_ids, routes)
+
+
+def finish_reason(reason) -> str:
+    """`choices[0].finish_reason` when it is one a `SamplingResult` holds; ValueError naming the field otherwise."""
+    if reason not in get_args(FinishReason):
+        raise ValueError(f"choices[0].finish_reason: unexpected value {reason!r}")
+    return reason
 
 
 def routed_experts(encoded: str | None, positions: int):
