@@ -131,7 +131,8 @@ COMMANDS = (
             flag(
                 "--setting",
                 default="default",
-                help="default (the preset's task) or hard (two-call problems, wider mental zone)",
+                help="default (the preset's task), hard (two-call problems, wider mental zone) or paper (hard, a bf16 "
+                "engine, heavy-tailed tool latency, staleness by design, 400 steps)",
             ),
             flag("--quick", action="store_true", help="CI-sized: 2 seeds of a few small steps per arm"),
             flag("--seeds", type=POSITIVE, default=None, help="seeds per arm (default: the experiment's)"),

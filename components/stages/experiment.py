@@ -81,6 +81,19 @@ FORCED_LAG = (
     "train.max_steps=300",
 )
 
+SAFEGUARDS = (
+    # What the public SAO ports added to stay stable (docs/results.md): Lego-RL's 20 critic-only warm-up steps on top of
+    # the pretrained critic, its critic gradient clip of 10 and advantage whitening; unirl's eviction of trajectories
+    # whose oldest token is too many versions behind (half the forced lag's bound); EasyDeL's (VAPO's) length-adaptive
+    # lambda for the policy. One bundle, as the ports run them; not tuned here.
+    "train.critic_warmup_steps=20",
+    "train.critic_grad_clip=10.0",
+    "algo.normalize_advantages=true",
+    "train.max_token_lag=4",
+    "algo.lam_length_alpha=0.05",
+)
+R3 = ('algo.routing_replay="r3"',)
+
 EXPERIMENTS: dict[str, Experiment] = {
     "stability": Experiment(
         "(a) GRPO collapses under policy lag, (b) DIS removes the collapse, (c) SAO pulls ahead of GRPO+DIS",
@@ -91,6 +104,11 @@ EXPERIMENTS: dict[str, Experiment] = {
             Arm("grpo", ('train.algo="grpo"', 'train.group_filter="drop-uniform"')),
             Arm("grpo-dis", ('train.algo="grpo-dis"', 'train.group_filter="drop-uniform"')),
             Arm("sao"),
+            # Routing replay, the safeguards, and both: what the paper's conditions (a bf16 engine, `--setting paper`)
+            # call for; under the default setting's fp32 engine R3 replays routing drift from lag alone.
+            Arm("sao-r3", R3),
+            Arm("sao-safeguards", SAFEGUARDS),
+            Arm("sao-r3-safeguards", (*R3, *SAFEGUARDS)),
             # The control: the same run without the forced lag (the preset's in-flight count, staleness bound and
             # tools), so that a collapse of the lagged arms can be told from one the constant learning rate causes.
             Arm("sao-preset-lag", ("rollout.concurrency=16", "train.max_staleness=2", 'rollout.latency="none"')),
@@ -142,11 +160,37 @@ EXPERIMENTS: dict[str, Experiment] = {
     ),
 }
 
-SETTINGS: dict[str, tuple[str, ...]] = {
-    "default": (),
+@dataclass(frozen=True)
+class Setting:
+    overrides: tuple[str, ...] = ()
+    """Applied before the experiment's own (an experiment keeps what defines it, e.g. stability's forced lag)."""
+    max_steps: int | None = None
+    """RL steps of every arm, after the experiment's overrides (an experiment with preference phases keeps its own
+    length: the phases define it); None: the experiment's or the preset's."""
+
+
+HARD = ('task.kinds=["affine", "two_step"]', "task.teacher_mental_max=2000")
+
+SETTINGS: dict[str, Setting] = {
+    "default": Setting(),
     # Half the problems need two tool calls ((a*b+c)*d), and the teacher answers mentally up to a*b < 2000 (the
     # default: 700), a zone the tiny student can only solve by learning to call the tool there.
-    "hard": ('task.kinds=["affine", "two_step"]', "task.teacher_mental_max=2000"),
+    "hard": Setting(HARD),
+    # The conditions SAO exists for (issue 45, docs/results.md): the hard task, the engine sampling in bf16 for the fp32
+    # trainer (sampler-trainer mismatch, MoE routing flips between the two), tool calls with a heavy-tailed latency
+    # and staleness by design (64 episodes in flight for batches of 16, up to 8 versions old), 400 steps.
+    "paper": Setting(
+        (
+            *HARD,
+            'rollout.engine_dtype="bfloat16"',
+            'rollout.latency="lognormal"',
+            "rollout.latency_mean_s=0.3",
+            "rollout.latency_sigma=1.5",
+            "rollout.concurrency=64",
+            "train.max_staleness=8",
+        ),
+        max_steps=400,
+    ),
 }
 
 QUICK = (
@@ -174,7 +218,10 @@ def arm_configs(
     experiment = experiment_named(name)
     if setting not in SETTINGS:
         raise ValueError(f"--setting: unknown setting {setting!r}; known: {sorted(SETTINGS)}")
-    shared = [*SETTINGS[setting], *experiment.overrides]
+    chosen = SETTINGS[setting]
+    shared = [*chosen.overrides, *experiment.overrides]
+    if chosen.max_steps and not experiment.steps_per_phase:
+        shared.append(f"train.max_steps={chosen.max_steps}")
     if quick:
         shared += [*QUICK, *_quick_phases(experiment)]
     return [(arm, load_config(preset, [*shared, *overrides, *arm.overrides])) for arm in experiment.arms]
@@ -269,4 +316,9 @@ def _reward_curve(home: Path, sweep: str, cfg: Config, seed: int) -> list[float]
 
 def _about(experiment: Experiment, setting: str) -> str:
     """The report's paragraph under its title: the claims measured and the setting's overrides."""
-    return f"Claims: {experiment.claims}. Setting: {setting} ({', '.join(SETTINGS[setting]) or 'the preset task'})."
+    return f"Claims: {experiment.claims}. Setting: {setting} ({', '.join(_setting_overrides(setting)) or 'the preset task'})."
+
+
+def _setting_overrides(setting: str) -> list[str]:
+    chosen = SETTINGS[setting]
+    return [*chosen.overrides, *([f"train.max_steps={chosen.max_steps}"] if chosen.max_steps else [])]

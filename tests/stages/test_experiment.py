@@ -19,8 +19,12 @@ def test_every_arm_is_a_config_of_its_own(name, setting, quick):
     assert len({sweep_name(cfg) for _, cfg in configs}) == len(configs)  # no two arms share their runs
     # The arms differ only where they say they do: one SFT policy for all of them.
     assert len({(cfg.sft, cfg.task, cfg.model, cfg.env.name) for _, cfg in configs}) == 1
-    if setting == "hard":
+    if setting in ("hard", "paper"):
         assert all(cfg.task.kinds == ("affine", "two_step") for _, cfg in configs)
+    if setting == "paper":
+        assert {cfg.rollout.engine_dtype for _, cfg in configs} == {"bfloat16"}
+        steps = {cfg.train.max_steps for _, cfg in configs}
+        assert steps == ({3} if quick else {180} if name == "style-shift" else {400})  # the phases keep their length
 
 
 def test_the_experiments_set_what_their_claims_need():
@@ -29,7 +33,17 @@ def test_the_experiments_set_what_their_claims_need():
     for cfg in stability.values():
         assert cfg.rollout.concurrency == 64 and cfg.train.max_staleness == 8  # preset: 16 and 2
         assert cfg.rollout.latency == "lognormal" and cfg.train.collapse_guard == "off"
-    assert [cfg.train.algo for cfg in stability.values()] == ["grpo", "grpo-dis", "sao"]
+    assert [cfg.train.algo for cfg in stability.values()] == ["grpo", "grpo-dis", "sao", "sao", "sao", "sao"]
+    replayed = {name for name, cfg in stability.items() if cfg.algo.routing_replay == "r3"}
+    guarded = {name for name, cfg in stability.items() if cfg.train.critic_warmup_steps == 20}
+    assert replayed == {"sao-r3", "sao-r3-safeguards"} and guarded == {"sao-safeguards", "sao-r3-safeguards"}
+    guard = stability["sao-r3-safeguards"]
+    assert (guard.train.critic_grad_clip, guard.train.max_token_lag, guard.algo.normalize_advantages) == (10.0, 4, True)
+    assert guard.algo.lam_length_alpha == 0.05 and stability["sao"].algo.lam_length_alpha == 0.0
+    # The paper's conditions: the forced lag's 300 steps become 400, the control keeps the bf16 engine.
+    paper = {arm.name: cfg for arm, cfg in arm_configs("stability", "tiny-cpu", [], "paper")}
+    assert {cfg.train.max_steps for cfg in paper.values()} == {400}
+    assert (paper["sao-preset-lag"].rollout.engine_dtype, paper["sao-preset-lag"].train.max_staleness) == ("bfloat16", 2)
     # The control differs from the sao arm only in the lag.
     assert (control.rollout.concurrency, control.train.max_staleness, control.rollout.latency) == (16, 2, "none")
     assert control.train.collapse_guard == "off" and control.train.min_lr_ratio == stability["sao"].train.min_lr_ratio
@@ -45,7 +59,10 @@ def test_the_experiments_set_what_their_claims_need():
     assert [(c.train.max_staleness, c.train.algo) for c in lagged.values()] == [
         (4, "grpo"),
         (4, "grpo-dis"),
-        (4, "ppo"),  # the sao arm takes the preset's algorithm, which the user changed
+        (4, "ppo"),  # the sao arms take the preset's algorithm, which the user changed
+        (4, "ppo"),
+        (4, "ppo"),
+        (4, "ppo"),
         (2, "ppo"),
     ]
     style = dict(arm_configs("style-shift", "tiny-cpu", []))
