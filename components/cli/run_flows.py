@@ -27,6 +27,7 @@ import flows.train
 import flows.value_pretrain
 from components.cli.errors import input_errors
 from components.cli.prepare import Prepared, prepare
+from components.cli.server_guard import guard_temporary_server
 from components.config import Config
 from components.data.gates import GateFailed
 from components.stages.experiment import arm_configs
@@ -135,8 +136,8 @@ def style_shift(args: argparse.Namespace) -> None:
 
 
 def experiment(args: argparse.Namespace) -> None:
-    home = _start(args).home
     arm_configs(args.name, args.preset, args.overrides, args.setting, args.quick)  # refused before Prefect starts
+    home = _start(args).home
     arms = _names(args.arms) if args.arms else None
     result = flows.experiment.experiment(
         args.name, **_params(args, home), setting=args.setting, quick=args.quick, seeds=args.seeds, arms=arms
@@ -152,9 +153,13 @@ def follow_unless_driver(stage: str, cfg: Config, home: Path, resume: bool = Fal
 
 
 def _start(args: argparse.Namespace) -> Prepared:
-    """The command's config and home (prepare.py); Prefect's console set to keep refused inputs to one line."""
+    """The command's config and home (prepare.py); Prefect's console set to keep refused inputs to one line; on the
+    driver, Prefect's temporary server (when no PREFECT_API_URL) started with a guard that ends it if this process is
+    killed (server_guard.py)."""
     prepared = prepare(args)
     _quiet_expected_tracebacks()
+    if is_driver():
+        guard_temporary_server()
     return prepared
 
 
