@@ -252,6 +252,11 @@ class RolloutConfig:
     under `publish_dir` for them to read; `collective` broadcasts the tensors in buckets over a process group
     with each server (gloo on CPU, NCCL on GPU; `sao engine serve`, or vLLM with one worker per server through the
     worker extension) and writes nothing."""
+    transfer_senders: Literal["rank0", "all"] = "rank0"
+    """Which trainer ranks send each version over the collective transfer: rank 0 alone (it gathers the whole policy
+    and sends every bucket), or every rank that holds the policy, bucket i from rank i mod S over a pair group of
+    its own with each server (components/rollout/senders.py): S links instead of one. Each rank then keeps its share
+    of the last versions packed on the host (1/S of the policy each)."""
     transfer_bucket_mb: PositiveInt = 512
     """Size of one bucket of the collective transfer (tensors are packed up to it; a larger one goes alone)."""
     transfer_address: str = ""
@@ -291,6 +296,13 @@ class RolloutConfig:
                 not self.publish_overlap,
                 "rollout.publish_overlap",
                 "applies to backend='http' servers only (the embedded engine loads between two decode steps)",
+            )
+        if self.transfer_senders != "rank0":
+            require(
+                self.weight_transfer == "collective",
+                "rollout.transfer_senders",
+                f"{self.transfer_senders!r} sends over the collective transfer; rollout.weight_transfer is "
+                f"{self.weight_transfer!r}",
             )
 
 

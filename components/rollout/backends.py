@@ -43,6 +43,7 @@ from components.rollout.client import EngineClient, server_failed
 from components.rollout.embedded import EmbeddedEngine
 from components.rollout.pool import EXCLUDED, EnginePool
 from components.rollout.probe import WeightsMismatch, compare, probe_requests, tolerance_for
+from components.rollout.senders import Share
 from components.rollout.transfer import route_address
 from components.rollout.transports import (
     PUBLISHED,
@@ -79,6 +80,10 @@ class Rollouts(Protocol):
 
     def metrics(self) -> dict[str, float]:
         """At least `rollout/engine_errors`: requests that failed on a dead or crashing engine (cumulative)."""
+
+    def share(self, version: int) -> Share | None:
+        """What the trainer's other ranks stage of `version`, gathering it, to send it themselves (the collective
+        transfer with `rollout.transfer_senders = "all"`: components/rollout/senders.py); None: rank 0 sends all."""
 
     async def close(self) -> None: ...
 
@@ -126,6 +131,9 @@ class EmbeddedRollouts:
     def metrics(self) -> dict[str, float]:
         return {"rollout/engine_errors": 0.0}
 
+    def share(self, version: int) -> None:
+        return None  # the engine loads the trainer's tensors in memory
+
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.shutdown)  # joins the engine thread
 
@@ -165,6 +173,7 @@ class HttpRollouts:
         revive_after_s: float = 2.0,
         probe_timeout_s: float = 5.0,
         record_routes: bool = False,
+        senders: int = 1,
     ) -> None:
         if not rc.urls:
             raise ValueError("rollout.urls: at least one engine server URL is needed")
@@ -175,6 +184,8 @@ class HttpRollouts:
         self.rc, self.tokenizer, self.version, self.log = rc, tokenizer, version, log
         self.record_routes = record_routes
         """`algo.routing_replay = "r3"`: every server must return the experts it routed; `start` checks each."""
+        self.senders = senders
+        """Trainer ranks that send each version over the collective transfer (`rollout.transfer_senders`)."""
         # Resolved once: the paths posted to the servers, and those they report back, are compared to it.
         self.publish_dir = Path(publish_dir).resolve()
         self.probe_diff = self.probe_median = 0.0
@@ -295,6 +306,7 @@ class HttpRollouts:
             fallback if rc.transfer_fallback else None,
             self.log,
             backend,
+            self.senders,
         )
 
     def _stage_starting_weights(self) -> str:
@@ -335,6 +347,9 @@ class HttpRollouts:
             self._pending = asyncio.create_task(self._send(weights, version, began, label))
             if not self.rc.publish_overlap:
                 await self.settle()
+
+    def share(self, version: int) -> Share | None:
+        return self.transport.share(version)
 
     async def settle(self) -> None:
         """Wait for the version in transfer (if any) to reach every live server; raises what the transfer raised."""
@@ -460,10 +475,12 @@ def open_rollouts(
     engine_threads: int,
     log: Callable[[str], None] = print,
     record_routes: bool = False,
+    senders: int = 1,
 ) -> Rollouts:
     """Where episodes are generated (`rollout.backend`): the embedded engine on a copy of `module` in this
     process, or the `rollout.urls` servers, which load each version from `rollout.publish_dir`. `record_routes`:
-    the engine records each token's MoE experts (`algo.routing_replay = "r3"`; the embedded engine only)."""
+    the engine records each token's MoE experts (`algo.routing_replay = "r3"`); `senders`: the trainer ranks that send
+    each version over the collective transfer."""
     if record_routes and rc.backend != "embedded" and (rc.server != "vllm" or rc.update_mode != "drain"):
         raise ValueError(
             f'algo.routing_replay: "r3" needs the engine to return each token\'s experts: the embedded engine does, and '
@@ -492,6 +509,7 @@ def open_rollouts(
             access=Access.from_environment(),
             log=log,
             record_routes=record_routes,
+            senders=senders,
         ),
     }
     return backends[rc.backend]()

@@ -75,6 +75,8 @@ class GroupRequest(BaseModel):
     port: int = Field(ge=1, le=65535)
     backend: str = "gloo"
     timeout_s: float = Field(60.0, gt=0)
+    senders: int = Field(1, ge=1)
+    """The trainer's ranks that send (components/rollout/senders.py): the server forms a pair group with each."""
 
 
 class ReceiveRequest(BaseModel):
@@ -87,6 +89,9 @@ class ReceiveRequest(BaseModel):
     """What `/health` reports as the weights' path once loaded (a label: nothing is read from it)."""
     drain: bool = False
     """Load once the sequences in flight have finished (`rollout.update_mode = "drain"`)."""
+    senders: int = Field(1, ge=1)
+    """Bucket i comes from sender i mod `senders`, over the held group's member of that index (at most the members
+    it holds: a version the trainer's other ranks did not stage comes from rank 0 alone)."""
     buckets: list[tuple[int, list[tuple[str, str, list[int]]]]]
 
 
@@ -168,16 +173,27 @@ def bucket_layout(buckets: list) -> list[Bucket]:
 
 @dataclass
 class Held:
-    """One side's transfer group: its id, the process group, the store it was formed over, its timeout."""
+    """One side's transfer group: its id, its pair groups (a server holds one per sender of the trainer's; a sender
+    its own), the store it was formed over, its timeout."""
 
     id: str
-    group: object
+    groups: list
     store: object = None
     timeout_s: float = 60.0
+
+    @property
+    def group(self):
+        """The first pair group (the only one where one rank sends)."""
+        return self.groups[0]
 
     def device(self, gpu: torch.device) -> torch.device:
         """Where this side receives its buckets: on `gpu` over an NCCL group, else on the CPU."""
         return gpu if is_nccl(self.group) else CPU
+
+
+def member(group: str, index: int, senders: int) -> str:
+    """The pair group between sender `index` of `senders` and a server, within the transfer group `group`."""
+    return group if senders == 1 else f"{group}.{index}"
 
 
 def joined_key(group: str) -> str:
@@ -190,14 +206,18 @@ def ready_key(group: str, version: int) -> str:
 
 def join_group(request: GroupRequest) -> Held:
     """A server's side (rank 1) of `request.group`: join the trainer's store, set the joined key (the trainer forms its
-    side once it is there), form the group (once both have). RuntimeError or ValueError when it cannot."""
+    side once it is there), form a pair group with each of the `request.senders` senders, in their order (each once
+    both sides have). RuntimeError or ValueError when it cannot."""
     timeout = datetime.timedelta(seconds=request.timeout_s)
     store = TCPStore(request.address, request.port, None, False, timeout=timeout)
     store.set(joined_key(request.group), "1")
     # gloo binds this side's pair sockets on the interface that reaches the trainer
     host = "127.0.0.1" if request.address in ("127.0.0.1", "localhost") else _own_address(request)
-    group = pair_group(store, request.group, 1, request.backend, host, request.timeout_s)
-    return Held(request.group, group, store, request.timeout_s)
+    groups = [
+        pair_group(store, member(request.group, index, request.senders), 1, request.backend, host, request.timeout_s)
+        for index in range(request.senders)
+    ]
+    return Held(request.group, groups, store, request.timeout_s)
 
 
 # ---- the receiving side -------------------------------------------------------------------------------------
@@ -214,39 +234,45 @@ class TransferBroken(RuntimeError):
 
 
 def receive_buckets(
-    group,
+    groups,
     buckets: list[Bucket],
     load: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
     timeout_s: float,
     device: torch.device = CPU,
     allocate: Callable[[int], torch.Tensor] | None = None,
 ) -> int:
-    """Receive `buckets` (checked by `bucket_layout`) over `group`, each into a buffer of its own from `allocate(size)`
+    """Receive `buckets` (checked by `bucket_layout`) over `groups` (one pair group, or a list: bucket i over
+    `groups[i % len(groups)]`, from the sender of that index), each into a buffer of its own from `allocate(size)`
     (default: uint8 on `device`), and hand each bucket's (name, tensor) pairs, viewed out of it, to `load` once it
-    has arrived, the next bucket already posted (module docstring); returns the bytes received. Each bucket must
-    arrive within `timeout_s` of being awaited. When `load` raises, the rest are still received (so the trainer's
-    broadcast ends) and its exception raised after them; when the group fails, it is aborted: TransferBroken."""
+    has arrived, the next bucket from every sender already posted (module docstring); returns the bytes received.
+    Each bucket must arrive within `timeout_s` of being awaited. When `load` raises, the rest are still received (so
+    the trainer's broadcasts end) and its exception raised after them; when a group fails, every one is aborted:
+    TransferBroken."""
+    groups = groups if isinstance(groups, list) else [groups]
     allocate = allocate or (lambda size: torch.empty(size, dtype=torch.uint8, device=device))
-    count, handed, refused, pending = len(buckets), 0, None, None
-
-    def posted(index: int):
-        return (post(group, buffer := allocate(buckets[index][0])), buffer) if index < count else None
-
+    count, handed, refused, ahead = len(buckets), 0, None, 0
+    posted: deque[tuple[object, object, torch.Tensor]] = deque()  # (group, work, buffer) of each bucket posted
     for index, (_, specs) in enumerate(buckets):
         current = None
         try:
-            current, pending = pending or posted(index), None
-            pending = posted(index + 1)  # received while this one loads
-            complete(group, current[0], time.monotonic() + timeout_s, f"not received within {timeout_s:g} s")
-        except (RuntimeError, OSError) as exc:  # the trainer died, broke off or stalled: nothing more will come
-            abort(group)  # NCCL: the receive posted for the next bucket ends too
-            release_when_done(group, [ops[0] for ops in (current, pending) if ops is not None])
+            while ahead < min(index + len(groups) + 1, count):  # this one, and the next from every sender
+                group, buffer = groups[ahead % len(groups)], allocate(buckets[ahead][0])
+                posted.append((group, post(group, buffer), buffer))
+                ahead += 1
+            current = posted.popleft()
+            complete(current[0], current[1], time.monotonic() + timeout_s, f"not received within {timeout_s:g} s")
+        except (RuntimeError, OSError) as exc:  # a sender died, broke off or stalled: nothing more will come
+            for group in groups:
+                abort(group)  # NCCL: the receives posted for the next buckets end too
+            waiting = [current, *posted] if current is not None else list(posted)
+            for group in groups:
+                release_when_done(group, [work for owner, work, _ in waiting if owner is group])
             after = f" (the loader had refused bucket {handed}: {refused})" if refused is not None else ""
             raise TransferBroken(f"bucket {index + 1} of {count}: {exc}{after}", handed) from exc
         if refused is None:
             handed += 1
             try:
-                load(iter(unpack(current[1], specs).items()))
+                load(iter(unpack(current[2], specs).items()))
             except Exception as exc:  # raised once the rest are drained, by whoever called this
                 refused = exc
         current = None  # this bucket's buffer is free now, unless `load` keeps its tensors
@@ -282,13 +308,17 @@ class Receiver:
             held = self._held
             if held is None or held.id != request.group:
                 raise GroupMismatch(f"group: {request.group} is not the transfer group held here ({self.group_id})")
+            if request.senders > len(held.groups):
+                raise GroupMismatch(
+                    f"senders: {request.senders} senders, the group held here has {len(held.groups)} member(s)"
+                )
             buckets = bucket_layout(request.buckets)
             device = held.device(self.engine.device) if buckets else CPU
             tensors: dict[str, torch.Tensor] = {}
             held.store.set(ready_key(request.group, request.version), "1")  # the trainer broadcasts once set
             try:
                 received = await asyncio.to_thread(
-                    receive_buckets, held.group, buckets, tensors.update, held.timeout_s, device
+                    receive_buckets, held.groups[: request.senders], buckets, tensors.update, held.timeout_s, device
                 )
             except TransferBroken:
                 self._held = None  # the trainer went away or broke off mid-transfer: the group is gone
@@ -343,54 +373,43 @@ class Sender:
     def drop(self, url: str) -> None:
         self._groups.pop(url, None)
 
-    def request(self, url: str) -> GroupRequest:
-        """A new group id for `url`, and the body that asks the server to join it."""
+    def request(self, url: str, senders: int = 1) -> GroupRequest:
+        """A new group id for `url`, and the body that asks the server to join it (a pair group with each of
+        `senders` senders)."""
         group = f"{self._run}-{next(self._ids)}"
         return GroupRequest(
-            group=group, address=self.address, port=self.port, backend=self.backend, timeout_s=self.timeout_s
+            group=group,
+            address=self.address,
+            port=self.port,
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+            senders=senders,
         )
 
     def form(self, url: str, request: GroupRequest) -> None:
-        """This side of `request.group` (blocks until the server forms its side)."""
-        group = pair_group(self._store, request.group, 0, self.backend, self.address, self.timeout_s)
-        self._groups[url] = Held(request.group, group, timeout_s=self.timeout_s)
+        """This side (sender 0) of `request.group` (blocks until the server forms its side)."""
+        name = member(request.group, 0, request.senders)
+        group = pair_group(self._store, name, 0, self.backend, self.address, self.timeout_s)
+        self._groups[url] = Held(request.group, [group], timeout_s=self.timeout_s)
 
     def send(self, url: str, buffers: list[torch.Tensor], abandon: threading.Event | None = None) -> int:
-        """Broadcast the packed buckets `buffers` (host tensors, shared by every server's transfer) to `url`'s group,
-        all within `timeout_s`, at most `IN_FLIGHT` posted and not completed (module docstring); returns the bytes
-        sent. TimeoutError at the deadline, ConnectionError once `abandon` is set (the server's call failed),
-        RuntimeError when the peer fails: the group is then aborted (NCCL) and dropped."""
-        held = self._groups[url]
-        deadline = time.monotonic() + self.timeout_s
-        late = f"not done within rollout.transfer_timeout_s = {self.timeout_s:g} s"
-        nccl = is_nccl(held.group)
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
-        in_flight: deque[tuple[object, torch.Tensor]] = deque()  # (work, the tensor it sends) per bucket posted
-
-        def finish_oldest() -> None:
-            complete(held.group, in_flight[0][0], deadline, late, abandon)
-            in_flight.popleft()
-
+        """Broadcast the packed buckets `buffers` (host tensors, shared by every server's transfer) to `url`'s group
+        (`send_buffers`); returns the bytes sent. On a failure the group is dropped."""
         try:
-            # NCCL: the copies go on a stream of this transfer's own, and the broadcasts wait for it (module docstring)
-            with torch.cuda.stream(torch.cuda.Stream(device) if nccl else None):
-                for buffer in buffers:
-                    if len(in_flight) == IN_FLIGHT:
-                        finish_oldest()
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError(late)
-                    sent = buffer if device is None else buffer.to(device, non_blocking=True)
-                    in_flight.append((post(held.group, sent, left), sent))
-                    fault_point("weights.bucket")  # a failure here leaves this bucket and the one before in flight
-                while in_flight:
-                    finish_oldest()
-        except Exception:  # RuntimeError (gloo, NCCL), OSError (a socket, the deadline): the group is gone
-            abort(held.group)
+            return send_buffers(self._groups[url].group, buffers, self.timeout_s, abandon)
+        except Exception:
             self.drop(url)  # the server's receive fails when it sees this group close, else at its timeout
-            release_when_done(held.group, [work for work, _ in in_flight])
             raise
-        return sum(buffer.numel() for buffer in buffers)
+
+    @property
+    def store(self):
+        """The rendezvous store (the trainer's other senders meet rank 0 there: components/rollout/senders.py)."""
+        return self._store
+
+    @property
+    def run(self) -> str:
+        """This sender's prefix of group ids and of its keys in the store."""
+        return self._run
 
     def clear(self, key: str) -> None:
         self._store.delete_key(key)
@@ -398,3 +417,39 @@ class Sender:
     def arrived(self, key: str) -> bool:
         """Whether a server has set `key` in the store (it joined a group, or is ready to drain a transfer)."""
         return self._store.check([key])
+
+
+def send_buffers(group, buffers: list[torch.Tensor], timeout_s: float, abandon: threading.Event | None = None) -> int:
+    """Broadcast the packed buckets `buffers` (host tensors) over the pair `group`, all within `timeout_s`, at most
+    `IN_FLIGHT` posted and not completed (module docstring); returns the bytes sent. TimeoutError at the deadline,
+    ConnectionError once `abandon` is set (the server's call failed), RuntimeError when the peer fails: the group is
+    then aborted (NCCL), its ops in flight held until they end."""
+    deadline = time.monotonic() + timeout_s
+    late = f"not done within rollout.transfer_timeout_s = {timeout_s:g} s"
+    nccl = is_nccl(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+    in_flight: deque[tuple[object, torch.Tensor]] = deque()  # (work, the tensor it sends) per bucket posted
+
+    def finish_oldest() -> None:
+        complete(group, in_flight[0][0], deadline, late, abandon)
+        in_flight.popleft()
+
+    try:
+        # NCCL: the copies go on a stream of this transfer's own, and the broadcasts wait for it (module docstring)
+        with torch.cuda.stream(torch.cuda.Stream(device) if nccl else None):
+            for buffer in buffers:
+                if len(in_flight) == IN_FLIGHT:
+                    finish_oldest()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(late)
+                sent = buffer if device is None else buffer.to(device, non_blocking=True)
+                in_flight.append((post(group, sent, left), sent))
+                fault_point("weights.bucket")  # a failure here leaves this bucket and the one before in flight
+            while in_flight:
+                finish_oldest()
+    except Exception:  # RuntimeError (gloo, NCCL), OSError (a socket, the deadline): the group is gone
+        abort(group)
+        release_when_done(group, [work for work, _ in in_flight])
+        raise
+    return sum(buffer.numel() for buffer in buffers)

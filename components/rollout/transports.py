@@ -5,7 +5,8 @@
   must see `publish_dir` at the same path (same machine or a shared volume). The last two directories are
   kept (a reviving server may still be loading the previous one).
 - `CollectiveTransport` ("collective"): the tensors go in buckets over a process group between the trainer
-  and each server (components/rollout/transfer.py); no file is written. A transfer that fails (the group fails, it
+  and each server (components/rollout/transfer.py); no file is written. With `rollout.transfer_senders = "all"`
+  every trainer rank that holds the policy sends its share of the buckets (components/rollout/senders.py). A transfer that fails (the group fails, it
   passes `rollout.transfer_timeout_s`, or the server's call fails, which stops the broadcast at once) is retried
   once on a new group, then, with `fallback`, sent through the filesystem path; both are counted
   (`rollout/transfer_retries`, `rollout/transfer_fallbacks`).
@@ -32,6 +33,7 @@ from torch import nn
 
 from components.models import save_model_dir
 from components.rollout.client import EngineClient, EngineError
+from components.rollout.senders import Followers, Share
 from components.rollout.transfer import Sender, joined_key, pack, plan_buckets, ready_key, unpack
 from components.storage import MARKER, atomic_dir
 
@@ -57,6 +59,9 @@ class Transport(Protocol):
         """Bring the server behind `client` to the staged `version` (raises what the pool reads as a failure)."""
 
     def metrics(self) -> dict[str, float]: ...
+
+    def share(self, version: int) -> Share | None:
+        """What the trainer's other ranks should stage of `version` to send it themselves (None: rank 0 sends it)."""
 
 
 def version_dir(publish_dir: Path, version: int) -> Path:
@@ -92,6 +97,9 @@ class FilesystemTransport:
     def metrics(self) -> dict[str, float]:
         return {}
 
+    def share(self, version: int) -> None:
+        return None
+
     def remove_above(self, version: int) -> None:
         """Remove the published directories of versions above `version` (a crashed predecessor's)."""
         if self.publish_dir.is_dir():
@@ -123,15 +131,26 @@ class CollectiveTransport:
         fallback: FilesystemTransport | None = None,
         log=print,
         backend: str = "gloo",
+        senders: int = 1,
     ) -> None:
         self.publish_dir, self.bucket_bytes = publish_dir, bucket_bytes
         self.timeout_s, self.fallback, self.log = timeout_s, fallback, log
         self.sender = Sender(address, timeout_s, backend)
+        self.followers = (
+            Followers(self.sender.store, self.sender.run, address, self.sender.port, senders, backend, timeout_s)
+            if senders > 1
+            else None
+        )
+        """The trainer's other ranks that send their share of each version (senders.py); None: rank 0 sends all."""
         log(
             f"rollout: collective weight transfer over {backend}: rendezvous store at {address}:{self.sender.port}, "
-            f"buckets of {bucket_bytes / 2**20:g} MB"
+            f"buckets of {bucket_bytes / 2**20:g} MB, sent by {senders} rank(s)"
         )
-        self.sent, self.retries, self.fallbacks = 0, 0, 0
+        self.sent, self.retries, self.fallbacks, self.senders_used = 0, 0, 0, 1
+        self._members: dict[str, int] = {}
+        """url -> the senders its group was formed with (a group formed before the followers ran has rank 0 alone)."""
+        self._plan: list | None = None
+        """The bucket plan of the version staged last (the same for every version), shared with the other ranks."""
         self._staged: dict[int, tuple[dict[str, torch.Tensor], list, list[torch.Tensor]]] = {}
         """version -> (its tensors, viewed out of its buckets; the buckets' manifest; the packed buckets), for the
         last `KEEP_STAGED` versions."""
@@ -144,6 +163,7 @@ class CollectiveTransport:
         views = {name: t for buffer, (_, specs) in zip(buffers, buckets) for name, t in unpack(buffer, specs).items()}
         held = {name: views[name] if name in views else views[_twin(name, weights, unique)] for name in weights}
         self._staged[version] = (held, buckets, buffers)
+        self._plan = buckets
         for old in sorted(self._staged)[:-KEEP_STAGED]:
             del self._staged[old]
         return str(version_dir(self.publish_dir, version)), held
@@ -152,9 +172,10 @@ class CollectiveTransport:
         failure: Exception | None = None
         for attempt in range(2):
             try:
-                if attempt or not await self._holds_group(client):
-                    await self._form(client)
-                await self._transfer(client, label, version, rewind)
+                senders = self._senders_for(version)
+                if attempt or self._members.get(client.base_url, 0) < senders or not await self._holds_group(client):
+                    await self._form(client, senders)
+                await self._transfer(client, label, version, rewind, senders)
                 return
             except (OSError, httpx.HTTPError, EngineError, RuntimeError) as exc:  # OSError: sockets, timeouts
                 if isinstance(exc, EngineError) and exc.status < 500 and exc.status != CONFLICT:
@@ -181,7 +202,13 @@ class CollectiveTransport:
         return {
             "rollout/transfer_retries": float(self.retries),
             "rollout/transfer_fallbacks": float(self.fallbacks),
+            "rollout/transfer_senders": float(self.senders_used),
         }
+
+    def share(self, version: int) -> Share | None:
+        if self.followers is None or self._plan is None:
+            return None
+        return self.followers.share(version, self._plan)
 
     async def _holds_group(self, client: EngineClient) -> bool:
         """Whether the server holds this side's group with it (a restarted server holds none, or another)."""
@@ -191,21 +218,40 @@ class CollectiveTransport:
         info = await client.health_info(self.timeout_s)
         return info is not None and info.get("transfer_group") == group
 
-    async def _form(self, client: EngineClient) -> None:
-        """A new group with the server: its join is awaited in the store before this side forms, so a server that
-        never joins fails the post at once instead of blocking this rank until the timeout."""
-        url, request = client.base_url, self.sender.request(client.base_url)
+    def _senders_for(self, version: int) -> int:
+        """How many ranks send `version` (senders.py): every policy rank once each has staged it, else rank 0."""
+        if self.followers is None or version not in self._staged:
+            return 1
+        return self.followers.senders_for(version, self._staged[version][1])
+
+    async def _form(self, client: EngineClient, senders: int) -> None:
+        """A new group with the server, with a member for each of `senders` senders: its join is awaited in the store
+        before this side forms, so a server that never joins fails the post at once instead of blocking this rank
+        until the timeout."""
+        url, request = client.base_url, self.sender.request(client.base_url, senders)
+        self._members.pop(url, None)
         join = asyncio.create_task(client.join_group(request.model_dump()))
         await self._arrival(joined_key(request.group), join, client)
-        await asyncio.to_thread(self.sender.form, url, request)
-        await join
+        asked = self.followers.post("form", url=url, group=request.group, senders=senders) if senders > 1 else None
+        try:
+            await asyncio.to_thread(self.sender.form, url, request)
+            await join
+            if asked is not None:
+                await self.followers.answers(asked)
+        except BaseException:
+            join.cancel()
+            await asyncio.gather(join, return_exceptions=True)
+            raise
+        self._members[url] = senders
 
-    async def _transfer(self, client: EngineClient, label: str, version: int, rewind: bool) -> None:
+    async def _transfer(self, client: EngineClient, label: str, version: int, rewind: bool, senders: int) -> None:
         if version not in self._staged:
             raise ValueError(f"version: v{version} is not staged (staged: {sorted(self._staged)})")
         _, buckets, buffers = self._staged[version]
         url, group = client.base_url, self.sender.group_id(client.base_url)
         body = {"group": group, "version": version, "rewind": rewind, "path": label, "buckets": buckets}
+        if senders > 1:
+            body["senders"] = senders
         post = asyncio.create_task(client.receive_weights(body))
         abandon = threading.Event()  # the server's call failed: the broadcast stops at once, not at the deadline
         post.add_done_callback(lambda call: (call.cancelled() or call.exception() is not None) and abandon.set())
@@ -213,12 +259,16 @@ class CollectiveTransport:
             key = ready_key(group, version)
             await self._arrival(key, post, client)
             self.sender.clear(key)
-            sent = await asyncio.to_thread(self.sender.send, url, buffers, abandon)
+            asked = self.followers.post("send", url=url, group=group, version=version) if senders > 1 else None
+            sent = await asyncio.to_thread(self.sender.send, url, buffers[::senders], abandon)  # sender 0's buckets
+            if asked is not None:
+                sent += await self.followers.answers(asked)
         except BaseException:
             post.cancel()  # the server's answer (its failed receive) says nothing more than this error
             await asyncio.gather(post, return_exceptions=True)
             raise
         await post
+        self.senders_used = senders
         self.sent += sent  # after the await: `self.sent += await ...` would read it before other loads add theirs
 
     async def _arrival(self, key: str, call: asyncio.Task, client: EngineClient) -> None:

@@ -80,8 +80,10 @@ class SaoWorkerExtension:
         self._sao_group = None
         try:
             self._sao_group = join_group(request)
-        except (RuntimeError, ValueError) as exc:  # no store there, a timeout, a bad backend: nothing was changed
+        except ValueError as exc:  # a bad backend: nothing was changed
             return _refusal(exc, "group")
+        except RuntimeError as exc:  # no store there, a sender that never formed its side: the trainer retries
+            return _refusal(exc, "group", status=503)
         return {"transfer_group": request.group}
 
     def sao_receive_weights(self, **body) -> dict:
@@ -100,6 +102,9 @@ class SaoWorkerExtension:
         if held is None or held.id != request.group:  # 409, as `sao engine serve`: the trainer forms a new group
             message = f"group: {request.group} is not the transfer group held here ({held.id if held else None})"
             return {"error": message, "param": "group", "status": 409, "weights_unchanged": True}
+        if request.senders > len(held.groups):  # 409 too: the trainer forms a group with every sender
+            message = f"senders: {request.senders} senders, the group held here has {len(held.groups)} member(s)"
+            return {"error": message, "param": "senders", "status": 409, "weights_unchanged": True}
         reload = _Reload(self)
         try:
             answer = receive_into(held, request, reload.load, held.device(self.device))
@@ -123,9 +128,10 @@ class SaoWorkerExtension:
 
 def receive_into(held, request, load_weights, device=None, allocate=None) -> dict:
     """`sao_receive_weights` without vLLM: check the buckets of `request` (a transfer.ReceiveRequest), set the ready key
-    (the trainer broadcasts once it is there), receive every bucket over `held.group` (a transfer.Held) and hand each
-    one's (name, tensor) pairs to `load_weights` as it arrives (transfer.receive_buckets: two buckets' buffers at a
-    time, `allocate(size)` makes each, on `device` by default). Returns `{"bytes", "tensors"}`, or the refusal, whose
+    (the trainer broadcasts once it is there), receive every bucket over `held.groups` (a transfer.Held: bucket i from
+    sender i mod `request.senders`) and hand each one's (name, tensor) pairs to `load_weights` as it arrives
+    (transfer.receive_buckets: the buffers of one bucket more than there are senders at a time, `allocate(size)`
+    makes each, on `device` by default). Returns `{"bytes", "tensors"}`, or the refusal, whose
     `weights_unchanged` is false once a bucket has reached `load_weights`: a transfer that broke off after that left
     the weights a mix of two versions."""
     # imported in the worker process, not when vLLM imports this module (module docstring)
@@ -140,7 +146,9 @@ def receive_into(held, request, load_weights, device=None, allocate=None) -> dic
     held.store.set(ready_key(request.group, request.version), "1")  # the trainer broadcasts once this is set
     device = device or torch.device("cpu")
     try:
-        received = receive_buckets(held.group, buckets, load_weights, held.timeout_s, device, allocate)
+        received = receive_buckets(
+            held.groups[: request.senders], buckets, load_weights, held.timeout_s, device, allocate
+        )
     except TransferBroken as exc:  # the trainer went away, broke off or stalled mid-transfer: the group is gone
         return {**_refusal(exc, "group", status=500), "weights_unchanged": exc.handed == 0}
     except Exception as exc:  # names or shapes that are not the model's: the tensors before them are loaded

@@ -160,6 +160,7 @@ EXPERIMENTS: dict[str, Experiment] = {
     ),
 }
 
+
 @dataclass(frozen=True)
 class Setting:
     overrides: tuple[str, ...] = ()

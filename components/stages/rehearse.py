@@ -88,6 +88,7 @@ CARRIED = (
     "value_pretrain.warm_start",
     "rollout.backend",
     "rollout.weight_transfer",
+    "rollout.transfer_senders",
     "rollout.publish_overlap",
     "rollout.sandbox_degraded",
 )
@@ -329,8 +330,9 @@ def run_rehearse(preset: str, home: Path, log: Callable[[str], None] = print) ->
 
 def failures(result: dict) -> list[str]:
     """What the rehearsal must show and did not: every step logged once, the resume from the checkpoint before the
-    kill, every version over the collective transfer without a fallback, no server failing the probe, both servers
-    at the last version."""
+    kill, every version over the collective transfer without a fallback (the last one from as many ranks as the preset
+    asks: every rank with `rollout.transfer_senders = "all"`), no server failing the probe, both servers at the last
+    version."""
     found = []
     if result["steps_logged"] != list(range(1, STEPS + 1)):
         found.append(f"steps logged {result['steps_logged']}, expected 1..{STEPS} once each")
@@ -342,6 +344,9 @@ def failures(result: dict) -> list[str]:
     last = result["rows"][-1] if result["rows"] else {}
     if last.get("rollout/transfer_fallbacks") != 0 or not last.get("rollout/publish_bytes"):
         found.append(f"the collective transfer fell back or moved nothing: {last}")
+    senders = RANKS if result["carried"].get("rollout.transfer_senders") == "all" else 1
+    if last.get("rollout/transfer_senders") != senders:
+        found.append(f"the last version was sent by {last.get('rollout/transfer_senders')} rank(s), not {senders}")
     if last.get("rollout/probe_failures") != 0:
         found.append(f"{last.get('rollout/probe_failures')} server(s) failed the weights probe")
     if [s["version"] for s in result["servers"]] != [STEPS, STEPS]:
@@ -379,6 +384,7 @@ def _training(cfg: Config, home: Path, resume_log: str) -> dict:
         "rollout/transfer_s",
         "rollout/transfer_fallbacks",
         "rollout/transfer_retries",
+        "rollout/transfer_senders",
         "rollout/probe_median_abs_diff",
         "rollout/probe_max_abs_diff",
         "rollout/probe_failures",

@@ -46,8 +46,14 @@ def test_the_rehearsal_model_is_a_bf16_qwen3_moe_with_its_own_head_and_qwens_voc
 
 
 def _result(**changes) -> dict:
-    row = {"rollout/transfer_fallbacks": 0.0, "rollout/publish_bytes": 7.8e7, "rollout/probe_failures": 0.0}
+    row = {
+        "rollout/transfer_fallbacks": 0.0,
+        "rollout/publish_bytes": 7.8e7,
+        "rollout/probe_failures": 0.0,
+        "rollout/transfer_senders": 2.0,
+    }
     result = {
+        "carried": {"rollout.transfer_senders": "all"},
         "steps_logged": [1, 2, 3, 4],
         "resumed_from": 2,
         "checkpoint_at_kill": 2,
@@ -64,8 +70,13 @@ def test_a_rehearsal_fails_on_each_thing_it_must_show():
     assert failures(_result(resumed_from=1, checkpoint_at_kill=1)) == []  # step 2's upload was still in flight
     assert "newest complete checkpoint at 0, not 1+" in failures(_result(resumed_from=0, checkpoint_at_kill=0))[0]
     fell_back = {"step": 4, "rollout/transfer_fallbacks": 1.0, "rollout/publish_bytes": 7.8e7}
-    assert "fell back" in failures(_result(rows=[{**fell_back, "rollout/probe_failures": 0.0}]))[0]
+    senders = {"rollout/transfer_senders": 2.0}
+    assert "fell back" in failures(_result(rows=[{**fell_back, "rollout/probe_failures": 0.0, **senders}]))[0]
+    alone = {**_result()["rows"][0], "rollout/transfer_senders": 1.0}
+    assert "sent by 1.0 rank(s), not 2" in failures(_result(rows=[alone]))[0]
+    assert failures(_result(rows=[alone], carried={"rollout.transfer_senders": "rank0"})) == []
     probe = {"step": 4, "rollout/transfer_fallbacks": 0.0, "rollout/publish_bytes": 1.0, "rollout/probe_failures": 1}
+    probe.update(senders)
     assert "failed the weights probe" in failures(_result(rows=[probe]))[0]
     assert "versions [4, 2]" in failures(_result(servers=[{"version": 4}, {"version": 2}]))[0]
 

@@ -123,10 +123,13 @@ class _Engine:
         self.accumulate(loss, last=True)
         return self.apply()
 
-    def full_state(self, bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> Iterator[dict[str, Tensor]]:
-        """The module's whole state (weights and persistent buffers) in parts, on rank 0 (empty parts on the other
-        ranks, which must iterate too under ZeRO-3: the gathers are collective). Tensors are the live ones where
-        nothing is partitioned (valid until the next step), fresh host copies under ZeRO-3."""
+    def full_state(
+        self, bucket_bytes: int = PUBLISH_BUCKET_BYTES, keep: set[str] | None = None
+    ) -> Iterator[dict[str, Tensor]]:
+        """The module's whole state (weights and persistent buffers) in parts, on rank 0; under ZeRO-3 the other ranks
+        must iterate too (the gathers are collective) and get the tensors named in `keep` (default none). Tensors are
+        the live ones where nothing is partitioned (valid until the next step; every rank holds all of them), fresh
+        host copies under ZeRO-3."""
         yield {k: v.detach() for k, v in self.module.state_dict().items()}
 
     def _all_true(self, flag: bool) -> bool:
@@ -311,13 +314,15 @@ class DeepSpeedEngine(_Engine):
             raise FileNotFoundError(f"checkpoint: {directory} holds no DeepSpeed checkpoint of this engine")
         self.skipped_steps = client["sao_skipped_steps"]  # DeepSpeed keeps its own "skipped_steps"
 
-    def full_state(self, bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> Iterator[dict[str, Tensor]]:
+    def full_state(
+        self, bucket_bytes: int = PUBLISH_BUCKET_BYTES, keep: set[str] | None = None
+    ) -> Iterator[dict[str, Tensor]]:
         if not self.partitioned:
             yield from super().full_state(bucket_bytes)
             return
         import deepspeed
 
-        rank0 = self.comm.rank == 0
+        rank0, keep = self.comm.rank == 0, keep or set()
         bucket: list[tuple[str, nn.Parameter]] = []
         size = 0
         named = list(self.module.named_parameters())
@@ -327,9 +332,9 @@ class DeepSpeedEngine(_Engine):
             if size < bucket_bytes and i + 1 < len(named):
                 continue
             with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
-                yield {n: p.detach().to("cpu", copy=True) for n, p in bucket} if rank0 else {}
+                yield {n: p.detach().to("cpu", copy=True) for n, p in bucket if rank0 or n in keep}
             bucket, size = [], 0
-        yield {n: b.detach().to("cpu", copy=True) for n, b in persistent_buffers(self.module)} if rank0 else {}
+        yield {n: b.detach().to("cpu", copy=True) for n, b in persistent_buffers(self.module) if rank0 or n in keep}
 
 
 class GroupMPU:

@@ -6,7 +6,9 @@ Rank 0 runs the agent loop (components/training/rl/trainer.py) and drives the ot
     step      StepWork      every rank runs the step on its rows (step.py; the placement split them)
     save      directory     every rank writes its own checkpoint files under the directory
     load      directory     every rank restores its own states from them
-    weights   None          every rank joins the gathers of the policy's whole weights (ZeRO-3)
+    weights   Share | None  every rank joins the gathers of the policy's whole weights (ZeRO-3); with a Share
+                            (`rollout.transfer_senders = "all"`) each other policy rank packs its buckets of the
+                            version to send them itself (components/rollout/senders.py) and answers in a gather
     stop      None          the other ranks return
 
 With one process there is no messaging at all; the learner just runs the step.
@@ -36,6 +38,7 @@ from torch import nn
 from components.config import Config
 from components.models import freeze_attention, load_policy
 from components.models.routing import enable_replay, routes_shape
+from components.rollout.senders import FollowerSender, Share
 from components.storage import HomeStateError
 from components.training.engines.collective import (
     from_environment,
@@ -116,6 +119,8 @@ class Learner:
             )
         self.comm = from_environment()  # the DeepSpeed engines initialised torch.distributed
         self.placement: Placement = apart or Together(self.comm)
+        self._sender: FollowerSender | None = None
+        """This rank's sender of its buckets of each version (a policy rank other than 0, once a Share came)."""
 
     def _reference(self) -> nn.Module:
         """A frozen copy of the SFT policy in the trainer's dtype on this rank's device."""
@@ -147,6 +152,11 @@ class Learner:
     def is_driver(self) -> bool:
         return self.comm.is_driver
 
+    @property
+    def policy_ranks(self) -> int:
+        """The ranks that hold the policy: all, or the first ones when the critic has ranks of its own."""
+        return self.placement.policy_ranks if isinstance(self.placement, Apart) else self.comm.world
+
     # ---- rank 0 --------------------------------------------------------------------------------------------
 
     def step(
@@ -175,15 +185,22 @@ class Learner:
             )
         self._command("load", directory)
 
-    def weights(self, copy: bool = False) -> dict[str, torch.Tensor]:
+    def weights(self, copy: bool = False, share: Share | None = None) -> dict[str, torch.Tensor]:
         """The policy's whole state on rank 0, on the host: for the engines to serve and for the HF export. Where
         nothing is partitioned and the weights are on the host, the live tensors (valid until the next step)
-        unless `copy`; under ZeRO-3 every rank joins the gathers, bucket by bucket."""
-        if self.comm.distributed and self.partitioned:
-            self.comm.scatter([Message("weights")] * self.comm.world)
+        unless `copy`; under ZeRO-3 every rank joins the gathers, bucket by bucket. With `share`, every other policy
+        rank packs its buckets of `share.version` too, and `share.staged` says whether all of them did."""
+        share = share if self.comm.distributed else None
+        if share is not None or (self.comm.distributed and self.partitioned):
+            self.comm.scatter([Message("weights", share)] * self.comm.world)
         state: dict[str, torch.Tensor] = {}
         for part in self.policy.full_state():
             state.update(part)
+        if share is not None:
+            failed = [f"rank {r}: {e}" for r, e in enumerate(self.comm.gather(None)) if e]
+            share.staged = not failed
+            if failed:  # the version goes from rank 0 alone; the next share tries again
+                print(f"sao: weights v{share.version}: not staged on every sender ({'; '.join(failed)})", flush=True)
         if self.partitioned:
             return state  # the gathers made fresh host copies: nothing live to copy
         if copy or self.device.type != "cpu":
@@ -233,13 +250,33 @@ class Learner:
             "step": self._step,
             "save": lambda directory: self.comm.gather(self._handle("save", directory)),
             "load": lambda directory: self.comm.gather(self._handle("load", directory)),
-            "weights": lambda _: [None for _ in (self.policy.full_state() if self.policy is not None else ())],
+            "weights": self._weights,
         }
         while True:
             message = self.comm.scatter(None)
             if message.kind == "stop":
                 return
             handlers[message.kind](message.payload)
+
+    def _weights(self, share: Share | None) -> None:
+        """This rank's part of `weights`: join the gathers; with `share`, a policy rank packs its buckets of the
+        version and every rank answers in the gather (an error's text, or None)."""
+        sender = self.comm.rank if share is not None and self.policy is not None else None
+        keep = share.names(sender) if sender is not None and sender < share.senders else set()
+        parts: dict[str, torch.Tensor] = {}
+        for part in self.policy.full_state(keep=keep) if self.policy is not None else ():
+            parts.update({k: v for k, v in part.items() if k in keep})
+        if share is None:
+            return
+        error = None
+        if keep:
+            try:
+                if self._sender is None or self._sender.run != share.run:
+                    self._sender = FollowerSender(sender, share, self.device)
+                self._sender.stage(share, parts)
+            except Exception as exc:  # answered: rank 0 sends this version alone
+                error = f"{type(exc).__name__}: {exc}"
+        self.comm.gather(error)
 
     def _step(self, work: StepWork) -> dict:
         """This rank's part of a step (its rows, on this rank's device, at the learning rates' scale)."""

@@ -124,8 +124,17 @@ def build_parts(
     start = resume_from(store, learner, guard, tracker, sft_dir, resume, log)
     guard.floor = start.step  # the guard never returns to weights from before the run's start
     replay = cfg.algo.routing_replay == "r3"
+    senders = learner.policy_ranks if cfg.rollout.transfer_senders == "all" else 1
     rollouts = open_rollouts(
-        cfg.rollout, learner.serving_module(), tokenizer, home, start.step, engine_threads, log, record_routes=replay
+        cfg.rollout,
+        learner.serving_module(),
+        tokenizer,
+        home,
+        start.step,
+        engine_threads,
+        log,
+        record_routes=replay,
+        senders=senders,
     )
     group = learner.settings.group_size
     buffer = TrajectoryBuffer(

@@ -92,6 +92,9 @@ class NoRollouts:
     def metrics(self) -> dict[str, float]:
         return {}
 
+    def share(self, version: int) -> None:
+        return None
+
     async def close(self) -> None:
         pass
 

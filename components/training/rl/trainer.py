@@ -263,10 +263,13 @@ class Trainer:
         self.learner_thread_id = threading.get_native_id()
         return self.parts.learner.step(tensors, scale, update_policy, version)
 
-    async def _weights(self, copy: bool) -> dict:
-        """The policy's weights for the engines, gathered on the learner's thread: under ZeRO-3 every rank joins the
-        gathers and the copies to the host take seconds at 30B, while the event loop goes on serving the rollouts."""
-        return await asyncio.get_running_loop().run_in_executor(self._learner_thread, self.parts.learner.weights, copy)
+    async def _weights(self, copy: bool, version: int) -> dict:
+        """The policy's weights for the engines as `version`, gathered on the learner's thread: under ZeRO-3 every rank
+        joins the gathers and the copies to the host take seconds at 30B, while the event loop goes on serving the
+        rollouts. With `rollout.transfer_senders = "all"` the other ranks stage their share of it meanwhile."""
+        p = self.parts
+        share = p.rollouts.share(version)
+        return await asyncio.get_running_loop().run_in_executor(self._learner_thread, p.learner.weights, copy, share)
 
     async def _publish(self) -> float:
         """Send the weights of version `step - sync_lag` to the engines; returns the seconds it took (with
@@ -274,7 +277,8 @@ class Trainer:
         get the live weights as they are: nothing moves them until the next step. A lagged version, or one the
         rollouts keep to send later, must be a copy."""
         p, began = self.parts, time.perf_counter()
-        self.lagged.append((self.step, await self._weights(copy=bool(self.tc.sync_lag) or p.rollouts.keeps_weights)))
+        copy = bool(self.tc.sync_lag) or p.rollouts.keeps_weights
+        self.lagged.append((self.step, await self._weights(copy, self.step)))
         if len(self.lagged) > self.tc.sync_lag:  # versions are consecutive: the oldest is `step - sync_lag`
             version, weights = self.lagged.popleft()
             await p.rollouts.publish(weights, version)
@@ -335,7 +339,7 @@ class Trainer:
             return False
         self.step += 1
         self.lagged.clear()
-        await p.rollouts.publish(await self._weights(copy=True), self.step)
+        await p.rollouts.publish(await self._weights(True, self.step), self.step)
         await p.buffer.set_version(self.step)
         p.tracker.log_metrics(
             {"trainer/rollbacks": float(p.guard.rollbacks), "trainer/rollback_to": restored}, self.step
