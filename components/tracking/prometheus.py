@@ -57,6 +57,7 @@ TRAINER_METRICS = (
     "rollout/publish_bytes",
     "rollout/transfer_retries",
     "rollout/transfer_fallbacks",
+    "rollout/transfer_senders",
     "rollout/probe_median_abs_diff",
     "rollout/probe_max_abs_diff",
     "rollout/probe_failures",

@@ -72,7 +72,7 @@ def test_weights_too_large_for_one_gpu_split_over_tensor_parallel_ones():
 
 
 def test_a_sync_under_five_seconds_and_one_the_senders_link_makes_impossible():
-    cfg = load_config("qwen3-30b-a3b")
+    cfg = load_config("qwen3-30b-a3b", ['rollout.transfer_senders="rank0"'])
     small = "\n".join(sync_lines(cfg, Params(10**9, 10**9, 1, 1), nodes=1, gpus=8, link=50e9, servers=4))
     assert "2.0 GB per version (1.00B x 2 bytes) to 4 server(s), from 1 sender" in small
     assert "send    0.2 s = 4 x 2.0 GB through the sender's 50 GB/s link" in small
@@ -85,6 +85,19 @@ def test_a_sync_under_five_seconds_and_one_the_senders_link_makes_impossible():
     assert "over pod TCP (NCCL_IB_DISABLE=1, about 2 GB/s): send 600 s" in big
 
 
+def test_every_rank_sending_brings_the_sync_to_each_servers_own_link():
+    """The preset sends from every rank: 32 senders, 20 servers of 60 GB: max(20 x 60 / 32, 60) GB / 50 GB/s = 1.2 s,
+    plus the gather 60 x 31/32 / 50 = 1.1625 s."""
+    cfg = load_config("qwen3-30b-a3b")
+    assert cfg.rollout.transfer_senders == "all"
+    big = "\n".join(sync_lines(cfg, Params(30 * 10**9, 1, 1, 1), nodes=4, gpus=8, link=50e9, servers=20))
+    assert 'from 32 senders (every policy rank: rollout.transfer_senders = "all")' in big
+    assert "send    1.2 s = max(20 x 60.0 GB / 32 senders, 60.0 GB into each server) / 50 GB/s links" in big
+    assert "total   2.36 s: under 5 s" in big
+    slow = "\n".join(sync_lines(cfg, Params(30 * 10**9, 1, 1, 1), nodes=4, gpus=8, link=10e9, servers=20))
+    assert "over 5 s: each server's own link at 10 GB/s make(s) it impossible" in slow  # 60 / 10 = 6 s alone
+
+
 def test_sao_plan_on_four_nodes_prints_both_sides(capsys):
     assert main(["plan", "--preset", "qwen3-30b-a3b", "--nodes", "4", "--gpus", "8"]) == 0
     out = capsys.readouterr().out
@@ -93,7 +106,7 @@ def test_sao_plan_on_four_nodes_prints_both_sides(capsys):
     for line in ("rollout side (H200", "  rollout GPUs that keep it fed: ", "weight sync (collective, NCCL)"):
         assert line in out
     assert "configured: 2 server(s) (rollout.urls) sample a step in" in out
-    assert "the one sender's link makes it impossible" in out
+    assert "from 32 senders" in out and "total   2.40 s: under 5 s" in out  # the preset sends from every rank
 
 
 @pytest.mark.parametrize(

@@ -222,24 +222,39 @@ def sync_lines(cfg: Config, policy: Params, nodes: int, gpus: int, link: float, 
     between = link if nodes > 1 else NVLINK
     gather = version * (world - 1) / world / between
     where = f"{link / GB:g} GB/s between nodes (--link-gb-s)" if nodes > 1 else f"NVLink, {NVLINK / GB:g} GB/s"
-    send = servers * version / link
+    every = cfg.rollout.transfer_senders == "all"
+    senders = max(world - cfg.train.critic_ranks, 1) if every else 1
+    size = f"{version / GB:.1f} GB"
+    if senders == 1:
+        send = servers * version / link
+        how = f"{servers} x {size} through the sender's {link / GB:g} GB/s link"
+        who = "1 sender (the policy's rank 0)"
+    else:
+        send = max(servers * version / senders / link, version / link)
+        how = f"max({servers} x {size} / {senders} senders, {size} into each server) / {link / GB:g} GB/s links"
+        who = f'{senders} senders (every policy rank: rollout.transfer_senders = "all")'
     total = gather + send
     lines = [
-        f"weight sync (collective, NCCL): {version / GB:.1f} GB per version ({_n(policy.total)} x {WEIGHT_BYTES} "
-        f"bytes) to {servers} server(s), from 1 sender (the policy's rank 0):",
-        f"  gather  {gather:.1f} s = {version / GB:.1f} GB x {world - 1}/{world} (ZeRO-3's shards) / {where}",
-        f"  send    {send:.1f} s = {servers} x {version / GB:.1f} GB through the sender's {link / GB:g} GB/s link",
+        f"weight sync (collective, NCCL): {size} per version ({_n(policy.total)} x {WEIGHT_BYTES} "
+        f"bytes) to {servers} server(s), from {who}:",
+        f"  gather  {gather:.1f} s = {size} x {world - 1}/{world} (ZeRO-3's shards) / {where}",
+        f"  send    {send:.1f} s = {how}",
         f"  total   {total:.2f} s" + (f": under {SYNC_TARGET_S:g} s" if total <= SYNC_TARGET_S else ""),
     ]
-    if total > SYNC_TARGET_S:
+    if total > SYNC_TARGET_S and senders == 1:
         spread = max(servers * version / world / link, version / link)
         lines.append(
             f"  over {SYNC_TARGET_S:g} s: the one sender's link makes it impossible ({servers} copies); with every "
-            f"one of the {world} trainer GPUs sending its share, each server's own link bounds it: "
-            f"max({servers} x {version / GB:.1f} GB / {world} / {link / GB:g} GB/s, {version / GB:.1f} GB / "
+            f'one of the {world} trainer GPUs sending its share (rollout.transfer_senders = "all"), each server\'s '
+            f"own link bounds it: max({servers} x {size} / {world} / {link / GB:g} GB/s, {size} / "
             f"{link / GB:g} GB/s) = {spread:.1f} s"
         )
-    tcp = servers * version / POD_TCP
+    elif total > SYNC_TARGET_S:
+        bound = (
+            "each server's own link" if version / link >= servers * version / senders / link else "the senders' links"
+        )
+        lines.append(f"  over {SYNC_TARGET_S:g} s: {bound} at {link / GB:g} GB/s make(s) it impossible")
+    tcp = send * link / POD_TCP  # the same bytes over the slowest links, at the pod network's speed
     lines.append(
         f"  over pod TCP (NCCL_IB_DISABLE=1, about {POD_TCP / GB:g} GB/s): send {tcp:.0f} s: the pod network makes "
         f"{SYNC_TARGET_S:g} s impossible; RDMA devices in both pods (docs/production.md)"
