@@ -257,7 +257,9 @@ def _add_weight_routes(app: FastAPI, engine: EmbeddedEngine, access: Access, rec
             await receiver.join(body)
         except ValueError as exc:  # a bad backend
             raise BadRequest("group", f"group: {exc}") from exc
-        except RuntimeError as exc:  # no store at that address, a sender that never formed its side: the trainer retries
+        except (
+            RuntimeError
+        ) as exc:  # no store at that address, a sender that never formed its side: the trainer retries
             return _error(503, f"group: {exc}", "group", "ServiceUnavailableError")
         return {"transfer_group": receiver.group_id}
 

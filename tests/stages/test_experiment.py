@@ -43,7 +43,10 @@ def test_the_experiments_set_what_their_claims_need():
     # The paper's conditions: the forced lag's 300 steps become 400, the control keeps the bf16 engine.
     paper = {arm.name: cfg for arm, cfg in arm_configs("stability", "tiny-cpu", [], "paper")}
     assert {cfg.train.max_steps for cfg in paper.values()} == {400}
-    assert (paper["sao-preset-lag"].rollout.engine_dtype, paper["sao-preset-lag"].train.max_staleness) == ("bfloat16", 2)
+    assert (paper["sao-preset-lag"].rollout.engine_dtype, paper["sao-preset-lag"].train.max_staleness) == (
+        "bfloat16",
+        2,
+    )
     # The control differs from the sao arm only in the lag.
     assert (control.rollout.concurrency, control.train.max_staleness, control.rollout.latency) == (16, 2, "none")
     assert control.train.collapse_guard == "off" and control.train.min_lr_ratio == stability["sao"].train.min_lr_ratio
