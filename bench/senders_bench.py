@@ -3,11 +3,12 @@ the trainer's ranks move the same bytes faster than one rank sending them all?
 
 `make bench BENCH=senders`. Each arm spawns its senders and one receiver (the server), processes of one torch thread
 each. Every sender forms a gloo pair group with the receiver (components/rollout/pairs.py `pair_group`, the
-collective transport's own), and the version, `--mb` megabytes in buckets of `--bucket-mb`, is split round-robin:
-sender s broadcasts buckets s, s + k, s + 2k, ... over its pair, at most two posted and not completed (the
-transport's `IN_FLIGHT`), while the receiver posts every bucket's receive into a buffer of its own, on all pairs at
-once, and completes them. A round is timed on the receiver from posting the receives (the senders start on its
-signal) to the last bucket's arrival; after a warm-up round, `--rounds` rounds an arm, the arms run twice in opposite
+collective transport's own), and the version, `--mb` megabytes in buckets of `--bucket-mb`, is split as
+`rollout.transfer_senders = "all"` splits it (components/rollout/senders.py): sender s broadcasts buckets s, s + k,
+s + 2k, ... over its pair with the transport's `send_buffers` (at most two posted and not completed), and the
+receiver takes them with the server's `receive_buckets` (bucket i over pair i mod k, one bucket more than there are
+senders posted ahead, each into a buffer of its own). A round is timed on the receiver from its start (the senders
+start on its signal) to the last bucket's arrival; after a warm-up round, `--rounds` rounds an arm, the arms run twice in opposite
 orders (1, 2, 4, 4, 2, 1) so drift on a shared machine hits them alike.
 
 How to read it: GB/s is the version's bytes over the median round (GB = 1e9 bytes); `x 1 sender` divides the
@@ -23,7 +24,6 @@ The table and a JSON of every sample go to `$SAO_HOME/bench/` (default `.sao/ben
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import os
 import statistics
@@ -36,15 +36,16 @@ from torch.distributed import TCPStore
 
 from bench import report
 from components.rollout.engine_process import free_port
-from components.rollout.pairs import complete, pair_group, post
+from components.rollout.pairs import pair_group
+from components.rollout.transfer import ALIGN, receive_buckets, send_buffers
 
-IN_FLIGHT = 2
 TIMEOUT_S = 300.0
 
 
 def buckets_of(total: int, bucket: int) -> list[int]:
-    """Sizes of the buckets `total` bytes make, each `bucket` bytes but the last."""
-    return [min(bucket, total - start) for start in range(0, total, bucket)]
+    """Sizes of the buckets `total` bytes make, each `bucket` bytes but the last, each rounded up to the transport's
+    alignment (a bucket holds whole aligned tensors)."""
+    return [-(-min(bucket, total - start) // ALIGN) * ALIGN for start in range(0, total, bucket)]
 
 
 def owned(count: int, senders: int, sender: int) -> list[int]:
@@ -59,17 +60,12 @@ def _role(rank: int, senders: int, port: int, sizes: list[int], rounds: int, res
     store = TCPStore("127.0.0.1", port, None, receiver, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     if receiver:
         pairs = [pair_group(store, f"s{s}", 1, "gloo", "127.0.0.1", TIMEOUT_S) for s in range(senders)]
+        buckets = [(size, [(f"bucket{i}", "uint8", (size,))]) for i, size in enumerate(sizes)]
         times = []
         for r in range(rounds + 1):  # the first warms every pair up
             began = time.perf_counter()
-            works = []
-            for s in range(senders):
-                for i in owned(len(sizes), senders, s):
-                    works.append((pairs[s], post(pairs[s], torch.empty(sizes[i], dtype=torch.uint8), TIMEOUT_S)))
             store.set(f"go/{r}", "1")
-            deadline = time.monotonic() + TIMEOUT_S
-            for group, work in works:
-                complete(group, work, deadline, "a bucket did not arrive")
+            receive_buckets(pairs, buckets, lambda tensors: None, TIMEOUT_S)
             times.append(time.perf_counter() - began)
         results.put(times[1:])
         return
@@ -77,14 +73,7 @@ def _role(rank: int, senders: int, port: int, sizes: list[int], rounds: int, res
     mine = [torch.full((sizes[i],), i % 251, dtype=torch.uint8) for i in owned(len(sizes), senders, rank)]
     for r in range(rounds + 1):
         store.wait([f"go/{r}"])
-        deadline = time.monotonic() + TIMEOUT_S
-        in_flight: collections.deque = collections.deque()
-        for bucket in mine:
-            if len(in_flight) == IN_FLIGHT:
-                complete(group, in_flight.popleft(), deadline, "a bucket was not taken")
-            in_flight.append(post(group, bucket, TIMEOUT_S))
-        while in_flight:
-            complete(group, in_flight.popleft(), deadline, "a bucket was not taken")
+        send_buffers(group, mine, TIMEOUT_S)
 
 
 def time_arm(senders: int, sizes: list[int], rounds: int) -> list[float]:
