@@ -31,8 +31,8 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-import httpx
 import torch
 from torch.distributed import TCPStore
 
@@ -156,7 +156,7 @@ class FollowerSender:
 
     def _form(self, command: dict) -> int:
         url, group, senders = command["url"], command["group"], command["senders"]
-        host = route_address(httpx.URL(url).host or "127.0.0.1")  # gloo binds on the interface that reaches it
+        host = route_address(urlsplit(url).hostname or "127.0.0.1")  # gloo binds on the interface that reaches it
         name = member(group, self.index, senders)
         pair = pair_group(self._client(), name, 0, self.backend, host, self.timeout_s)
         self._groups[url] = (group, pair)
