@@ -256,7 +256,7 @@ class RolloutConfig:
     """Which trainer ranks send each version over the collective transfer: rank 0 alone (it gathers the whole policy
     and sends every bucket), or every rank that holds the policy, bucket i from rank i mod S over a pair group of
     its own with each server (components/rollout/senders.py): S links instead of one. Each rank then keeps its share
-    of the last versions packed on the host (1/S of the policy each)."""
+    of the last versions packed on the host (1/S of the policy each). The filesystem transfer ignores it."""
     transfer_bucket_mb: PositiveInt = 512
     """Size of one bucket of the collective transfer (tensors are packed up to it; a larger one goes alone)."""
     transfer_address: str = ""
@@ -296,13 +296,6 @@ class RolloutConfig:
                 not self.publish_overlap,
                 "rollout.publish_overlap",
                 "applies to backend='http' servers only (the embedded engine loads between two decode steps)",
-            )
-        if self.transfer_senders != "rank0":
-            require(
-                self.weight_transfer == "collective",
-                "rollout.transfer_senders",
-                f"{self.transfer_senders!r} sends over the collective transfer; rollout.weight_transfer is "
-                f"{self.weight_transfer!r}",
             )
 
 

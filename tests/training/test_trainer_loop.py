@@ -267,7 +267,9 @@ def test_http_backend_trains_against_a_served_engine(tmp_path, tiny_cfg, sft_dir
             learner = trainer.parts.learner
             if not gathered_on:  # from step 2 on: every gather goes through this wrapper of the real one
                 weights = learner.weights
-                learner.weights = lambda copy=False: gathered_on.append(threading.get_native_id()) or weights(copy)
+                learner.weights = lambda copy=False, share=None: (
+                    gathered_on.append(threading.get_native_id()) or weights(copy, share)
+                )
 
         result = train_env(cfg, sft_dir, tmp_path / "http", NullTracker(), log=lambda _: None, on_step=[watch])
         assert result.version == 3 and httpx.get(f"{url}/health").json()["version"] == 3
