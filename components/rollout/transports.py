@@ -6,10 +6,10 @@
   kept (a reviving server may still be loading the previous one).
 - `CollectiveTransport` ("collective"): the tensors go in buckets over a process group between the trainer
   and each server (components/rollout/transfer.py); no file is written. With `rollout.transfer_senders = "all"`
-  every trainer rank that holds the policy sends its share of the buckets (components/rollout/senders.py). A transfer that fails (the group fails, it
-  passes `rollout.transfer_timeout_s`, or the server's call fails, which stops the broadcast at once) is retried
-  once on a new group, then, with `fallback`, sent through the filesystem path; both are counted
-  (`rollout/transfer_retries`, `rollout/transfer_fallbacks`).
+  every trainer rank that holds the policy sends its share of the buckets (components/rollout/senders.py). A
+  transfer that fails (the group fails, it passes `rollout.transfer_timeout_s`, or the server's call fails, which
+  stops the broadcast at once) is retried once on a new group, then, with `fallback`, sent through the filesystem
+  path; both are counted (`rollout/transfer_retries`, `rollout/transfer_fallbacks`).
 
 Both send from the trainer's host copy of the version (`HttpRollouts` stages each version into it), so a
 server that revives in the middle of the next training step still gets the whole version, never a torn one.
