@@ -37,7 +37,7 @@ import torch
 from torch.distributed import TCPStore
 
 from components.rollout.pairs import pair_group
-from components.rollout.transfer import CPU, Bucket, member, pack, route_address, send_buffers
+from components.rollout.transfer import CPU, Bucket, Sender, member, pack, route_address, send_buffers
 
 KEEP_SHARES = 3
 """Versions a follower keeps packed: the one in transfer, the next, and one a reviving server may still ask for."""
@@ -181,18 +181,15 @@ class FollowerSender:
 class Followers:
     """Rank 0's side of the other senders: shares, commands and their answers (module docstring)."""
 
-    def __init__(self, store, run: str, address: str, port: int, senders: int, backend: str, timeout_s: float):
-        self.store, self.run, self.address, self.port = store, run, address, port
-        self.senders, self.backend, self.timeout_s = senders, backend, timeout_s
+    def __init__(self, sender: Sender, senders: int) -> None:
+        self.sender, self.senders, self.store, self.timeout_s = sender, senders, sender.store, sender.timeout_s
         self._numbers = itertools.count()
         self._shares: dict[int, Share] = {}
-        self.ready = False
-        """Every follower has staged a version (so runs its sender): from then on groups are formed with every sender
-        (before, a server's group has rank 0 alone: nobody would answer the others' part)."""
 
     def share(self, version: int, buckets: list[Bucket]) -> Share:
         """The share of `version` to hand the learner's `weights` message (kept to tell whether it was staged)."""
-        share = Share(version, buckets, self.senders, self.address, self.port, self.run, self.backend, self.timeout_s)
+        s = self.sender
+        share = Share(version, buckets, self.senders, s.address, s.port, s.run, s.backend, s.timeout_s)
         self._shares[version] = share
         for old in sorted(self._shares)[:-KEEP_SHARES]:
             del self._shares[old]
@@ -202,14 +199,11 @@ class Followers:
         """How many senders send `version` staged with `buckets`: all where every follower staged it with that plan,
         else rank 0 alone."""
         share = self._shares.get(version)
-        if share is not None and share.staged and share.buckets == buckets:
-            self.ready = True
-            return self.senders
-        return 1
+        return self.senders if share is not None and share.staged and share.buckets == buckets else 1
 
     def post(self, kind: str, **fields) -> str:
         """Post a command to every follower; returns its key (to `answers`)."""
-        key = f"{self.run}/cmd/{next(self._numbers)}"
+        key = f"{self.sender.run}/cmd/{next(self._numbers)}"
         self.store.set(key, json.dumps({"kind": kind, "posted": time.time(), **fields}))
         return key
 

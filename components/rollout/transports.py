@@ -136,11 +136,7 @@ class CollectiveTransport:
         self.publish_dir, self.bucket_bytes = publish_dir, bucket_bytes
         self.timeout_s, self.fallback, self.log = timeout_s, fallback, log
         self.sender = Sender(address, timeout_s, backend)
-        self.followers = (
-            Followers(self.sender.store, self.sender.run, address, self.sender.port, senders, backend, timeout_s)
-            if senders > 1
-            else None
-        )
+        self.followers = Followers(self.sender, senders) if senders > 1 else None
         """The trainer's other ranks that send their share of each version (senders.py); None: rank 0 sends all."""
         log(
             f"rollout: collective weight transfer over {backend}: rendezvous store at {address}:{self.sender.port}, "

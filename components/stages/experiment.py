@@ -169,6 +169,10 @@ class Setting:
     """RL steps of every arm, after the experiment's overrides (an experiment with preference phases keeps its own
     length: the phases define it); None: the experiment's or the preset's."""
 
+    def steps_for(self, experiment: Experiment) -> list[str]:
+        """The override of `max_steps` where it applies to `experiment` (none where its phases define its length)."""
+        return [f"train.max_steps={self.max_steps}"] if self.max_steps and not experiment.steps_per_phase else []
+
 
 HARD = ('task.kinds=["affine", "two_step"]', "task.teacher_mental_max=2000")
 
@@ -220,9 +224,7 @@ def arm_configs(
     if setting not in SETTINGS:
         raise ValueError(f"--setting: unknown setting {setting!r}; known: {sorted(SETTINGS)}")
     chosen = SETTINGS[setting]
-    shared = [*chosen.overrides, *experiment.overrides]
-    if chosen.max_steps and not experiment.steps_per_phase:
-        shared.append(f"train.max_steps={chosen.max_steps}")
+    shared = [*chosen.overrides, *experiment.overrides, *chosen.steps_for(experiment)]
     if quick:
         shared += [*QUICK, *_quick_phases(experiment)]
     return [(arm, load_config(preset, [*shared, *overrides, *arm.overrides])) for arm in experiment.arms]
@@ -317,9 +319,9 @@ def _reward_curve(home: Path, sweep: str, cfg: Config, seed: int) -> list[float]
 
 def _about(experiment: Experiment, setting: str) -> str:
     """The report's paragraph under its title: the claims measured and the setting's overrides."""
-    return f"Claims: {experiment.claims}. Setting: {setting} ({', '.join(_setting_overrides(setting)) or 'the preset task'})."
+    return f"Claims: {experiment.claims}. Setting: {setting} ({', '.join(_setting_overrides(experiment, setting)) or 'the preset task'})."
 
 
-def _setting_overrides(setting: str) -> list[str]:
+def _setting_overrides(experiment: Experiment, setting: str) -> list[str]:
     chosen = SETTINGS[setting]
-    return [*chosen.overrides, *([f"train.max_steps={chosen.max_steps}"] if chosen.max_steps else [])]
+    return [*chosen.overrides, *chosen.steps_for(experiment)]
