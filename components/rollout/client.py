@@ -40,6 +40,7 @@ from components.rollout.gate import VersionGate
 from components.rollout.protocol import FinishReason, SamplingRequest, SamplingResult
 
 _RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
+_LOADS = ("sao_reload_weights", "sao_receive_weights")  # the worker methods whose success changed the weights
 
 
 class EngineError(RuntimeError):
@@ -259,10 +260,14 @@ class EngineClient:
         results = data.get("results")
         if not isinstance(results, list) or not results:
             raise EngineError(502, f"collective_rpc {method}: expected a list of results, got {data!r:.200}")
-        for result in results:  # one per worker
-            if isinstance(result, dict) and "error" in result:
-                status, unchanged = result.get("status", 400), bool(result.get("weights_unchanged"))
-                raise EngineError(status, result["error"], weights_unchanged=unchanged)
+        refused = [r for r in results if isinstance(r, dict) and "error" in r]  # one result per worker
+        if refused:  # unchanged only where no worker's weights changed: a worker that loaded leaves the shards mixed
+            loads = method in _LOADS
+            unchanged = all(
+                bool(r.get("weights_unchanged")) if isinstance(r, dict) and "error" in r else not loads
+                for r in results
+            )
+            raise EngineError(refused[0].get("status", 400), refused[0]["error"], weights_unchanged=unchanged)
         return results[0] if isinstance(results[0], dict) else {"result": results[0]}
 
     async def _reset_prefix_cache(self, attempts: int = 20) -> None:

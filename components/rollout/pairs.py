@@ -1,5 +1,6 @@
-"""Two-member process groups of the collective weight transfer (components/rollout/transfer.py): forming one over
-gloo or NCCL, posting a broadcast, completing it on the host against a deadline, aborting it.
+"""Process groups of the collective weight transfer (components/rollout/transfer.py), one sender (rank 0) and a
+server's workers (ranks 1..W: one for `sao engine serve`, one per tensor- or pipeline-parallel worker for vLLM):
+forming one over gloo or NCCL, posting a broadcast, completing it on the host against a deadline, aborting it.
 
 Every collective is completed on the host (`complete`: poll the work; at the deadline abort the group and raise
 TimeoutError). Under NCCL `Work.wait()` only makes the current CUDA stream wait and returns at once (torch 2.13
@@ -36,16 +37,17 @@ CLEAN_UP_ONLY = "2"
 _env_lock = threading.Lock()
 
 
-def pair_group(store, group: str, rank: int, backend: str, host: str, timeout_s: float):
-    """This side (`rank` 0: the trainer, 1: a server) of the two-member group `group` over `store`. An NCCL one is
-    made with TORCH_NCCL_ASYNC_ERROR_HANDLING=CleanUpOnly, its failure aborting it, not the process (module docstring)."""
+def pair_group(store, group: str, rank: int, backend: str, host: str, timeout_s: float, size: int = 2):
+    """This side (`rank` 0: the trainer's sender, 1..`size` - 1: a server's workers) of the group `group` of `size`
+    members over `store`. An NCCL one is made with TORCH_NCCL_ASYNC_ERROR_HANDLING=CleanUpOnly, its failure aborting
+    it, not the process (module docstring)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     prefixed = PrefixStore(f"{group}/", store)
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         options._timeout = timeout
-        return dist.ProcessGroupGloo(prefixed, rank, 2, options)
+        return dist.ProcessGroupGloo(prefixed, rank, size, options)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = 2 * timeout  # the watchdog's, behind the host's deadline (module docstring)
@@ -53,7 +55,7 @@ def pair_group(store, group: str, rank: int, backend: str, host: str, timeout_s:
             before = os.environ.get(ASYNC_ERROR_HANDLING)
             os.environ[ASYNC_ERROR_HANDLING] = CLEAN_UP_ONLY
             try:
-                return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+                return dist.ProcessGroupNCCL(prefixed, rank, size, options)
             finally:
                 if before is None:
                     del os.environ[ASYNC_ERROR_HANDLING]

@@ -156,9 +156,10 @@ class FollowerSender:
 
     def _form(self, command: dict) -> int:
         url, group, senders = command["url"], command["group"], command["senders"]
+        receivers = command.get("receivers", 1)  # the server's workers, each a member of this sender's group
         host = route_address(urlsplit(url).hostname or "127.0.0.1")  # gloo binds on the interface that reaches it
         name = member(group, self.index, senders)
-        pair = pair_group(self._client(), name, 0, self.backend, host, self.timeout_s)
+        pair = pair_group(self._client(), name, 0, self.backend, host, self.timeout_s, 1 + receivers)
         self._groups[url] = (group, pair)
         return 0
 

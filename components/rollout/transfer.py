@@ -1,9 +1,11 @@
 """The collective weight transport: checkpoint-named tensors in buckets, broadcast from the trainer to a server over
 a process group, with no file written (`rollout.weight_transfer = "collective"`).
 
-Each server gets a two-member group of its own with the trainer's sending rank (rank 0, which hosts the
-rendezvous store; the server is rank 1): gloo on CPU, NCCL where the server's model is on a GPU. A group per
-server means a server that restarts or joins forms its own without touching the others, and a dead peer is
+Each server gets a group of its own with the trainer's sending rank (rank 0, which hosts the rendezvous store) and
+the server's workers (ranks 1..W: `sao engine serve` is one; a vLLM with tensor or pipeline parallelism joins from
+each of its W workers, says W in its joined key, and each worker receives every bucket, one broadcast reaching them
+all, and loads its own shard of it): gloo on CPU, NCCL where the server's model is on a GPU. A group per server
+means a server that restarts or joins forms its own without touching the others, and a dead peer is
 seen at once (gloo: "connection closed by peer"). Two routes of `sao engine serve`, both behind the weights
 token (components/rollout/access.py):
 
@@ -204,17 +206,29 @@ def ready_key(group: str, version: int) -> str:
     return f"{group}/ready/{version}"
 
 
-def join_group(request: GroupRequest) -> Held:
-    """A server's side (rank 1) of `request.group`: join the trainer's store, set the joined key (the trainer forms its
-    side once it is there), form a pair group with each of the `request.senders` senders, in their order (each once
-    both sides have). RuntimeError or ValueError when it cannot."""
+def join_group(request: GroupRequest, worker: int = 0, workers: int = 1) -> Held:
+    """A server's side of `request.group`, for its worker `worker` of `workers` (a vLLM with tensor or pipeline
+    parallelism joins from every worker; `sao engine serve` is one): join the trainer's store, set the joined key to
+    `workers` (the trainer forms its side once it is there, as a group of 1 + `workers` members), form a group with
+    each of the `request.senders` senders, in their order, as rank 1 + `worker` (each once every member has).
+    RuntimeError or ValueError when it cannot."""
+    if not 0 <= worker < workers:
+        raise ValueError(f"worker: expected 0 <= worker < {workers}, got {worker}")
     timeout = datetime.timedelta(seconds=request.timeout_s)
     store = TCPStore(request.address, request.port, None, False, timeout=timeout)
-    store.set(joined_key(request.group), "1")
-    # gloo binds this side's pair sockets on the interface that reaches the trainer
+    store.set(joined_key(request.group), str(workers))
+    # gloo binds this side's sockets on the interface that reaches the trainer
     host = "127.0.0.1" if request.address in ("127.0.0.1", "localhost") else _own_address(request)
     groups = [
-        pair_group(store, member(request.group, index, request.senders), 1, request.backend, host, request.timeout_s)
+        pair_group(
+            store,
+            member(request.group, index, request.senders),
+            1 + worker,
+            request.backend,
+            host,
+            request.timeout_s,
+            1 + workers,
+        )
         for index in range(request.senders)
     ]
     return Held(request.group, groups, store, request.timeout_s)
@@ -386,10 +400,19 @@ class Sender:
             senders=senders,
         )
 
-    def form(self, url: str, request: GroupRequest) -> None:
-        """This side (sender 0) of `request.group` (blocks until the server forms its side)."""
+    def receivers(self, group: str) -> int:
+        """How many workers of the server joined as `group` (the value of its joined key: `join_group`); the
+        group's members are this sender and them."""
+        value = self._store.get(joined_key(group)).decode()
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{joined_key(group)}: expected the server's worker count, got {value!r}")
+        return int(value)
+
+    def form(self, url: str, request: GroupRequest, receivers: int = 1) -> None:
+        """This side (sender 0) of `request.group` with the server's `receivers` workers (blocks until they have
+        formed theirs)."""
         name = member(request.group, 0, request.senders)
-        group = pair_group(self._store, name, 0, self.backend, self.address, self.timeout_s)
+        group = pair_group(self._store, name, 0, self.backend, self.address, self.timeout_s, 1 + receivers)
         self._groups[url] = Held(request.group, [group], timeout_s=self.timeout_s)
 
     def send(self, url: str, buffers: list[torch.Tensor], abandon: threading.Event | None = None) -> int:

@@ -221,16 +221,19 @@ class CollectiveTransport:
         return self.followers.senders_for(version, self._staged[version][1])
 
     async def _form(self, client: EngineClient, senders: int) -> None:
-        """A new group with the server, with a member for each of `senders` senders: its join is awaited in the store
-        before this side forms, so a server that never joins fails the post at once instead of blocking this rank
-        until the timeout."""
+        """A new group with the server, with a member for each of `senders` senders and each of the server's workers
+        (their count is the value of its joined key): its join is awaited in the store before this side forms, so a
+        server that never joins fails the post at once instead of blocking this rank until the timeout."""
         url, request = client.base_url, self.sender.request(client.base_url, senders)
         self._members.pop(url, None)
         join = asyncio.create_task(client.join_group(request.model_dump()))
         await self._arrival(joined_key(request.group), join, client)
-        asked = self.followers.post("form", url=url, group=request.group, senders=senders) if senders > 1 else None
+        receivers = self.sender.receivers(request.group)  # the server's workers: each is a member of every group
+        asked = None
+        if senders > 1:
+            asked = self.followers.post("form", url=url, group=request.group, senders=senders, receivers=receivers)
         try:
-            await asyncio.to_thread(self.sender.form, url, request)
+            await asyncio.to_thread(self.sender.form, url, request, receivers)
             await join
             if asked is not None:
                 await self.followers.answers(asked)

@@ -14,8 +14,10 @@ pydantic only) and vLLM are imported inside the methods.
   own `vllm/distributed/weight_transfer/` engines are NCCL, IPC or RDMA ones and cannot run on CPU; this is a
   gloo pair group (NCCL where the trainer's side is NCCL). The rpc blocks the engine until the load is done. A
   worker holds one group; a transfer over any other (the server restarted, or another trainer joined since) is
-  refused with HTTP 409, as `sao engine serve` refuses it, so the trainer forms a new one. Only a vLLM of one
-  worker (no tensor or pipeline parallelism) can join: its workers would each need the shard of their own. Each
+  refused with HTTP 409, as `sao engine serve` refuses it, so the trainer forms a new one. A vLLM with tensor or
+  pipeline parallelism joins from every worker (`collective_rpc` calls each): the group is the sender and the
+  engine's W workers, each worker receives every bucket (one broadcast reaches them all) and its `load_weights`
+  keeps its own shard, as it does from a checkpoint; the rpc answers an error if any worker refused. Each
   bucket is loaded as it arrives (`receive_into`): two buckets' buffers at a time, where holding every bucket until
   the load took the whole model again (61 GB at 30B) on a GPU vLLM already fills to `--gpu-memory-utilization`.
 
@@ -61,8 +63,9 @@ class SaoWorkerExtension:
         return path
 
     def sao_join_group(self, **body) -> dict:
-        """Join the trainer's two-member group `body["group"]` as rank 1 (replacing any group held); returns once the
-        trainer has formed its side. The fields are transfer.GroupRequest's."""
+        """Join the trainer's group `body["group"]` from this worker (replacing any group held): rank 1 + this
+        worker's rank, of 1 + the engine's tensor x pipeline parallel workers, every worker joining; returns once
+        every member has formed its side. The fields are transfer.GroupRequest's."""
         # imported in the worker process, not when vLLM imports this module (module docstring)
         from components.rollout.transfer import GroupRequest, join_group
 
@@ -70,17 +73,11 @@ class SaoWorkerExtension:
             request = GroupRequest(**body)
         except ValueError as exc:
             return _refusal(exc)
-        workers = self.vllm_config.parallel_config.world_size
-        if workers > 1:  # each worker holds a shard: a pair group per worker would be needed, and the trainer forms one
-            message = (
-                f"group: the collective transport loads into a vLLM of one worker, this one has {workers} "
-                "(tensor/pipeline parallel); use rollout.weight_transfer = 'filesystem'"
-            )
-            return {"error": message, "param": "group", "status": 400, "weights_unchanged": True}
+        workers, worker = self.vllm_config.parallel_config.world_size, self.rank
         self._sao_group = None
         try:
-            self._sao_group = join_group(request)
-        except ValueError as exc:  # a bad backend: nothing was changed
+            self._sao_group = join_group(request, worker, workers)
+        except ValueError as exc:  # a bad backend, a worker rank outside the engine's: nothing was changed
             return _refusal(exc, "group")
         except RuntimeError as exc:  # no store there, a sender that never formed its side: the trainer retries
             return _refusal(exc, "group", status=503)

@@ -3,15 +3,21 @@ transfer.py `receive_buckets`): real gloo pair groups between the trainer's `Sen
 server's side, a loader that stands for vLLM's `model.load_weights`, and buffers counted through the allocator the
 receive uses (weak references to their storages: a buffer is alive while it, or any view of it, is)."""
 
+import asyncio
+import threading
 import time
 import weakref
 
+import pytest
 import torch
 
 from components import faults
+from components.rollout.client import EngineClient, EngineError
 from components.rollout.transfer import (
     ALIGN,
     ReceiveRequest,
+    join_group,
+    joined_key,
     pack,
     plan_buckets,
     ready_key,
@@ -188,3 +194,77 @@ def test_a_bucket_whose_tensors_do_not_fill_it_is_refused_before_the_ready_key()
         "weights_unchanged": True,
     }
     assert not pair.sender.arrived(ready_key(pair.request.group, 1))  # the trainer was never told to broadcast
+
+
+def test_every_worker_of_a_tensor_parallel_server_receives_every_bucket_from_one_broadcast():
+    """A vLLM with tensor parallelism joins from each of its workers (vllm_worker.py `sao_join_group`): the group is
+    the sender and both workers, the sender reads their count from the joined key, and one broadcast of each bucket
+    reaches both, each handing every tensor to its own loader (vLLM's `load_weights` keeps the worker's shard)."""
+    weights = _weights()
+    buckets = plan_buckets(weights, BUCKET_BYTES)
+    pair = _Pair(workers=2)
+    buffers = [pack(weights, bucket, torch.device("cpu")) for bucket in buckets]
+    loaded: list[dict[str, torch.Tensor]] = [{}, {}]
+    answers: dict[int, dict] = {}
+
+    def worker(rank: int) -> None:
+        load = lambda pairs: loaded[rank].update((name, tensor.clone()) for name, tensor in pairs)  # noqa: E731
+        answers[rank] = receive_into(pair.helds[rank], _body(pair, buckets), load)
+
+    workers = [threading.Thread(target=worker, args=(rank,)) for rank in (0, 1)]
+    for thread in workers:
+        thread.start()
+    sender = pair.send_when_ready(buffers)
+    for thread in workers + [sender]:
+        thread.join()
+
+    assert pair.receivers == 2
+    size = sum(size for size, _ in buckets)
+    assert answers == {0: {"bytes": size, "tensors": 30}, 1: {"bytes": size, "tensors": 30}}
+    assert pair.sent["result"] == size  # sent once: the broadcast reaches both workers
+    for rank in (0, 1):
+        assert list(loaded[rank]) == list(weights), rank
+        assert all(torch.equal(loaded[rank][name], weights[name]) for name in weights), rank
+
+
+def test_a_worker_outside_the_servers_or_a_bad_worker_count_is_refused_by_name():
+    pair = _Pair()
+    with pytest.raises(ValueError, match=r"worker: expected 0 <= worker < 2, got 2"):
+        join_group(pair.request, worker=2, workers=2)
+    pair.held.store.set(joined_key("other"), "none")
+    with pytest.raises(ValueError, match=r"other/joined: expected the server's worker count, got 'none'"):
+        pair.sender.receivers("other")
+
+
+def test_a_tensor_parallel_server_one_of_whose_workers_loaded_is_never_reported_unchanged(serve):
+    """`collective_rpc` answers one result per worker. Where one worker refused before loading (weights unchanged)
+    and the other loaded its shard, the server holds a mix of versions: the client's error says the weights changed,
+    so its gate holds requests until an update succeeds. A join refused by one worker changed nothing. (A stand-in
+    for vLLM's route, as no real vLLM worker can be made to fail alone here; `make test-vllm` runs a real TP=2
+    server's transfers.)"""
+    from fastapi import FastAPI  # the stand-in's app: tests only
+
+    app = FastAPI()
+    refusal = {"error": "group: bucket 1 of 3: broke", "param": "group", "status": 500, "weights_unchanged": True}
+
+    @app.post("/collective_rpc")
+    async def rpc(body: dict) -> dict:
+        return {"results": [{"bytes": 10, "tensors": 1}, refusal]}
+
+    @app.post("/reset_prefix_cache")
+    async def reset() -> dict:
+        return {"success": True}
+
+    server = serve(app)
+
+    async def run(call, body) -> EngineError:
+        async with EngineClient(server.url, backend="vllm", retries=0) as client:
+            with pytest.raises(EngineError) as raised:
+                await getattr(client, call)(body)
+        return raised.value
+
+    received = asyncio.run(run("receive_weights", {"group": "g", "version": 1}))
+    joined = asyncio.run(run("join_group", {"group": "g"}))
+    assert (received.status, received.weights_unchanged) == (500, False)
+    assert str(received).endswith("group: bucket 1 of 3: broke")
+    assert (joined.status, joined.weights_unchanged) == (500, True)

@@ -142,6 +142,42 @@ def test_buckets_from_two_senders_arrive_in_their_order_over_their_own_groups():
     assert list(received) == list(weights) and all(torch.equal(received[k], v) for k, v in weights.items())
 
 
+def test_two_senders_reach_both_workers_of_a_tensor_parallel_server():
+    """Every rank's buckets into a vLLM with tensor parallelism: each sender's group holds it and the server's two
+    workers (ranks 1 and 2, as `join_group` makes them), and each worker receives every bucket from its sender."""
+    weights = {f"w{i}": torch.full((10 + 7 * i,), float(i)) for i in range(7)}
+    buckets = plan_buckets(weights, bucket_bytes=ALIGN)  # one tensor a bucket
+    buffers = [pack(weights, bucket, torch.device("cpu")) for bucket in buckets]
+    store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    groups: dict[tuple[int, int], object] = {}
+
+    def form(index: int, rank: int) -> None:  # a client of its own: one holds its lock through a blocking wait
+        client = TCPStore("127.0.0.1", store.port, None, False)
+        groups[(index, rank)] = pair_group(client, f"g.{index}", rank, "gloo", "127.0.0.1", 20.0, size=3)
+
+    threads = [threading.Thread(target=form, args=(i, r)) for i in (0, 1) for r in (0, 1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    received: list[dict[str, torch.Tensor]] = [{}, {}]
+    totals: dict[int, int] = {}
+
+    def worker(rank: int) -> None:
+        mine = [groups[(0, rank)], groups[(1, rank)]]
+        totals[rank] = receive_buckets(mine, buckets, received[rank - 1].update, 20.0)
+
+    receivers = [threading.Thread(target=worker, args=(rank,)) for rank in (1, 2)]
+    senders = [threading.Thread(target=send_buffers, args=(groups[(i, 0)], buffers[i::2], 20.0)) for i in (0, 1)]
+    for thread in receivers + senders:
+        thread.start()
+    for thread in receivers + senders:
+        thread.join()
+    assert totals == {1: sum(b.numel() for b in buffers), 2: sum(b.numel() for b in buffers)}
+    for got in received:
+        assert list(got) == list(weights) and all(torch.equal(got[k], v) for k, v in weights.items())
+
+
 def test_a_share_names_each_senders_buckets():
     weights = {f"w{i}": torch.zeros(4) for i in range(5)}
     buckets = plan_buckets(weights, bucket_bytes=ALIGN)

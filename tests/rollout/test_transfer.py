@@ -16,7 +16,16 @@ from components.rollout.backends import HttpRollouts
 from components.rollout.engine_process import EngineProcess
 from components.rollout.pairs import broadcast
 from components.rollout.probe import WeightsMismatch
-from components.rollout.transfer import ALIGN, Sender, join_group, pack, plan_buckets, ready_key, unpack
+from components.rollout.transfer import (
+    ALIGN,
+    Sender,
+    join_group,
+    joined_key,
+    pack,
+    plan_buckets,
+    ready_key,
+    unpack,
+)
 from components.rollout.transports import FilesystemTransport
 from tests.conftest import child_env
 from tests.rollout.test_backends import _config, _request, _teacher_forced, _version, _weights
@@ -310,17 +319,28 @@ TIMEOUT_S = 2.0
 
 
 class _Pair:
-    """A trainer-side `Sender` and a server's side (`join_group`) of one gloo pair group, formed in this process."""
+    """A trainer-side `Sender` and a server's side (`join_group`) of one gloo group, formed in this process: the
+    server has `workers` workers (a vLLM with tensor parallelism), each joining from a thread of its own; `helds`
+    are their sides, `held` the first's. The sender forms with as many as the server's joined key says."""
 
-    def __init__(self, timeout_s: float = TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = TIMEOUT_S, workers: int = 1) -> None:
         self.sender = Sender("127.0.0.1", timeout_s)
         self.request = self.sender.request("server")
-        joined = {}
-        thread = threading.Thread(target=lambda: joined.update(held=join_group(self.request)))
-        thread.start()
-        self.sender.form("server", self.request)
-        thread.join()
-        self.held = joined["held"]
+        joined: dict[int, object] = {}
+        threads = [
+            threading.Thread(target=lambda w=w: joined.update({w: join_group(self.request, w, workers)}))
+            for w in range(workers)
+        ]
+        for thread in threads:
+            thread.start()
+        while not self.sender.arrived(joined_key(self.request.group)):
+            time.sleep(0.001)
+        self.receivers = self.sender.receivers(self.request.group)
+        self.sender.form("server", self.request, self.receivers)
+        for thread in threads:
+            thread.join()
+        self.helds = [joined[w] for w in range(workers)]
+        self.held = self.helds[0]
         self.sent: dict = {}
 
     def send_when_ready(self, buffers, version: int = 1) -> threading.Thread:
