@@ -264,8 +264,7 @@ class EngineClient:
         if refused:  # unchanged only where no worker's weights changed: a worker that loaded leaves the shards mixed
             loads = method in _LOADS
             unchanged = all(
-                bool(r.get("weights_unchanged")) if isinstance(r, dict) and "error" in r else not loads
-                for r in results
+                bool(r.get("weights_unchanged")) if isinstance(r, dict) and "error" in r else not loads for r in results
             )
             raise EngineError(refused[0].get("status", 400), refused[0]["error"], weights_unchanged=unchanged)
         return results[0] if isinstance(results[0], dict) else {"result": results[0]}
