@@ -250,8 +250,8 @@ class RolloutConfig:
     weight_transfer: Literal["filesystem", "collective"] = "filesystem"
     """How each version reaches the servers (components/rollout/transports.py): `filesystem` writes an HF directory
     under `publish_dir` for them to read; `collective` broadcasts the tensors in buckets over a process group
-    with each server (gloo on CPU, NCCL on GPU; `sao engine serve`, or vLLM with one worker per server through the
-    worker extension) and writes nothing."""
+    with each server (gloo on CPU, NCCL on GPU; `sao engine serve`, or vLLM through the worker extension, every
+    worker of a tensor-parallel one receiving) and writes nothing."""
     transfer_senders: Literal["rank0", "all"] = "rank0"
     """Which trainer ranks send each version over the collective transfer: rank 0 alone (it gathers the whole policy
     and sends every bucket), or every rank that holds the policy, bucket i from rank i mod S over a pair group of

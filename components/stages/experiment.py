@@ -81,17 +81,19 @@ FORCED_LAG = (
     "train.max_steps=300",
 )
 
-SAFEGUARDS = (
+SAFEGUARD_PARTS = {
     # What the public SAO ports added to stay stable (docs/results.md): Lego-RL's 20 critic-only warm-up steps on top of
     # the pretrained critic, its critic gradient clip of 10 and advantage whitening; unirl's eviction of trajectories
     # whose oldest token is too many versions behind (half the forced lag's bound); EasyDeL's (VAPO's) length-adaptive
-    # lambda for the policy. One bundle, as the ports run them; not tuned here.
-    "train.critic_warmup_steps=20",
-    "train.critic_grad_clip=10.0",
-    "algo.normalize_advantages=true",
-    "train.max_token_lag=4",
-    "algo.lam_length_alpha=0.05",
-)
+    # lambda for the policy. Not tuned here.
+    "warmup": "train.critic_warmup_steps=20",
+    "clip10": "train.critic_grad_clip=10.0",
+    "whiten": "algo.normalize_advantages=true",
+    "evict": "train.max_token_lag=4",
+    "lam": "algo.lam_length_alpha=0.05",
+}
+SAFEGUARDS = tuple(SAFEGUARD_PARTS.values())
+"""The safeguards as one bundle, as the ports run them."""
 R3 = ('algo.routing_replay="r3"',)
 
 EXPERIMENTS: dict[str, Experiment] = {
@@ -109,6 +111,8 @@ EXPERIMENTS: dict[str, Experiment] = {
             Arm("sao-r3", R3),
             Arm("sao-safeguards", SAFEGUARDS),
             Arm("sao-r3-safeguards", (*R3, *SAFEGUARDS)),
+            # Each safeguard alone, on R3: which part of the bundle does what it did (docs/results.md).
+            *(Arm(f"sao-r3-{part}", (*R3, override)) for part, override in SAFEGUARD_PARTS.items()),
             # The control: the same run without the forced lag (the preset's in-flight count, staleness bound and
             # tools), so that a collapse of the lagged arms can be told from one the constant learning rate causes.
             Arm("sao-preset-lag", ("rollout.concurrency=16", "train.max_staleness=2", 'rollout.latency="none"')),

@@ -2,6 +2,7 @@
 sweeps under one MLflow parent and continues on a re-run (the table's statistics: tests/eval/test_experiment_stats.py)."""
 
 import csv
+from dataclasses import asdict
 
 import pytest
 
@@ -33,10 +34,26 @@ def test_the_experiments_set_what_their_claims_need():
     for cfg in stability.values():
         assert cfg.rollout.concurrency == 64 and cfg.train.max_staleness == 8  # preset: 16 and 2
         assert cfg.rollout.latency == "lognormal" and cfg.train.collapse_guard == "off"
-    assert [cfg.train.algo for cfg in stability.values()] == ["grpo", "grpo-dis", "sao", "sao", "sao", "sao"]
+    assert [cfg.train.algo for cfg in stability.values()] == ["grpo", "grpo-dis"] + ["sao"] * 9
     replayed = {name for name, cfg in stability.items() if cfg.algo.routing_replay == "r3"}
     guarded = {name for name, cfg in stability.items() if cfg.train.critic_warmup_steps == 20}
-    assert replayed == {"sao-r3", "sao-r3-safeguards"} and guarded == {"sao-safeguards", "sao-r3-safeguards"}
+    parts = {"sao-r3-warmup", "sao-r3-clip10", "sao-r3-whiten", "sao-r3-evict", "sao-r3-lam"}
+    assert replayed == {"sao-r3", "sao-r3-safeguards"} | parts
+    assert guarded == {"sao-safeguards", "sao-r3-safeguards", "sao-r3-warmup"}
+    # each part alone: the one safeguard it names differs from sao-r3, nothing else
+    base = asdict(stability["sao-r3"])
+    changed = {
+        name: {f"{s}.{k}" for s in ("train", "algo") for k, v in asdict(cfg)[s].items() if base[s][k] != v}
+        for name, cfg in stability.items()
+        if name in parts
+    }
+    assert changed == {
+        "sao-r3-warmup": {"train.critic_warmup_steps"},
+        "sao-r3-clip10": {"train.critic_grad_clip"},
+        "sao-r3-whiten": {"algo.normalize_advantages"},
+        "sao-r3-evict": {"train.max_token_lag"},
+        "sao-r3-lam": {"algo.lam_length_alpha"},
+    }
     guard = stability["sao-r3-safeguards"]
     assert (guard.train.critic_grad_clip, guard.train.max_token_lag, guard.algo.normalize_advantages) == (10.0, 4, True)
     assert guard.algo.lam_length_alpha == 0.05 and stability["sao"].algo.lam_length_alpha == 0.0
@@ -62,10 +79,7 @@ def test_the_experiments_set_what_their_claims_need():
     assert [(c.train.max_staleness, c.train.algo) for c in lagged.values()] == [
         (4, "grpo"),
         (4, "grpo-dis"),
-        (4, "ppo"),  # the sao arms take the preset's algorithm, which the user changed
-        (4, "ppo"),
-        (4, "ppo"),
-        (4, "ppo"),
+        *[(4, "ppo")] * 9,  # the sao arms take the preset's algorithm, which the user changed
         (2, "ppo"),
     ]
     style = dict(arm_configs("style-shift", "tiny-cpu", []))

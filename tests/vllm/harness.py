@@ -48,9 +48,13 @@ class VLLMServer:
     asyncio loop, asleep for 50 ms, woke up to 2.3 s late while a 1500-token request ran, which broke the tests
     that act while a request is in flight. With the server kept off the last CPU the loop woke on time (and
     the request took 4.2 s instead of 2.5 s).
+
+    With `tensor_parallel` > 1 vLLM starts that many CPU workers; its automatic thread binding wants a NUMA node per
+    worker (it asserts otherwise), so each worker is bound to the server's CPUs by `VLLM_CPU_OMP_THREADS_BIND`, one
+    CPU list per worker (on a 2-core machine both share the one CPU).
     """
 
-    def __init__(self, model_dir: Path, log: Path, max_model_len: int = 512) -> None:
+    def __init__(self, model_dir: Path, log: Path, max_model_len: int = 512, tensor_parallel: int = 1) -> None:
         if not Path(VLLM_PYTHON).exists():
             pytest.fail(f"no vLLM interpreter at {VLLM_PYTHON}; run `make test-vllm`, which creates .venv-vllm")
         self.port = _free_port()
@@ -63,6 +67,12 @@ class VLLMServer:
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
         }
+        cpus = sorted(os.sched_getaffinity(0))
+        cpus = cpus[:-1] if len(cpus) > 1 else cpus  # the last CPU stays with the test process (class docstring)
+        if tensor_parallel > 1:
+            share = max(len(cpus) // tensor_parallel, 1)
+            lists = [cpus[(w * share) % len(cpus) :][:share] for w in range(tensor_parallel)]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cpu_list)) for cpu_list in lists)
         self._log = open(log, "w")
         self._proc = subprocess.Popen(
             [
@@ -85,15 +95,15 @@ class VLLMServer:
                 str(max_model_len),
                 "--dtype",
                 "float32",
+                "--tensor-parallel-size",
+                str(tensor_parallel),
             ],
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        cpus = sorted(os.sched_getaffinity(0))
-        if len(cpus) > 1:  # the last CPU stays with the test process (class docstring); set before vLLM forks
-            os.sched_setaffinity(self._proc.pid, cpus[:-1])
+        os.sched_setaffinity(self._proc.pid, cpus)  # set before vLLM forks
 
     def __enter__(self) -> str:
         deadline = time.monotonic() + 600

@@ -18,8 +18,19 @@ from components.config import RolloutConfig
 from components.models import save_model_dir, token_logprobs
 from components.rollout.backends import HttpRollouts
 from components.rollout.client import EngineClient
+from components.rollout.senders import FollowerSender
 from components.rollout.transfer import Sender
-from tests.vllm.harness import TRANSFERS, Publisher, logprob_gap, requests, sample, until
+from tests.vllm.harness import (
+    TRANSFERS,
+    Publisher,
+    VLLMServer,
+    dense_qwen3,
+    logprob_gap,
+    perturbed,
+    requests,
+    sample,
+    until,
+)
 
 pytestmark = pytest.mark.vllm
 LONG = 1500
@@ -235,6 +246,64 @@ def test_collective_transport_brings_two_vllm_servers_to_each_version(dense, tok
     assert metrics["rollout/transfer_fallbacks"] == 0 and metrics["rollout/transfer_retries"] == 1
     assert metrics["rollout/probe_failures"] == 0 and metrics["rollout/probe_max_abs_diff"] < 1e-4
     assert metrics["rollout/engines_live"] == 2 and metrics["rollout/engine_errors"] == 0
+    assert not published.exists()
+
+
+def test_a_tensor_parallel_vllm_takes_each_version_on_both_workers_from_two_senders(tokenizer, tmp_path):
+    """A vLLM of two tensor-parallel workers (`--tensor-parallel-size 2`) and every rank sending: rank 0's transport
+    and a follower sender (a thread standing for rank 1) each send their buckets, and both of the server's workers
+    join each sender's group and receive every bucket, each loading its own shard. The server samples exactly the
+    trainer's weights after v1 and v2 (its probe and this test's), and nothing went through the filesystem."""
+    model = dense_qwen3(tokenizer)
+    versions = [model, perturbed(model, 1), perturbed(model, 2)]
+    published = tmp_path / "published"
+    model_dir = save_model_dir(model, tokenizer, tmp_path / "v0")
+    probes = requests(tokenizer, 1.0, n=4, max_tokens=32)
+    log: list[str] = []
+
+    async def main(url: str):
+        rc = RolloutConfig(
+            backend="http",
+            urls=(url,),
+            server="vllm",
+            weight_transfer="collective",
+            transfer_senders="all",
+            transfer_bucket_mb=1,  # 1.2 MB: a bucket from each sender
+            probe_every=1,
+            probe_tolerance=1e-4,
+        )
+        rollouts = HttpRollouts(rc, model, tokenizer, published, log=log.append, senders=2)
+        seen, follower = [], None
+        try:
+            await rollouts.start()
+            for version, state in enumerate(versions[1:], start=1):
+                weights = {name: t.detach().clone() for name, t in state.state_dict().items()}
+                share = rollouts.share(version)
+                follower = follower or FollowerSender(1, share)
+                follower.stage(share, weights)
+                share.staged = True  # what the learner's gather says once every follower has staged it
+                await rollouts.publish(weights, version)
+                client = rollouts.engine.servers[0].client
+                results = await asyncio.gather(*(client.generate(r) for r in probes))
+                seen.append((version, rollouts.metrics()["rollout/transfer_senders"], results))
+            return seen, share, rollouts.metrics()
+        finally:
+            await rollouts.close()
+            if follower is not None:
+                follower.close()
+
+    with VLLMServer(model_dir, tmp_path / "vllm-tp2.log", tensor_parallel=2) as url:
+        seen, share, metrics = asyncio.run(main(url))
+    assert not [line for line in log if "failed" in line or "taken out" in line], log  # no fallback, no probe failure
+    assert len(share.buckets) == 2
+    for version, senders, results in seen:
+        others = [m for v, m in enumerate(versions) if v != version]
+        assert senders == 2.0, version
+        assert all(r.versions == [version] * len(r.token_ids) for r in results), version
+        assert logprob_gap(versions[version], results, 1.0) < 1e-4, version
+        assert all(logprob_gap(other, results, 1.0) > 1e-2 for other in others), version
+    assert metrics["rollout/transfer_fallbacks"] == 0 and metrics["rollout/transfer_retries"] == 0
+    assert metrics["rollout/probe_failures"] == 0 and metrics["rollout/probe_max_abs_diff"] < 1e-4
     assert not published.exists()
 
 

@@ -14,10 +14,12 @@ and its values, attention over the average context) over the training GPUs at `T
 a step's trajectories while the servers sample the next, so the rollout GPUs keep it fed when they sample a step's
 tokens in one training step's time.
 
-A weight sync moves the policy's bf16 weights from the trainer to every server. Today one rank sends
-(components/rollout/transfer.py: the policy's rank 0 gathers the whole policy, ZeRO-3's shards over the trainer's
-links, then sends every server its copy through its own link); every trainer rank sending its share (issue 44) would
-divide the sender's part by the number of ranks, leaving each server's own link as the bound.
+A weight sync moves the policy's bf16 weights from the trainer to every server. With `rollout.transfer_senders =
+"rank0"` one rank sends (components/rollout/transfer.py: the policy's rank 0 gathers the whole policy, ZeRO-3's shards
+over the trainer's links, then sends every server its copy through its own link); with "all" every policy rank sends
+its share of the buckets (components/rollout/senders.py), dividing the sender's part by the number of ranks and
+leaving each server's own link as the bound. A tensor-parallel server's workers each receive the whole version
+through their own links, in parallel, so the bound is the same.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Which communicators a rank holds: torchrun's world group (the learner reduces GP
 components/training/engines/collective.py) and the group DeepSpeed reduces over: its clone of the world group when
 the models share the ranks (deepspeed/utils/groups.py `_clone_world_group`), else the model's own group
 (components/training/engines/engine.py `GroupMPU`, whose one-rank model-parallel group has no peer). The policy's
-first rank also holds a two-member group with each server for the collective transfer
+first rank also holds a group with each server's workers for the collective transfer
 (`rollout.weight_transfer = "collective"`, components/rollout/transfer.py `pair_group`); those peers are across the
 network, where NCCL opens fewer channels and may keep the Simple FIFO in host memory, so 640 MiB each is high.
 
