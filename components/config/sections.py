@@ -390,6 +390,12 @@ class TrainConfig:
     """Checkpoints in a row that may fail to reach the store (after its own retries: an outage longer than about
     half a minute) while training goes on; one more stops the run. A process's first checkpoint and a run's
     last must be stored: failing those is a misconfigured store, not an outage."""
+    keep_checkpoints: NonNegativeInt = 0
+    """How many of the newest complete checkpoints the store keeps (0: all). Once a checkpoint is complete the older
+    ones beyond this many are deleted (each loses its completion marker first), on the upload's thread: a resume and
+    the collapse guard's roll back use the newest, `sao train --rollback-to` and an evaluation can reach only the
+    kept ones. A checkpoint under ZeRO with Adam is 14 bytes a parameter (bf16 weights, fp32 master weights and two
+    moments: 420 GB at 30B): without a bound a run of 1000 steps that saves every 20 stores 50 of them."""
     task_seed: Seed = 1
     """Seed of the RL prompt stream (disjoint from SFT's and from the held-out set)."""
     threads: NonNegativeInt = 0

@@ -67,7 +67,7 @@ def test_a_store_that_never_took_a_checkpoint_stops_the_run_at_the_next_save(pro
         train_env(_outage_cfg(tiny_cfg, "c"), sft_dir, tmp_path, NullTracker(), log=lambda _: None)
 
 
-def _checkpointer(prefix: str, max_failures: int, tmp_dir):
+def _checkpointer(prefix: str, max_failures: int, tmp_dir, keep: int = 0):
     from components.storage import open_store
     from components.training.rl.checkpoint import Checkpointer, CheckpointStore
 
@@ -78,6 +78,7 @@ def _checkpointer(prefix: str, max_failures: int, tmp_dir):
         max_failures,
         on_checkpoint=lambda step, uri: stored.append((step, uri)),
         log=log.append,
+        keep=keep,
     )
     return checkpoints, stored, log
 
@@ -129,3 +130,27 @@ def test_the_checkpointer_never_forgives_the_first_or_the_final_checkpoint(proxi
     final.save(7, {"x": torch.zeros(1)}, final=True)
     with pytest.raises(StoreError, match="step-00000007"):  # the run's last checkpoint holds its result
         final.wait()
+
+
+def test_the_newest_checkpoints_are_kept_and_a_failed_deletion_is_retried_at_the_next(proxied_s3, tmp_path):
+    """`train.keep_checkpoints = 2`: once a checkpoint is complete the ones older than the newest two are deleted,
+    on the upload's thread. A deletion the store fails (an outage on step 1's objects) is logged and the run goes
+    on; the next checkpoint deletes what is still beyond the two."""
+    import torch
+
+    proxy, s3 = proxied_s3
+    checkpoints, stored, log = _checkpointer("keep", 5, tmp_path, keep=2)
+    payload = {"weights": torch.arange(4.0)}
+    complete = []
+    for step in range(5):
+        proxy.mode("down", match="step-00000001/") if step == 3 else proxy.mode("pass")
+        checkpoints.save(step, payload)
+        checkpoints.wait()
+        complete.append(_complete(s3, "keep/"))
+    assert complete == [[0], [0, 1], [1, 2], [1, 2, 3], [3, 4]]
+    assert [s for s, _ in stored] == [0, 1, 2, 3, 4] and checkpoints.failed == 0
+    assert log[0] == "checkpoint: deleted step 0 (train.keep_checkpoints=2 newest are kept)"
+    assert log[1].startswith("checkpoint: could not delete old checkpoints after step 3: ")
+    assert log[2:] == [f"checkpoint: deleted step {s} (train.keep_checkpoints=2 newest are kept)" for s in (1, 2)]
+    left = {o["Key"].split("/")[2] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="keep/").get("Contents", [])}
+    assert left == {"step-00000003", "step-00000004"}  # every object of the deleted ones went, not only the marker

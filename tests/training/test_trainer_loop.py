@@ -9,6 +9,7 @@ from components.envs.registry import build_env
 from components.models import load_policy
 from components.tracking import DiskTracker, NullTracker
 from components.training.engines.engine import read_module_state
+from components.training.rl.checkpoint import LocalCheckpointStore
 from components.training.rl.trainer import train
 from tests.cli_args import sao, sets
 
@@ -40,10 +41,21 @@ def test_async_sao_run_then_resume_continues_the_version_sequence(tmp_path, tiny
     for row, interval in zip(first.history, intervals):
         assert row["rollout/tokens_per_s"] == pytest.approx(row["rollout/action_tokens"] / interval)
         assert row["rollout/action_tokens"] > 0 and 0 < row["trainer/publish_s"] < row["trainer/step_s"]
+    checkpoints = LocalCheckpointStore(tmp_path / "checkpoints" / cfg.name)
+    assert checkpoints.steps() == [0, 1, 2]
     resumed = train_env(
-        _cfg(tiny_cfg, max_steps=4), sft_dir, tmp_path, DiskTracker(tmp_path / "m.jsonl"), resume=True, log=log.append
+        _cfg(tiny_cfg, max_steps=4, keep_checkpoints=2),
+        sft_dir,
+        tmp_path,
+        DiskTracker(tmp_path / "m.jsonl"),
+        resume=True,
+        log=log.append,
     )
     assert any("resumed from" in line for line in log)
+    assert checkpoints.steps() == [3, 4]  # the newest two kept: each save deleted what was older
+    assert [line for line in log if line.startswith("checkpoint: deleted")] == [
+        f"checkpoint: deleted step {s} (train.keep_checkpoints=2 newest are kept)" for s in (0, 1, 2)
+    ]
     assert resumed.version == 4 and len(resumed.history) == 2  # steps 3 and 4, none repeated or skipped
     steps = [r["step"] for r in DiskTracker.read(tmp_path / "m.jsonl") if "step" in r]
     assert steps == [1, 2, 3, 4]

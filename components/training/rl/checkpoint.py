@@ -143,6 +143,17 @@ class CheckpointStore:
             log(f"checkpoint: deleted step {s} (rolled back to step {step})")
         return newer
 
+    def prune(self, keep: int, log: Callable[[str], None]) -> list[int]:
+        """Delete the complete checkpoints older than the newest `keep` (`train.keep_checkpoints`; 0 keeps all),
+        oldest first, each losing its completion marker first; returns the steps deleted."""
+        if keep <= 0:
+            return []
+        old = self.steps()[:-keep]
+        for s in old:
+            self.store.delete(self.key(s))
+            log(f"checkpoint: deleted step {s} (train.keep_checkpoints={keep} newest are kept)")
+        return old
+
     def load_latest(
         self,
         log: Callable[[str], None],
@@ -189,14 +200,25 @@ def checkpoint_store(cfg: Config, home: Path) -> CheckpointStore:
 
 class Upload(threading.Thread):
     """One checkpoint's publication on a thread of its own: `publish(step, scratch)`, then `on_checkpoint(step,
-    uri)`, in the context (contextvars) of the thread that started it. Its outcome waits in `uri` and `error` for
-    the loop's thread to read after `join`."""
+    uri)`, then the older checkpoints beyond `keep` deleted, in the context (contextvars) of the thread that started
+    it. Its outcome waits in `uri` and `error` for the loop's thread to read after `join`."""
 
     def __init__(
-        self, store: CheckpointStore, step: int, scratch: Path, final: bool, on_checkpoint: OnCheckpoint
+        self,
+        store: CheckpointStore,
+        step: int,
+        scratch: Path,
+        final: bool,
+        on_checkpoint: OnCheckpoint,
+        keep: int = 0,
     ) -> None:
         super().__init__(name=f"sao-checkpoint-{step:08d}")  # not a daemon: an exiting process finishes it
         self.store, self.step, self.scratch, self.final, self.on_checkpoint = store, step, scratch, final, on_checkpoint
+        self.keep = keep
+        """Checkpoints kept once this one is complete (`CheckpointStore.prune`; 0: all)."""
+        self.pruned: list[int] = []
+        self.notes: list[str] = []
+        """Log lines of the pruning, written by the loop's thread when it waits."""
         self.context = contextvars.copy_context()
         self.uri: str | None = None
         """The checkpoint's URI once it is complete in the store."""
@@ -209,10 +231,16 @@ class Upload(threading.Thread):
             self.context.run(self.on_checkpoint, self.step, self.uri)
         except BaseException as exc:  # handed to the loop's thread by `Checkpointer.wait`, never dropped
             self.error = exc
+            return
+        try:
+            self.pruned = self.context.run(self.store.prune, self.keep, self.notes.append)
+        except StoreError as exc:  # the next checkpoint prunes again: a failed deletion costs storage, not the run
+            self.notes.append(f"checkpoint: could not delete old checkpoints after step {self.step}: {exc}")
 
 
 class Checkpointer:
-    """A run's checkpoints, published in the background with a failure budget: a checkpoint lost to a store
+    """A run's checkpoints, published in the background with a failure budget, the newest `keep` kept
+    (`train.keep_checkpoints`; 0: all): a checkpoint lost to a store
     outage (its retries spent) does not end the run, up to `max_failures` in a row (`train.checkpoint_failures`;
     docs/reliability.md). The first checkpoint of a process and the run's last one must be stored: without them
     there is nothing to resume from, or the result is lost. An upload's outcome is counted, and its error raised,
@@ -224,8 +252,9 @@ class Checkpointer:
         max_failures: int,
         on_checkpoint: OnCheckpoint | None = None,
         log: Callable[[str], None] = print,
+        keep: int = 0,
     ) -> None:
-        self.store, self.max_failures, self.log = store, max_failures, log
+        self.store, self.max_failures, self.log, self.keep = store, max_failures, log, keep
         self.on_checkpoint = on_checkpoint or (lambda step, uri: None)
         self.stored = 0
         """Checkpoints this process stored (counted when waited for)."""
@@ -242,7 +271,7 @@ class Checkpointer:
         checkpoint): its failure is raised by `wait`, whatever the budget."""
         self.wait()
         scratch = self.store.stage(step, payload, write)
-        self.in_flight = Upload(self.store, step, scratch, final, self.on_checkpoint)
+        self.in_flight = Upload(self.store, step, scratch, final, self.on_checkpoint, self.keep)
         self.in_flight.start()
 
     def wait(self) -> str | None:
@@ -254,6 +283,8 @@ class Checkpointer:
         if upload is None:
             return None
         upload.join()
+        for line in upload.notes:
+            self.log(line)
         if upload.uri is not None:
             self.stored += 1
             self.failed_in_a_row = 0

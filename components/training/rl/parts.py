@@ -159,7 +159,7 @@ def build_parts(
         intake=Intake(buffer, limit=max(2 * cfg.rollout.concurrency, 16)),
         runner=runner,
         tasks=setup.train_tasks(start.cursor, group),
-        checkpoints=Checkpointer(store, tc.checkpoint_failures, on_checkpoint, log),
+        checkpoints=Checkpointer(store, tc.checkpoint_failures, on_checkpoint, log, tc.keep_checkpoints),
         guard=guard,
         tracker=tracker,
         start=start,
