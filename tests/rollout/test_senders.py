@@ -8,6 +8,7 @@ import asyncio
 import threading
 
 import httpx
+import pytest
 import torch
 from torch.distributed import TCPStore
 
@@ -113,69 +114,45 @@ def test_a_follower_that_is_gone_costs_the_collective_path_not_the_version(tiny,
     assert any("through the filesystem" in line for line in lines), lines
 
 
-def test_buckets_from_two_senders_arrive_in_their_order_over_their_own_groups():
-    """`receive_buckets` over two pair groups: bucket i from sender i mod 2; sizes differ, so a bucket taken from the
-    wrong sender would not even unpack."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_buckets_from_two_senders_reach_every_worker_in_their_order_over_their_own_groups(workers):
+    """`receive_buckets` over two groups, one a sender: bucket i from sender i mod 2; sizes differ, so a bucket taken
+    from the wrong sender would not even unpack. With two workers (a vLLM with tensor parallelism: ranks 1 and 2 of
+    each group, as `join_group` makes them) each worker receives every bucket from one broadcast of its sender."""
     weights = {f"w{i}": torch.full((10 + 7 * i,), float(i)) for i in range(7)}
     buckets = plan_buckets(weights, bucket_bytes=ALIGN)  # one tensor a bucket
     buffers = [pack(weights, bucket, torch.device("cpu")) for bucket in buckets]
     store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     groups: dict[tuple[int, int], object] = {}
+    ranks = range(1 + workers)
 
     def form(index: int, rank: int) -> None:  # a client of its own: one holds its lock through a blocking wait
         client = TCPStore("127.0.0.1", store.port, None, False)
-        groups[(index, rank)] = pair_group(client, f"g.{index}", rank, "gloo", "127.0.0.1", 20.0)
+        groups[(index, rank)] = pair_group(client, f"g.{index}", rank, "gloo", "127.0.0.1", 20.0, 1 + workers)
 
-    threads = [threading.Thread(target=form, args=(i, r)) for i in (0, 1) for r in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    senders = [threading.Thread(target=send_buffers, args=(groups[(i, 0)], buffers[i::2], 20.0)) for i in (0, 1)]
-    for thread in senders:
-        thread.start()
-    received: dict[str, torch.Tensor] = {}
-    total = receive_buckets([groups[(0, 1)], groups[(1, 1)]], buckets, received.update, 20.0)
-    for thread in senders:
-        thread.join()
-    assert total == sum(b.numel() for b in buffers)
-    assert list(received) == list(weights) and all(torch.equal(received[k], v) for k, v in weights.items())
-
-
-def test_two_senders_reach_both_workers_of_a_tensor_parallel_server():
-    """Every rank's buckets into a vLLM with tensor parallelism: each sender's group holds it and the server's two
-    workers (ranks 1 and 2, as `join_group` makes them), and each worker receives every bucket from its sender."""
-    weights = {f"w{i}": torch.full((10 + 7 * i,), float(i)) for i in range(7)}
-    buckets = plan_buckets(weights, bucket_bytes=ALIGN)  # one tensor a bucket
-    buffers = [pack(weights, bucket, torch.device("cpu")) for bucket in buckets]
-    store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    groups: dict[tuple[int, int], object] = {}
-
-    def form(index: int, rank: int) -> None:  # a client of its own: one holds its lock through a blocking wait
-        client = TCPStore("127.0.0.1", store.port, None, False)
-        groups[(index, rank)] = pair_group(client, f"g.{index}", rank, "gloo", "127.0.0.1", 20.0, size=3)
-
-    threads = [threading.Thread(target=form, args=(i, r)) for i in (0, 1) for r in (0, 1, 2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    received: list[dict[str, torch.Tensor]] = [{}, {}]
+    _all([threading.Thread(target=form, args=(i, r)) for i in (0, 1) for r in ranks])
+    received: dict[int, dict[str, torch.Tensor]] = {rank: {} for rank in ranks[1:]}
     totals: dict[int, int] = {}
 
     def worker(rank: int) -> None:
         mine = [groups[(0, rank)], groups[(1, rank)]]
-        totals[rank] = receive_buckets(mine, buckets, received[rank - 1].update, 20.0)
+        totals[rank] = receive_buckets(mine, buckets, received[rank].update, 20.0)
 
-    receivers = [threading.Thread(target=worker, args=(rank,)) for rank in (1, 2)]
-    senders = [threading.Thread(target=send_buffers, args=(groups[(i, 0)], buffers[i::2], 20.0)) for i in (0, 1)]
-    for thread in receivers + senders:
-        thread.start()
-    for thread in receivers + senders:
-        thread.join()
-    assert totals == {1: sum(b.numel() for b in buffers), 2: sum(b.numel() for b in buffers)}
-    for got in received:
+    _all(
+        [threading.Thread(target=worker, args=(rank,)) for rank in ranks[1:]]
+        + [threading.Thread(target=send_buffers, args=(groups[(i, 0)], buffers[i::2], 20.0)) for i in (0, 1)]
+    )
+    assert totals == {rank: sum(b.numel() for b in buffers) for rank in ranks[1:]}
+    for got in received.values():
         assert list(got) == list(weights) and all(torch.equal(got[k], v) for k, v in weights.items())
+
+
+def _all(threads: list[threading.Thread]) -> None:
+    """Start every thread, then join them all."""
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def test_a_share_names_each_senders_buckets():
