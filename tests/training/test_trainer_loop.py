@@ -422,17 +422,21 @@ def test_a_bf16_engine_shows_a_mismatch_an_fp32_engine_does_not(tmp_path, tiny_c
 def test_routing_replay_trains_on_the_engines_routes(tmp_path, tiny_cfg, sft_dir):
     """algo.routing_replay = "r3" under a bf16 engine, sync: every trajectory the trainer gets carries the engine's
     routes, the policy replays them, and on step 1 (the same rollouts as without replay: the engine's seeds) the
-    mismatch is no larger than the trainer's own routing leaves. Measured: 2.37e-9 own routing, 2.34e-9 replayed."""
+    mismatch is no larger than the trainer's own routing leaves, up to rounding: replaying the engine's experts can
+    only remove the routes that flipped (a replay of wrong routes would raise it many times). How much it removes
+    depends on how many routes flip in 4 episodes, which varies with the SFT policy: at T = 2, 6.96e-4 -> 3.16e-4
+    once (docs/design.md), 9.79e-5 -> 9.77e-5 (no flip) another time. At T = 1 both are ~1e-9, rounding alone, and
+    asserting their order made this test flaky (1.1436e-9 own routing against 1.1489e-9 replayed)."""
     from dataclasses import replace
 
     kl, routed = {}, []
     for mode in ("off", "r3"):
         cfg = _cfg(tiny_cfg, sync=True, max_steps=2, checkpoint_every=0)
         cfg = replace(cfg, rollout=replace(cfg.rollout, engine_dtype="bfloat16"))
-        cfg = replace(cfg, algo=replace(cfg.algo, routing_replay=mode))
+        cfg = replace(cfg, algo=replace(cfg.algo, routing_replay=mode, temperature=2.0))
         seen = [lambda t, batch, row, mode=mode: routed.append((mode, all(x.routes is not None for x in batch)))]
         result = train_env(cfg, sft_dir, tmp_path / mode, NullTracker(), log=lambda _: None, on_step=seen)
         kl[mode] = [row["rollout/mismatch_kl"] for row in result.history]
     print(f"rollout/mismatch_kl by step: {kl}")
     assert routed == [("off", False), ("off", False), ("r3", True), ("r3", True)]
-    assert 0 < kl["r3"][0] <= kl["off"][0]
+    assert 0 < kl["r3"][0] <= 1.05 * kl["off"][0]
