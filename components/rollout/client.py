@@ -262,10 +262,8 @@ class EngineClient:
             raise EngineError(502, f"collective_rpc {method}: expected a list of results, got {data!r:.200}")
         refused = [r for r in results if isinstance(r, dict) and "error" in r]  # one result per worker
         if refused:  # unchanged only where no worker's weights changed: a worker that loaded leaves the shards mixed
-            loads = method in _LOADS
-            unchanged = all(
-                bool(r.get("weights_unchanged")) if isinstance(r, dict) and "error" in r else not loads for r in results
-            )
+            loaded = len(refused) < len(results) and method in _LOADS
+            unchanged = not loaded and all(bool(r.get("weights_unchanged")) for r in refused)
             raise EngineError(refused[0].get("status", 400), refused[0]["error"], weights_unchanged=unchanged)
         return results[0] if isinstance(results[0], dict) else {"result": results[0]}
 

@@ -138,9 +138,7 @@ class CheckpointStore:
             )
         self.load(step)  # raises, naming the object, when it does not verify
         newer = [s for s in self.steps() if s > step]
-        for s in reversed(newer):
-            self.store.delete(self.key(s))
-            log(f"checkpoint: deleted step {s} (rolled back to step {step})")
+        self._delete(reversed(newer), f"rolled back to step {step}", log)
         return newer
 
     def prune(self, keep: int, log: Callable[[str], None]) -> list[int]:
@@ -149,10 +147,14 @@ class CheckpointStore:
         if keep <= 0:
             return []
         old = self.steps()[:-keep]
-        for s in old:
-            self.store.delete(self.key(s))
-            log(f"checkpoint: deleted step {s} (train.keep_checkpoints={keep} newest are kept)")
+        self._delete(old, f"train.keep_checkpoints={keep} newest are kept", log)
         return old
+
+    def _delete(self, steps, why: str, log: Callable[[str], None]) -> None:
+        """Delete the checkpoints at `steps`, in that order (each loses its marker first), logging each with `why`."""
+        for s in steps:
+            self.store.delete(self.key(s))
+            log(f"checkpoint: deleted step {s} ({why})")
 
     def load_latest(
         self,
@@ -216,7 +218,6 @@ class Upload(threading.Thread):
         self.store, self.step, self.scratch, self.final, self.on_checkpoint = store, step, scratch, final, on_checkpoint
         self.keep = keep
         """Checkpoints kept once this one is complete (`CheckpointStore.prune`; 0: all)."""
-        self.pruned: list[int] = []
         self.notes: list[str] = []
         """Log lines of the pruning, written by the loop's thread when it waits."""
         self.context = contextvars.copy_context()
@@ -233,7 +234,7 @@ class Upload(threading.Thread):
             self.error = exc
             return
         try:
-            self.pruned = self.context.run(self.store.prune, self.keep, self.notes.append)
+            self.context.run(self.store.prune, self.keep, self.notes.append)
         except StoreError as exc:  # the next checkpoint prunes again: a failed deletion costs storage, not the run
             self.notes.append(f"checkpoint: could not delete old checkpoints after step {self.step}: {exc}")
 
