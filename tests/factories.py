@@ -43,9 +43,10 @@ def seed_result(
     final_reward: float = 0.8,
     minutes: float = 1.5,
     policy_updates: int = -1,
+    **seen: float,
 ):
     """A sweep seed's result against an SFT policy at 69% (`cause` defaults to the online rule's when
-    `collapse_step` is given)."""
+    `collapse_step` is given); `seen`: what the run saw (`early_reward`, `evicted`, ...), unknown unless given."""
     from components.stages.sweep import SeedResult  # here: the sweep's imports only for the tests that use it
 
     cause = ("reward" if collapse_step else "") if cause is None else cause
@@ -63,6 +64,7 @@ def seed_result(
         final_reward=final_reward,
         minutes=minutes,
         policy_updates=policy_updates,
+        **seen,
     )
 
 

@@ -37,6 +37,11 @@ ARM_COLUMNS = {
     "collapse_steps": "collapse steps",
     "rollbacks": "rollbacks",
     "policy_updates": "steps that moved the policy",
+    "early_reward": "reward, first 50 steps",
+    "evicted": "evicted",
+    "staleness_mean": "staleness, mean",
+    "staleness_max": "staleness, max",
+    "mismatch_kl": "mismatch KL (run medians)",
     "final_reward": "final reward",
     "minutes": "minutes",
 }
@@ -50,7 +55,7 @@ PHASE_COLUMNS = {
     "recover_steps_mean": "steps to recover (mean)",
     "recovered": "recovered",
 }
-FRACTIONS = {"p", "final_reward", "ceiling_mean", "ceiling_min", "ceiling_max"}
+FRACTIONS = {"p", "final_reward", "early_reward", "ceiling_mean", "ceiling_min", "ceiling_max"}
 """Columns shown to 3 decimals; the others are points or steps, shown to 1."""
 
 

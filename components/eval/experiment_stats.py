@@ -1,7 +1,8 @@
 """The statistics of an experiment's table (`sao experiment`, components/stages/experiment.py): per arm over its
 seeds, held-out accuracy (mean, min-max, Student's t 95% interval of the mean), the difference from the reference
-arm (Welch's 95% interval and p-value), collapses and rollbacks; per preference phase (style-shift), the ceiling
-reward and the steps to recover after a flip.
+arm (Welch's 95% interval and p-value), collapses and rollbacks, and what the runs saw (the reward of their first
+50 steps, evictions, staleness, the sampler-trainer mismatch); per preference phase (style-shift), the ceiling reward
+and the steps to recover after a flip.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ class SeedOutcome(Protocol):
     minutes: float
     policy_updates: int
     """Steps that moved the policy (advantages with signal); -1 when the run's result predates the count."""
+    early_reward: float
+    """reward/mean over the run's first 50 steps."""
+    evicted: int
+    """Trajectories evicted for lag (-1: not known)."""
+    staleness_mean: float
+    staleness_max: int
+    mismatch_kl: float
+    """Median rollout/mismatch_kl of the run (NaN: never logged)."""
 
 
 @dataclass
@@ -91,6 +100,11 @@ def arm_row(result: ArmResult, reference: ArmResult | None = None) -> dict:
         "collapse_steps": " ".join(str(r.collapse_step or "-") for r in collapsed),
         "rollbacks": sum(r.rollbacks for r in result.runs),
         "policy_updates": _span([r.policy_updates for r in result.runs if r.policy_updates >= 0]),
+        "early_reward": _mean([r.early_reward for r in result.runs]),
+        "evicted": _span([r.evicted for r in result.runs if r.evicted >= 0]),
+        "staleness_mean": _mean([r.staleness_mean for r in result.runs]),
+        "staleness_max": _span([r.staleness_max for r in result.runs if r.staleness_max >= 0]),
+        "mismatch_kl": _span_of_small([r.mismatch_kl for r in result.runs]),
         "final_reward": statistics.fmean(r.final_reward for r in result.runs),
         "minutes": sum(r.minutes for r in result.runs),
         "sweep": result.sweep,
@@ -119,6 +133,21 @@ def phase_rows(result: ArmResult, phases: list[tuple[str, int]]) -> list[dict]:
             }
         )
     return rows
+
+
+def _mean(values: list[float]) -> float:
+    """The mean of the known values (NaN: none known)."""
+    known = [v for v in values if not math.isnan(v)]
+    return statistics.fmean(known) if known else math.nan
+
+
+def _span_of_small(values: list[float]) -> str:
+    """`min-max` of the known values in scientific notation (empty when none is known)."""
+    known = [v for v in values if not math.isnan(v)]
+    if not known:
+        return ""
+    low, high = min(known), max(known)
+    return f"{low:.1e}" if low == high else f"{low:.1e} to {high:.1e}"
 
 
 def _span(values: list[int]) -> str:

@@ -71,6 +71,23 @@ class SeedResult:
     policy_updates: int = -1
     """Steps whose advantages carried signal (`adv/std` > 0), the steps that moved the policy: GRPO's groups whose
     rewards are all equal give none. -1 in result files written before it existed."""
+    early_reward: float = float("nan")
+    """reward/mean over the first `EARLY_STEPS` steps: the batches training got before the policy moved far (eviction
+    of slow trajectories lowers it: the slow ones are the long two-call episodes)."""
+    evicted: int = -1
+    """Trajectories evicted for their oldest token's lag (`rollout/evicted`, 0 with eviction off)."""
+    staleness_mean: float = float("nan")
+    """rollout/staleness_mean over the run's steps."""
+    staleness_max: int = -1
+    """The largest rollout/staleness_max of any step."""
+    mismatch_kl: float = float("nan")
+    """Median of rollout/mismatch_kl over the steps that logged it (those with tokens sampled at the version being
+    trained): the sampler-trainer mismatch. NaN when no step logged it."""
+
+
+EARLY_STEPS = 50
+MEASURED_LATER = ("early_reward", "evicted", "staleness_mean", "staleness_max", "mismatch_kl")
+"""Fields a result file written before they existed lacks; read back, they are computed from the run's metrics."""
 
 
 def swept_config(cfg: Config) -> dict:
@@ -134,10 +151,10 @@ def _run_seed(
 ) -> SeedResult:
     seed, seed_home = cfg.train.task_seed, root / f"seed-{cfg.train.task_seed}"
     done = seed_home / "result.json"
+    metrics = seed_home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl"
     if done.exists():
         log(f"sweep: seed {seed} finished earlier")
-        return SeedResult(**json.loads(done.read_text()))
-    metrics = seed_home / "runs" / cfg.name / f"{cfg.train.algo}.jsonl"
+        return _read_back(done, metrics, sft_accuracy)
     tracker = open_tracker(cfg.tracking, home, f"{root.name}/seed-{seed}", metrics, parent_run_id=parent.run_id)
     start, failed = time.perf_counter(), True
     try:
@@ -162,6 +179,20 @@ def _run_seed(
         f"sweep: seed {seed}: {accuracy:.1%} ({row.delta:+.1f} points)"
         + (f", COLLAPSED ({row.cause}, step {row.collapse_step})" if row.collapsed else "")
     )
+    return row
+
+
+def _read_back(done: Path, metrics: Path, sft_accuracy: float) -> SeedResult:
+    """A finished seed's result; the fields its file predates (`MEASURED_LATER`) computed from its metrics when they
+    are still there, and written back."""
+    stored = json.loads(done.read_text())
+    missing = [f for f in MEASURED_LATER if f not in stored]
+    if not missing or not metrics.exists():
+        return SeedResult(**stored)
+    history = [r for r in DiskTracker.read(metrics) if "metrics" in r]
+    measured = asdict(summarize(stored["seed"], history, stored["accuracy"], sft_accuracy, stored["minutes"]))
+    row = SeedResult(**{**stored, **{f: measured[f] for f in missing}})
+    write_json(done, asdict(row))
     return row
 
 
@@ -195,6 +226,8 @@ def summarize(seed: int, history: list[dict], accuracy: float, sft_accuracy: flo
     cause = "+".join(c for c, hit in (("reward", bool(fired)), ("eval", on_eval)) if hit)
     last = steps[-10:]
     evs = [m["critic/explained_variance"] for m in last if "critic/explained_variance" in m]
+    stale = [m["rollout/staleness_mean"] for m in steps if "rollout/staleness_mean" in m]
+    mismatch = [m["rollout/mismatch_kl"] for m in steps if "rollout/mismatch_kl" in m]
     return SeedResult(
         seed=seed,
         accuracy=accuracy,
@@ -212,6 +245,11 @@ def summarize(seed: int, history: list[dict], accuracy: float, sft_accuracy: flo
         minutes=minutes,
         max_kl=max((m.get("dis/approx_kl", 0.0) for m in steps), default=0.0),
         policy_updates=sum(1 for m in steps if m.get("adv/std", 0.0) > 0),
+        early_reward=statistics.fmean(m["reward/mean"] for m in steps[:EARLY_STEPS]) if steps else float("nan"),
+        evicted=int(max((m.get("rollout/evicted", 0.0) for m in steps), default=0.0)),
+        staleness_mean=statistics.fmean(stale) if stale else float("nan"),
+        staleness_max=int(max((m.get("rollout/staleness_max", 0.0) for m in steps), default=0.0)),
+        mismatch_kl=statistics.median(mismatch) if mismatch else float("nan"),
     )
 
 
@@ -248,6 +286,10 @@ def _table_row(r: SeedResult) -> dict[str, str]:
         "max masked": f"{r.max_masked_frac:.3f}",
         "max KL": f"{r.max_kl:.3f}",
         "policy updates": "-" if r.policy_updates < 0 else str(r.policy_updates),
+        "reward, first 50 steps": f"{r.early_reward:.3f}",
+        "evicted": "-" if r.evicted < 0 else str(r.evicted),
+        "staleness mean / max": f"{r.staleness_mean:.1f} / {'-' if r.staleness_max < 0 else r.staleness_max}",
+        "mismatch KL (median)": f"{r.mismatch_kl:.1e}",
         "final EV": f"{r.final_ev:.2f}",
         "final reward": f"{r.final_reward:.3f}",
         "min": f"{r.minutes:.1f}",

@@ -57,6 +57,19 @@ def test_an_arms_row_spans_the_steps_that_moved_the_policy():
     assert arm_row(ArmResult("sao", same, [[], []], "sweep-y"))["policy_updates"] == "300"
 
 
+def test_an_arms_row_says_what_its_runs_saw():
+    runs = [
+        seed_result(0.9, seed=1, early_reward=0.3, evicted=10, staleness_mean=2.0, staleness_max=8, mismatch_kl=2e-5),
+        seed_result(0.8, seed=2, early_reward=0.5, evicted=30, staleness_mean=3.0, staleness_max=5, mismatch_kl=3e-4),
+        seed_result(0.7, seed=3),  # written before these were measured: left out of each
+    ]
+    row = arm_row(ArmResult("sao-r3-evict", runs, [[], [], []], "sweep-x"))
+    assert row["early_reward"] == pytest.approx(0.4) and row["staleness_mean"] == pytest.approx(2.5)
+    assert (row["evicted"], row["staleness_max"], row["mismatch_kl"]) == ("10-30", "5-8", "2.0e-05 to 3.0e-04")
+    unknown = arm_row(ArmResult("old", [seed_result(0.7)], [[]], "sweep-y"))
+    assert math.isnan(unknown["early_reward"]) and (unknown["evicted"], unknown["mismatch_kl"]) == ("", "")
+
+
 def test_phase_rows_give_each_phases_ceiling_and_recovery_over_seeds():
     # Phases of 4 steps; the window is 5 steps, so a phase's ceiling is its mean. Seed 1 reaches 0.9 * 0.8 = 0.72 with
     # the mean of phase 2's first 4 steps (0.75) and never in phase 3 (0.9 * 0.75 = 0.675); seed 2 at the first step.

@@ -52,11 +52,16 @@ def test_sweep_writes_a_table_and_nested_mlflow_runs_and_continues(seeded_home, 
     assert len(critics) == 1 and (Path(critics.pop()) / "value_head.safetensors").is_file()
 
     # Re-running continues: finished seeds are read back (no new runs), the SFT evaluation is reused, one more
-    # seed is added.
+    # seed is added. A result file from before the run's early reward and staleness were measured gets them from
+    # the run's metrics.
+    done = root / "seed-1" / "result.json"
+    full = json.loads(done.read_text())
+    done.write_text(json.dumps({k: v for k, v in full.items() if k not in ("early_reward", "staleness_max")}))
     assert main(["sweep", "--home", str(home), "--seeds", "3", "--name", "t", *SMALL]) == 0
     out = capsys.readouterr().out
     assert "seed 1 finished earlier" in out and "seed 2 finished earlier" in out and "eval: reusing" in out
     assert len(list(csv.DictReader((root / "results.csv").open()))) == 3
+    assert json.loads(done.read_text()) == full and full["staleness_max"] >= 0 and full["evicted"] == 0
 
     # Another config under the same name is refused, naming what to do.
     with pytest.raises(SystemExit) as exit_info:

@@ -84,6 +84,10 @@ def test_sweep_replay_and_summary_of_a_run_with_a_rollback():
                 "dis/approx_kl": 0.001 + 0.2 * (s == 12),
                 "critic/explained_variance": 0.5,
                 "adv/std": 0.0 if s % 5 == 0 else 0.3,  # steps 5, 10, 15, 20, 25: no signal
+                "rollout/staleness_mean": 1.0 + (s == 25) * 25.0,
+                "rollout/staleness_max": 3.0 + s // 10,
+                "rollout/evicted": float(2 * s),  # a running count
+                **({"rollout/mismatch_kl": 1e-4 * s} if s in (3, 4, 20) else {}),
             },
         )
         for s in range(1, 26)
@@ -100,6 +104,10 @@ def test_sweep_replay_and_summary_of_a_run_with_a_rollback():
     assert row.max_kl == pytest.approx(0.201)  # the spike at step 12
     assert math.isnan(row.final_ev)  # the last 10 steps logged no critic
     assert row.policy_updates == 25 - 5  # the 13 steps after the rollback logged no advantages
+    # The first 50 steps with a reward: 10 x 0.8 then 28 x 0 (steps 11-25 and 27-39) -> 8 / 38.
+    assert row.early_reward == pytest.approx(8 / 38) and row.evicted == 50 and row.staleness_max == 5
+    assert row.staleness_mean == pytest.approx((25 + 25) / 25)  # 25 steps logged it, one of them 26
+    assert row.mismatch_kl == pytest.approx(4e-4)  # the median of 3e-4, 4e-4 and 2e-3
 
 
 def test_preset_learning_rate_warms_up_then_decays():
