@@ -175,9 +175,10 @@ def _run_seed(
     history = [r for r in DiskTracker.read(metrics) if "metrics" in r]
     row = summarize(seed, history, accuracy, sft_accuracy, (time.perf_counter() - start) / 60)
     write_json(done, asdict(row))
+    collapse = f"{row.cause}, step {row.collapse_step}" if row.collapse_step else row.cause
     log(
         f"sweep: seed {seed}: {accuracy:.1%} ({row.delta:+.1f} points)"
-        + (f", COLLAPSED ({row.cause}, step {row.collapse_step})" if row.collapsed else "")
+        + (f", COLLAPSED ({collapse})" if row.collapsed else "")
     )
     return row
 
