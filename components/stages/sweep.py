@@ -172,8 +172,7 @@ def _run_seed(
         failed = False
     finally:
         tracker.close(failed)
-    history = [r for r in DiskTracker.read(metrics) if "metrics" in r]
-    row = summarize(seed, history, accuracy, sft_accuracy, (time.perf_counter() - start) / 60)
+    row = summarize(seed, _history(metrics), accuracy, sft_accuracy, (time.perf_counter() - start) / 60)
     write_json(done, asdict(row))
     collapse = f"{row.cause}, step {row.collapse_step}" if row.collapse_step else row.cause
     log(
@@ -190,11 +189,15 @@ def _read_back(done: Path, metrics: Path, sft_accuracy: float) -> SeedResult:
     missing = [f for f in MEASURED_LATER if f not in stored]
     if not missing or not metrics.exists():
         return SeedResult(**stored)
-    history = [r for r in DiskTracker.read(metrics) if "metrics" in r]
-    measured = asdict(summarize(stored["seed"], history, stored["accuracy"], sft_accuracy, stored["minutes"]))
+    measured = asdict(summarize(stored["seed"], _history(metrics), stored["accuracy"], sft_accuracy, stored["minutes"]))
     row = SeedResult(**{**stored, **{f: measured[f] for f in missing}})
     write_json(done, asdict(row))
     return row
+
+
+def _history(metrics: Path) -> list[dict]:
+    """A run's metric records (`{"step", "metrics"}`), its params record left out."""
+    return [r for r in DiskTracker.read(metrics) if "metrics" in r]
 
 
 def _every_tenth_step(log: Log, prefix: str) -> Log:
@@ -287,7 +290,7 @@ def _table_row(r: SeedResult) -> dict[str, str]:
         "max masked": f"{r.max_masked_frac:.3f}",
         "max KL": f"{r.max_kl:.3f}",
         "policy updates": "-" if r.policy_updates < 0 else str(r.policy_updates),
-        "reward, first 50 steps": f"{r.early_reward:.3f}",
+        f"reward, first {EARLY_STEPS} steps": f"{r.early_reward:.3f}",
         "evicted": "-" if r.evicted < 0 else str(r.evicted),
         "staleness mean / max": f"{r.staleness_mean:.1f} / {'-' if r.staleness_max < 0 else r.staleness_max}",
         "mismatch KL (median)": f"{r.mismatch_kl:.1e}",
