@@ -20,7 +20,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export GX_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test lint format test-slow test-ops test-vllm test-reliability rehearse soak infra-check bench gpu-check gpu-wheels sweep experiment server deploy worker prefect-ui mlflow-ui clean
+.PHONY: setup run test lint format test-slow test-ops test-vllm test-reliability test-ranks rehearse soak infra-check bench gpu-check gpu-wheels sweep experiment server deploy worker prefect-ui mlflow-ui clean
 
 setup: $(STAMP)
 
@@ -79,6 +79,11 @@ test-slow: $(STAMP)
 # (docs/reliability.md).
 test-reliability: $(STAMP)
 	$(PY) -m pytest -q -m reliability tests
+
+# Two torchrun ranks, and two nodes on loopback, trained against one process: the same weights (SFT, value
+# pretraining, RL, the critic on ranks of its own). 1-2 minutes a test on 2 cores.
+test-ranks: $(STAMP)
+	$(PY) -m pytest -q -m ranks tests
 
 # make rehearse [GPU_PRESET=qwen3-30b-a3b]: the GPU preset as it is on this CPU, in bf16, the model shrunk and the
 # endpoints local (torchrun on two gloo ranks, value pretraining, RL against two bf16 servers over the collective

@@ -122,7 +122,8 @@ EXPERIMENTS: dict[str, Experiment] = {
     ),
     "ablation": Experiment(
         "(c) SAO against GRPO+DIS at the preset's lag, (d) K=2 over K=1, (e) frozen attention over a full-parameter "
-        "critic, (f) a critic over a running mean; PPO's clip in place of DIS, and GAE through observation tokens",
+        "critic, (f) a critic over a running mean; PPO's clip in place of DIS, GAE through observation tokens, and "
+        "routing replay",
         (
             Arm("sao"),
             Arm("sao-k1", ('train.algo="sao-k1"',)),
@@ -131,6 +132,9 @@ EXPERIMENTS: dict[str, Experiment] = {
             Arm("ppo", ('train.algo="ppo"',)),
             Arm("sao-no-skip-obs", ("algo.skip_observations=false",)),
             Arm("grpo-dis", ('train.algo="grpo-dis"', 'train.group_filter="drop-uniform"')),
+            # Routing replay on the preset's schedule: under `--setting paper`'s bf16 engine it removes the routing
+            # flips between sampler and trainer; under the default fp32 engine it replays the drift of lag alone.
+            Arm("sao-r3", R3),
         ),
         seeds=5,
     ),

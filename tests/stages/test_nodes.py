@@ -122,6 +122,7 @@ def _weights(policy: Path) -> torch.Tensor:
     return torch.cat([v.flatten().float() for _, v in sorted(state.items())])
 
 
+@pytest.mark.ranks
 def test_two_nodes_train_what_one_node_with_two_ranks_trains(seeded_home, prefect_env, tmp_path):
     """`python -m flows.launch` as two nodes of one rank (c10d rendezvous on loopback, one shared home) and as one
     node of two ranks, each 3 synchronous steps of `sao train` on copies of one seeded home: the same policy (fp32,

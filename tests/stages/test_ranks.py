@@ -13,6 +13,9 @@ import torch
 from components.models import ValueModel, load_policy
 from tests.conftest import child_env
 
+# Two processes against one, each a DeepSpeed start on 2 cores: 1-2 minutes a test, so `make test-ranks` runs them.
+pytestmark = pytest.mark.ranks
+
 WORKER = Path(__file__).with_name("ranks_worker.py")
 SMALL = [
     "task.train_size=64",

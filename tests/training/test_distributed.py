@@ -51,6 +51,7 @@ def _run(command: list[str], out: Path) -> dict:
     return torch.load(out)
 
 
+@pytest.mark.ranks
 def test_two_process_deepspeed_matches_one_process(stored_batch):
     """Each case, in one process and over two ranks: 3 steps on the same batch give the same metrics and weights;
     a checkpoint written after step 2 and restored repeats step 3 exactly (ZeRO-3: every rank its own partition);
@@ -84,6 +85,7 @@ def test_two_process_deepspeed_matches_one_process(stored_batch):
     assert torch.allclose(two["sao@3"]["params"], one["sao@0"]["params"], atol=1e-4)
 
 
+@pytest.mark.ranks
 def test_the_critic_on_ranks_of_its_own_trains_what_the_shared_placement_trains(stored_batch):
     """`train.critic_ranks = 2` on 4 gloo ranks (policy on 0-1, critic on 2-3), at ZeRO-0 and at ZeRO-2: the same
     metrics and policy weights as one process holding both, step by step; a checkpoint restored repeats the third
