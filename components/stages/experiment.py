@@ -122,8 +122,8 @@ EXPERIMENTS: dict[str, Experiment] = {
     ),
     "ablation": Experiment(
         "(c) SAO against GRPO+DIS at the preset's lag, (d) K=2 over K=1, (e) frozen attention over a full-parameter "
-        "critic, (f) a critic over a running mean; PPO's clip in place of DIS, GAE through observation tokens, and "
-        "routing replay",
+        "critic, (f) a critic over a running mean; PPO's clip in place of DIS, GAE through observation tokens, "
+        "routing replay, and the guard's near-peak rollback",
         (
             Arm("sao"),
             Arm("sao-k1", ('train.algo="sao-k1"',)),
@@ -135,6 +135,9 @@ EXPERIMENTS: dict[str, Experiment] = {
             # Routing replay on the preset's schedule: under `--setting paper`'s bf16 engine it removes the routing
             # flips between sampler and trainer; under the default fp32 engine it replays the drift of lag alone.
             Arm("sao-r3", R3),
+            # The guard returning to before the reward's decline from near its peak, not to before the collapse's
+            # onset: a paper-setting run drifted from 0.62 to 0.26 and the onset's checkpoint was already at 0.33.
+            Arm("sao-near-peak", ('train.rollback_to="near-peak"',)),
         ),
         seeds=5,
     ),

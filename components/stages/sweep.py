@@ -90,9 +90,20 @@ MEASURED_LATER = ("early_reward", "evicted", "staleness_mean", "staleness_max", 
 """Fields a result file written before they existed lacks; read back, they are computed from the run's metrics."""
 
 
+ADDED_LATER = {"train": {"rollback_to": "onset"}}
+"""Fields added after sweeps were on disk, each with its default: a config at the default leaves the field out of
+what a sweep stores and hashes, so those sweeps' directories (and their runs) still match their configs."""
+
+
 def swept_config(cfg: Config) -> dict:
-    """What a sweep runs: the config without its RL seed, as JSON data."""
-    return json.loads(json.dumps({**to_dict(cfg), "train": {**to_dict(cfg.train), "task_seed": None}}))
+    """What a sweep runs: the config without its RL seed (and without `ADDED_LATER`'s fields at their defaults),
+    as JSON data."""
+    swept = json.loads(json.dumps({**to_dict(cfg), "train": {**to_dict(cfg.train), "task_seed": None}}))
+    for section, fields in ADDED_LATER.items():
+        for field, default in fields.items():
+            if swept[section][field] == default:
+                del swept[section][field]
+    return swept
 
 
 def sweep_name(cfg: Config) -> str:

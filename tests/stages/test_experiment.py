@@ -71,6 +71,7 @@ def test_the_experiments_set_what_their_claims_need():
     assert ablation["sao-no-skip-obs"].train.algo == "sao" and not ablation["sao-no-skip-obs"].algo.skip_observations
     assert ablation["sao"].algo.skip_observations
     assert (ablation["sao-r3"].algo.routing_replay, ablation["sao"].algo.routing_replay) == ("r3", "off")
+    assert (ablation["sao-near-peak"].train.rollback_to, ablation["sao"].train.rollback_to) == ("near-peak", "onset")
     warm = {arm.name: cfg.value_pretrain.warm_start for arm, cfg in arm_configs("value-pretraining", "tiny-cpu", [])}
     assert warm == {"cold": False, "warm": True}
     # The user's overrides win over the experiment's, the arm's over the user's.

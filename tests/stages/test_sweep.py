@@ -67,3 +67,14 @@ def test_sweep_writes_a_table_and_nested_mlflow_runs_and_continues(seeded_home, 
     with pytest.raises(SystemExit) as exit_info:
         main(["sweep", "--home", str(home), "--seeds", "1", "--name", "t", *SMALL, "--set", "train.policy_lr=1e-3"])
     assert exit_info.value.code == 2 and "holds a sweep of another config" in capsys.readouterr().err
+
+
+def test_a_field_added_later_leaves_the_hash_of_a_config_at_its_default(tiny_cfg):
+    from dataclasses import replace
+
+    from components.stages.sweep import sweep_name, swept_config
+
+    near = replace(tiny_cfg, train=replace(tiny_cfg.train, rollback_to="near-peak"))
+    assert "rollback_to" not in swept_config(tiny_cfg)["train"]  # as sweeps hashed before the field existed
+    assert swept_config(near)["train"]["rollback_to"] == "near-peak"
+    assert sweep_name(near) != sweep_name(tiny_cfg)

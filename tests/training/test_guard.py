@@ -48,6 +48,24 @@ def test_a_rollback_returns_to_the_newest_checkpoint_before_the_onset(learner, s
     assert (guard.rollbacks, guard.lr_scale) == (2, 0.25)
 
 
+def test_a_near_peak_rollback_returns_to_before_the_decline(learner, store):
+    # Onset 15 (last good step 14: checkpoint 10), but the smoothed reward left 0.9 x its peak in the window that
+    # starts at step 8: near-peak returns to the newest checkpoint at or before step 7, step 0.
+    drift = Collapse(step=24, onset=15, cause="test", decline=8)
+    near = CollapseGuard("rollback", max_rollbacks=3, rollback_lr_scale=0.5, rollback_to="near-peak")
+    assert near.roll_back(drift, store, learner, lambda _: None) == 0
+    assert torch.all(_first_weight(learner) == 0.0)
+    onset = CollapseGuard("rollback", max_rollbacks=3, rollback_lr_scale=0.5)
+    assert onset.roll_back(drift, store, learner, lambda _: None) == 10
+    # A collapse without a tracked decline (decline None) goes back to before its onset either way.
+    assert near.roll_back(Collapse(step=24, onset=15, cause="test"), store, learner, lambda _: None) == 10
+    # Nothing at or before the decline within the task: the run stops, naming where it looked.
+    near.task_changed(5, hold=0)
+    log = []
+    assert near.roll_back(drift, store, learner, log.append) is None
+    assert "no checkpoint between steps 5 and 8" in log[-1]
+
+
 def test_the_guard_ends_the_run_after_its_last_allowed_rollback_or_in_stop_mode(learner, store):
     collapse = Collapse(step=24, onset=15, cause="test")
     limited = CollapseGuard("rollback", max_rollbacks=1, rollback_lr_scale=0.5)

@@ -24,6 +24,27 @@ def test_detector_fires_after_patience_steps_below_half_the_smoothed_peak():
     assert "below 0.5 x its peak 1.000 for 3 steps" in collapse.cause
 
 
+def test_the_decline_is_where_the_smoothed_reward_last_left_near_its_peak():
+    # window 2, drop 0.5, patience 2. A slow drift: smoothed 1.0 at step 2 (peak), .95 (near: >= 0.9 x 1.0), .8
+    # at 4 (below 0.9: the decline's smoothed step, so its window starts at 3), .65, .55 (not below .5), .4 at 7
+    # (streak starts), .25 at 8: fires. Onset 6 (last good step 5, smoothed .55: already half-way down); the
+    # decline 3, so a near-peak rollback returns to step 2 or earlier.
+    detector = CollapseDetector(window=2, drop=0.5, patience=2)
+    [(step, drift)] = _feed(detector, [1.0, 1.0, 0.9, 0.7, 0.6, 0.5, 0.3, 0.2])
+    assert (step, drift.onset, drift.decline) == (8, 6, 3)
+    assert (drift.good_step("onset"), drift.good_step("near-peak")) == (5, 2)
+    # A dip that comes back near the peak is forgotten: smoothed 1.0, .85 (below near at 3), .85, 1.0 at 5 (near
+    # again), .6 at 6 (below near: decline 5), .2 at 7 (streak), .2 at 8: fires. A sudden fall leaves the two
+    # rollback points a step apart.
+    detector = CollapseDetector(window=2, drop=0.5, patience=2)
+    [(step, sudden)] = _feed(detector, [1.0, 1.0, 0.7, 1.0, 1.0, 0.2, 0.2, 0.2])
+    assert (step, sudden.onset, sudden.decline) == (8, 6, 5)
+    assert (sudden.good_step("onset"), sudden.good_step("near-peak")) == (5, 4)
+    # The first test's sudden drop: smoothed .5 at step 3 is already below near: decline 2, one step before 3.
+    [(_, drop)] = _feed(CollapseDetector(window=2, drop=0.5, patience=3), [1, 1, 0, 0, 0, 0])
+    assert (drop.good_step("onset"), drop.good_step("near-peak")) == (2, 1)
+
+
 def test_detector_ignores_noise_and_a_recovery_resets_the_streak():
     detector = CollapseDetector(window=2, drop=0.5, patience=3)
     # Smoothed: -, .5 (peak), .25 and .25 (half the peak is not below it), 1.0 (new peak), .5, 0 (streak 1),

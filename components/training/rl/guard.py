@@ -2,7 +2,8 @@
 
 The rule itself is `CollapseDetector` (components/training/rl/stability.py). With `train.collapse_guard`:
 
-- `rollback`: load the newest checkpoint from before the collapse's onset (never one from before the current
+- `rollback`: load the newest checkpoint from before the collapse's onset, or with `train.rollback_to =
+  "near-peak"` from before the smoothed reward last left 0.9 x its peak (never one from before the current
   task's start, `floor`), scale both learning rates by `train.rollback_lr_scale`, go on; after more than
   `train.max_rollbacks` rollbacks the run ends at the restored weights;
 - `stop`: restore the same checkpoint and end the run;
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from components.config import TrainConfig
-from components.training.rl.stability import Collapse, CollapseDetector
+from components.training.rl.stability import Collapse, CollapseDetector, RollbackTo
 
 if TYPE_CHECKING:
     from components.training.rl.checkpoint import CheckpointStore
@@ -29,9 +30,15 @@ Log = Callable[[str], None]
 
 class CollapseGuard:
     def __init__(
-        self, mode: str, max_rollbacks: int, rollback_lr_scale: float, detector: CollapseDetector | None = None
+        self,
+        mode: str,
+        max_rollbacks: int,
+        rollback_lr_scale: float,
+        detector: CollapseDetector | None = None,
+        rollback_to: RollbackTo = "onset",
     ) -> None:
         self.mode, self.max_rollbacks, self.rollback_lr_scale = mode, max_rollbacks, rollback_lr_scale
+        self.rollback_to: RollbackTo = rollback_to
         self.detector = detector or CollapseDetector()
         """The collapse rule (tests pass a hair-trigger one)."""
         self.rollbacks = 0
@@ -43,7 +50,7 @@ class CollapseGuard:
 
     @classmethod
     def from_config(cls, tc: TrainConfig, detector: CollapseDetector | None = None) -> CollapseGuard:
-        return cls(tc.collapse_guard, tc.max_rollbacks, tc.rollback_lr_scale, detector)
+        return cls(tc.collapse_guard, tc.max_rollbacks, tc.rollback_lr_scale, detector, tc.rollback_to)
 
     @property
     def active(self) -> bool:
@@ -76,13 +83,15 @@ class CollapseGuard:
         return self.detector.update(step, reward)
 
     def roll_back(self, collapse: Collapse, store: CheckpointStore, learner: Learner, log: Log) -> int | None:
-        """Load the newest checkpoint from before the collapse's onset, and not before `floor`, into the learner
-        and update the record. Returns the restored step, or None when there is none to return to."""
-        found = store.load_latest(log, at_most=collapse.last_good_step, read=learner.load, at_least=self.floor)
+        """Load the newest checkpoint from before the collapse's onset (or its decline, `rollback_to`), and not
+        before `floor`, into the learner and update the record. Returns the restored step, or None when there is
+        none to return to."""
+        good = collapse.good_step(self.rollback_to)
+        found = store.load_latest(log, at_most=good, read=learner.load, at_least=self.floor)
         if found is None:
             log(
                 f"train: collapse at step {collapse.step} ({collapse.cause}) and no checkpoint between steps "
-                f"{self.floor} and {collapse.onset} to roll back to; stopping"
+                f"{self.floor} and {good + 1} to roll back to; stopping"
             )
             return None
         restored, _ = found

@@ -8,12 +8,23 @@ stop) and the sweep reports it. Offline, after training: held-out greedy accurac
 The smoothing matters: a batch of 16 one-shot rewards is noisy (one batch of a policy at 0.85 falls below
 0.43 with probability ~1e-5, ten smoothed steps in a row essentially never), while a real collapse drives
 the reward to 0 and keeps it there.
+
+Where the guard returns to (`train.rollback_to`): the rule fires at half the peak, so for a slow drift the step before
+the collapse's onset is already far below the peak (a paper-setting run, docs/stability.md: rolled back to a policy
+at a smoothed 0.33 of a 0.62 peak, and never recovered). `near-peak` returns to before the smoothed reward last left
+`NEAR_PEAK` x its peak instead; for a sudden collapse the two are a few steps apart.
 """
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import Literal
+
+NEAR_PEAK = 0.9
+"""A smoothed reward at or above this fraction of its running peak is near the peak (`near-peak` rollbacks)."""
+
+RollbackTo = Literal["onset", "near-peak"]
 
 
 @dataclass(frozen=True)
@@ -24,12 +35,21 @@ class Collapse:
     """First step of the streak below the threshold."""
     cause: str
     """Human-readable reason, with the numbers."""
+    decline: int | None = None
+    """First step of the window in which the smoothed reward last fell below `NEAR_PEAK` x its peak on its way
+    down (at or before `onset`; None: not tracked)."""
 
     @property
     def last_good_step(self) -> int:
         """Newest step trusted to predate the collapse: the smoothed value at the onset already averages
         `window` steps, so the decline may have begun that much earlier."""
         return self.onset - 1
+
+    def good_step(self, to: RollbackTo) -> int:
+        """The newest step a rollback may return to: before the onset, or (`near-peak`) before the decline."""
+        if to == "onset" or self.decline is None:
+            return self.last_good_step
+        return min(self.last_good_step, self.decline - 1)
 
 
 @dataclass
@@ -43,6 +63,8 @@ class CollapseDetector:
     _recent: collections.deque = field(default_factory=collections.deque, repr=False)
     _peak: float = float("-inf")
     _streak_start: int | None = None
+    _below_near: int | None = None
+    """The step the smoothed reward last fell below `NEAR_PEAK` x its peak (None while it is near it)."""
     _hold: int = 0
 
     def __post_init__(self) -> None:
@@ -63,9 +85,15 @@ class CollapseDetector:
         if len(self._recent) < self.window:
             return None
         smoothed = sum(self._recent) / self.window
-        if smoothed >= self.drop * self._peak:
+        healthy = smoothed >= self.drop * self._peak
+        if healthy:
             self._peak = max(self._peak, smoothed)
             self._streak_start = None
+        if smoothed >= NEAR_PEAK * self._peak:
+            self._below_near = None
+        elif self._below_near is None:
+            self._below_near = step
+        if healthy:
             return None
         if self._streak_start is None:
             self._streak_start = step
@@ -75,6 +103,7 @@ class CollapseDetector:
                 self._streak_start - self.window + 1,
                 f"reward/mean over {self.window} steps at {smoothed:.3f}, below {self.drop:g} x its "
                 f"peak {self._peak:.3f} for {self.patience} steps",
+                decline=None if self._below_near is None else self._below_near - self.window + 1,
             )
         return None
 
@@ -86,7 +115,7 @@ class CollapseDetector:
         if hold < 0:
             raise ValueError(f"hold: must be >= 0, got {hold}")
         self._recent.clear()
-        self._peak, self._streak_start, self._hold = float("-inf"), None, hold
+        self._peak, self._streak_start, self._below_near, self._hold = float("-inf"), None, None, hold
 
 
 def collapsed_on_eval(accuracy: float, start_accuracy: float) -> bool:
