@@ -16,6 +16,8 @@ AlgoName = Literal["sao", "sao-k1", "sao-full-critic", "sao-running-mean", "grpo
 """Algorithms, all trained by one loop (components/training/rl/algorithms.py defines each)."""
 AdmissionRule = Literal["capacity", "oldest"]
 """How the trajectory buffer bounds staleness (components/training/rl/buffer.py)."""
+RollbackTo = Literal["onset", "near-peak"]
+"""Which checkpoint the collapse guard returns to (components/training/rl/stability.py `Collapse.good_step`)."""
 LatencyKind = Literal["none", "fixed", "lognormal"]
 """Tool-latency models of `rollout.latency`."""
 TokenizerName = Literal["characters", "qwen3"]

@@ -15,6 +15,7 @@ from components.config.fields import (
     ChatFormatName,
     LatencyKind,
     MalformedCalls,
+    RollbackTo,
     Seed,
     TokenizerName,
     TupleOf,
@@ -359,7 +360,7 @@ class TrainConfig:
     """When the collapse rule fires (components/training/rl/stability.py): roll back to the newest checkpoint
     before the collapse and continue with the learning rates scaled by `rollback_lr_scale` (rollback), roll
     back and end the run there (stop), or only log it (off)."""
-    rollback_to: Literal["onset", "near-peak"] = "onset"
+    rollback_to: RollbackTo = "onset"
     """Which checkpoint a rollback returns to: the newest from before the collapse's onset (the smoothed reward's
     first step below half its peak, less its window), or (`near-peak`) from before the smoothed reward last left
     0.9 x its peak; for a slow drift the onset's checkpoint is already far below the peak

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from components.config import TrainConfig
-from components.training.rl.stability import Collapse, CollapseDetector, RollbackTo
+from components.config import RollbackTo, TrainConfig
+from components.training.rl.stability import Collapse, CollapseDetector
 
 if TYPE_CHECKING:
     from components.training.rl.checkpoint import CheckpointStore

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Literal
+
+from components.config import RollbackTo
 
 NEAR_PEAK = 0.9
 """A smoothed reward at or above this fraction of its running peak is near the peak (`near-peak` rollbacks)."""
-
-RollbackTo = Literal["onset", "near-peak"]
 
 
 @dataclass(frozen=True)
